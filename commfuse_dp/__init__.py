@@ -1,0 +1,23 @@
+"""commfuse_dp: sharded data parallelism whose collectives run as peer-to-peer rings fused with compute.
+
+Public names (DESIGN.md §4): ``CommFuseConfig``; the ring layer in ``commfuse_dp.ring``; the integrations in
+``commfuse_dp.integrations`` (``fsdp.use_ring_collectives`` today).
+"""
+
+from .config import CommFuseConfig
+from .ring import (
+    RingAllGather,
+    RingCommError,
+    RingReduceScatter,
+    ring_all_gather,
+    ring_all_gather_coalesced,
+    ring_reduce_scatter,
+    ring_reduce_scatter_coalesced,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CommFuseConfig", "RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
+    "ring_all_gather_coalesced", "ring_reduce_scatter", "ring_reduce_scatter_coalesced",
+]

@@ -1,0 +1,195 @@
+"""``CommFuseConfig``: every knob of commfuse_dp in one validated dataclass.
+
+A config comes from keyword arguments, a dict (``from_dict``), a YAML file (``from_yaml``; a top-level
+``commfuse:`` block, as in an accelerate config that ``commfuse-dp launch`` reads, or a flat mapping) or
+``COMMFUSE_*`` environment variables (``from_env``; this is how ``commfuse-dp launch`` hands the config to
+the workers of ``accelerate launch``). Every field is checked in ``__post_init__``; a bad value raises
+``ValueError`` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+ENV_PREFIX = "COMMFUSE_"
+
+SCHEDULES = ("fused", "slicing")
+GRAD_DIVIDES = ("post", "pre", "split")
+
+# Names a user may write for a dtype (YAML, environment, CLI), and the torch dtype each means.
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(kw_only=True, slots=True)
+class CommFuseConfig:
+    """Configuration of the sharded model and its ring collectives."""
+
+    schedule: str = "fused"
+    """``"fused"``: CommFuse, each ring step runs during a shard-sized piece of the layer's own compute.
+    ``"slicing"``: data-slicing overlap on the same rings (prefetch the next unit's all-gather, reduce-scatter a
+    unit during the next unit's backward); kept so that every benchmark compares the two on one transport."""
+
+    bucket_mb: float = 25.0
+    """Size of one ring bucket in MiB. Many small tensors are packed into flat buckets of this size; a larger
+    tensor is cut into chunks of this size that pipeline through the ring."""
+
+    min_fuse_numel: int = 1 << 16
+    """A linear whose weight shard has fewer elements than this is not fused (a ring step costs a fixed latency
+    that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of the forward/backward compute and of the weight shards sent around the ring (e.g. ``bfloat16``).
+    ``None``: the parameters' own dtype. The sharded master parameters keep their own dtype."""
+
+    reduce_dtype: torch.dtype | None = None
+    """Dtype in which gradients are reduce-scattered and summed. ``None``: ``param_dtype`` if set, else the
+    gradients' own dtype. ``float32`` with a bf16 ``param_dtype`` gives fp32 reduction."""
+
+    grad_divide: str = "post"
+    """Where the mean over ranks divides the gradient: ``"post"`` after the sum, ``"pre"`` before it,
+    ``"split"`` by sqrt(N) on each side (safest against fp16 overflow/underflow)."""
+
+    timeout_s: float = 300.0
+    """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
+    ``RingCommError`` naming that peer and the step, on every rank, instead of hanging."""
+
+    stats: bool = True
+    """Record per-step compute / communication / exposed-communication times (``commfuse_dp.step_stats``)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"CommFuseConfig.schedule={self.schedule!r}: allowed values are {SCHEDULES}")
+        if self.grad_divide not in GRAD_DIVIDES:
+            raise ValueError(f"CommFuseConfig.grad_divide={self.grad_divide!r}: allowed values are {GRAD_DIVIDES}")
+        self.bucket_mb = _number("bucket_mb", self.bucket_mb, float)
+        if not self.bucket_mb > 0:
+            raise ValueError(f"CommFuseConfig.bucket_mb={self.bucket_mb!r}: must be a number of MiB > 0, e.g. 25")
+        self.min_fuse_numel = _number("min_fuse_numel", self.min_fuse_numel, int)
+        if self.min_fuse_numel < 0:
+            raise ValueError(f"CommFuseConfig.min_fuse_numel={self.min_fuse_numel!r}: must be an integer >= 0")
+        self.timeout_s = _number("timeout_s", self.timeout_s, float)
+        if not self.timeout_s > 0:
+            raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
+        if not isinstance(self.stats, bool):
+            raise ValueError(f"CommFuseConfig.stats={self.stats!r}: must be true or false")
+        self.param_dtype = _dtype("param_dtype", self.param_dtype)
+        self.reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * (1 << 20)))
+
+    # ---- construction from other sources -------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> CommFuseConfig:
+        """Build from a mapping of field names; an unknown key is an error (a typo must not pass silently)."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"CommFuseConfig.from_dict expects a mapping of field names, got {type(values).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"CommFuseConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> CommFuseConfig:
+        """Read a YAML file: either a flat mapping of fields, or any mapping with a ``commfuse:`` block."""
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a YAML mapping of CommFuseConfig fields, got {type(data).__name__}")
+        if "commfuse" in data:
+            data = data["commfuse"] or {}
+            if not isinstance(data, Mapping):
+                raise ValueError(f"{path}: the 'commfuse:' block must be a mapping of CommFuseConfig fields")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CommFuseConfig:
+        """Read ``COMMFUSE_<FIELD>`` variables (e.g. ``COMMFUSE_BUCKET_MB=50``); keyword overrides win.
+
+        ``COMMFUSE_ENABLE`` and other variables that are not fields are left for the integrations to read.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse_env(f.name, raw)
+        values.update(overrides)
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (dtypes as names), suitable for YAML/JSON and for ``from_dict``."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+        return out
+
+    def to_env(self) -> dict[str, str]:
+        """The ``COMMFUSE_*`` variables that ``from_env`` reads back into an equal config."""
+        return {ENV_PREFIX + k.upper(): ("none" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
+                for k, v in self.to_dict().items()}
+
+    def replace(self, **changes: Any) -> CommFuseConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _number(name: str, value: Any, kind: type) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"CommFuseConfig.{name}={value!r}: must be a number")
+    if kind is int and (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"CommFuseConfig.{name}={value!r}: must be a whole number")
+    return kind(value)
+
+
+def _dtype(name: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype) and value in _FLOAT_DTYPES:
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in ("none", ""):
+            return None
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise ValueError(f"CommFuseConfig.{name}={value!r}: allowed values are None, float32, bfloat16, float16 "
+                     f"(also written fp32, bf16, fp16)")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    """Turn one environment string into the type of field ``name``; validation proper is ``__post_init__``'s."""
+    var = ENV_PREFIX + name.upper()
+    text = raw.strip()
+    if name == "stats":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
+    if name in ("bucket_mb", "timeout_s", "min_fuse_numel"):
+        try:
+            return float(text) if name != "min_fuse_numel" else int(float(text))
+        except ValueError:
+            raise ValueError(f"{var}={raw!r}: must be a number") from None
+    return text  # strings and dtype names
+

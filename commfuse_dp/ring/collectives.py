@@ -1,0 +1,283 @@
+"""Bucketed ring all-gather and reduce-scatter, built on ``start_step``/``wait``.
+
+[Note: the ring collectives]
+N ranks, rank r, shard size n. ``next = r+1``, ``prev = r-1`` (mod N).
+
+All-gather into ``out`` (N*n, rank-major): ``out[r]`` holds the own shard; at step k = 0 .. N-2 rank r sends
+shard ``(r - k) mod N`` (the one it holds since step k-1) to ``next`` and receives shard ``(r - k - 1) mod N``
+from ``prev``, straight into its place in ``out``: nothing is staged, bytes are copied, so the result equals
+``all_gather_into_tensor`` bit for bit.
+
+Reduce-scatter of ``inp`` (N*n, rank-major) into ``out`` (n): at step k = 0 .. N-1 rank r adds its own piece of
+shard ``t = (r - k - 1) mod N`` to the partial sum received from ``prev`` (none at k = 0) and, if k < N-1, sends
+that sum on to ``next``. At k = N-1, t = r: the sum is complete, written into ``out``, and nothing is sent after
+it. The summation order is fixed by the ring, so results repeat bit for bit run to run.
+
+Bucketing: a shard larger than ``bucket_mb`` is cut into chunks that pipeline through the ring as a wavefront:
+at tick T, chunk c is at step T - c, so up to N-1 chunks are in flight at once and the reduce-scatter staging
+memory is two buckets per chunk in flight, not two shards. Many small tensors are packed into flat buckets by
+the ``*_coalesced`` variants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from .topology import Ring, get_ring
+from .transport import start_step
+
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_TIMEOUT_S = 300.0
+
+_SUM_OPS = {"sum": False, "avg": True}
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                    async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Work | None:
+    """All-gather ``input`` from every rank of ``group`` into ``output`` (rank-major), through the ring.
+
+    Same contract as ``dist.all_gather_into_tensor``: ``output`` has ``world_size * input.numel()`` elements,
+    both contiguous, same dtype and device. ``input`` may be a view of ``output`` at ``rank * input.numel()``
+    (FSDP2 passes it so). With ``async_op=True`` a ``Work`` is returned (CPU: the ring runs on the group's ring
+    thread); on CUDA the ring runs on the ring's stream and the current stream waits for it.
+    """
+    ring = get_ring(group, op="ring_all_gather")
+    _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
+    tag = ring.next_tag()  # on the issuing thread: ops pair up between ranks in issue order
+    chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_all_gather")
+
+    def run() -> None:
+        _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s)
+
+    return _dispatch(ring, run, output.device, async_op)
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                        op: dist.ReduceOp | dist.ReduceOp.RedOpType | str = dist.ReduceOp.SUM, *,
+                        async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
+                        timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Work | None:
+    """Sum (``op=SUM``) or average (``op=AVG``) ``input`` (``world_size`` rank-major shards) over the ranks of
+    ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``."""
+    ring = get_ring(group, op="ring_reduce_scatter")
+    _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,
+                input_numel=ring.size * output.numel())
+    average = _average(op, output.dtype, "ring_reduce_scatter")
+    tag = ring.next_tag()
+    chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
+
+    def run() -> None:
+        _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average)
+
+    return _dispatch(ring, run, output.device, async_op)
+
+
+def ring_all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                              group: dist.ProcessGroup | None = None, *, bucket_mb: float = DEFAULT_BUCKET_MB,
+                              timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """All-gather many tensors: ``outputs[i]`` gets every rank's ``inputs[i]``, rank-major. Small tensors are
+    packed into flat buckets of ``bucket_mb`` so that they share ring steps."""
+    ring = get_ring(group, op="ring_all_gather_coalesced")
+    _check_lists("ring_all_gather_coalesced", outputs, inputs)
+    for out, inp in zip(outputs, inputs):
+        _check_pair("ring_all_gather_coalesced", out, inp, ring.size * inp.numel(), ring)
+    numels = [t.numel() for t in inputs]
+    for lo, hi in _pack(numels, inputs[0].element_size() if inputs else 1, bucket_mb):
+        if hi - lo == 1:
+            ring_all_gather(outputs[lo], inputs[lo], ring.group, bucket_mb=bucket_mb, timeout_s=timeout_s)
+            continue
+        flat_in = torch.cat([t.reshape(-1) for t in inputs[lo:hi]])
+        flat_out = flat_in.new_empty(ring.size * flat_in.numel())
+        ring_all_gather(flat_out, flat_in, ring.group, bucket_mb=bucket_mb, timeout_s=timeout_s)
+        pieces = flat_out.view(ring.size, -1).split(numels[lo:hi], dim=1)
+        for out, piece in zip(outputs[lo:hi], pieces):
+            out.view(ring.size, -1).copy_(piece)
+
+
+def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                                  group: dist.ProcessGroup | None = None,
+                                  op: dist.ReduceOp | dist.ReduceOp.RedOpType | str = dist.ReduceOp.SUM, *,
+                                  bucket_mb: float = DEFAULT_BUCKET_MB, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Reduce-scatter many tensors: ``inputs[i]`` holds ``world_size`` rank-major shards of ``outputs[i]``'s
+    size. Small tensors are packed into flat buckets of ``bucket_mb`` so that they share ring steps."""
+    ring = get_ring(group, op="ring_reduce_scatter_coalesced")
+    _check_lists("ring_reduce_scatter_coalesced", outputs, inputs)
+    for out, inp in zip(outputs, inputs):
+        _check_pair("ring_reduce_scatter_coalesced", out, inp, out.numel(), ring, input_numel=ring.size * out.numel())
+    numels = [t.numel() for t in outputs]
+    for lo, hi in _pack(numels, outputs[0].element_size() if outputs else 1, bucket_mb):
+        if hi - lo == 1:
+            ring_reduce_scatter(outputs[lo], inputs[lo], ring.group, op, bucket_mb=bucket_mb, timeout_s=timeout_s)
+            continue
+        flat_in = torch.cat([t.view(ring.size, -1) for t in inputs[lo:hi]], dim=1)
+        flat_out = flat_in.new_empty(flat_in.shape[1])
+        ring_reduce_scatter(flat_out, flat_in, ring.group, op, bucket_mb=bucket_mb, timeout_s=timeout_s)
+        for out, piece in zip(outputs[lo:hi], flat_out.split(numels[lo:hi])):
+            out.view(-1).copy_(piece)
+
+
+# ---- the rings --------------------------------------------------------------------------------------------
+
+def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
+                     timeout_s: float) -> None:
+    n, world, rank = inp.numel(), ring.size, ring.rank
+    own = out[rank * n:(rank + 1) * n]
+    if own.data_ptr() != inp.data_ptr() and n:
+        own.copy_(inp)
+    if world == 1 or n == 0:
+        return
+    bounds = _chunks(n, chunk)
+    ticks = len(bounds) + world - 2
+    for tick in range(ticks):
+        sends, recvs = [], []
+        for c in range(max(0, tick - world + 2), min(len(bounds), tick + 1)):
+            k, (lo, hi) = tick - c, bounds[c]
+            held, incoming = ring.shard_held(k), ring.shard_held(k + 1)
+            sends.append(out[held * n + lo:held * n + hi])
+            recvs.append(out[incoming * n + lo:incoming * n + hi])
+        start_step(ring, sends, recvs, tag=tag, op="all_gather", step=tick, steps=ticks,
+                   timeout_s=timeout_s).wait()
+
+
+def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
+                         timeout_s: float, average: bool) -> None:
+    n, world, rank = out.numel(), ring.size, ring.rank
+    if world == 1:
+        if out.data_ptr() != inp.data_ptr() and n:
+            out.copy_(inp)
+        return
+    if n == 0:
+        return
+    bounds = _chunks(n, chunk)
+    width = min(chunk, n)
+    slots = min(len(bounds), world)  # chunks in flight at once; chunk c uses slot c % slots
+    partial = [inp.new_empty(width) for _ in range(slots)] if world > 2 else []  # sums being sent on
+    received = [inp.new_empty(width) for _ in range(slots)]  # sums arriving from prev
+    ticks = len(bounds) + world - 1
+    for tick in range(ticks):
+        sends, recvs = [], []
+        for c in range(max(0, tick - world + 1), min(len(bounds), tick + 1)):
+            k, (lo, hi), slot = tick - c, bounds[c], c % slots
+            t = ring.shard_reduced(k)
+            mine = inp[t * n + lo:t * n + hi]
+            incoming = received[slot][:hi - lo]
+            if k == world - 1:  # t == rank: the sum is complete
+                torch.add(mine, incoming, out=out[lo:hi])
+                continue
+            if k == 0:
+                outgoing = mine  # nothing to add yet: send straight from the input
+            else:
+                outgoing = torch.add(mine, incoming, out=partial[slot][:hi - lo])
+            sends.append(outgoing)
+            recvs.append(incoming)
+        if sends:
+            start_step(ring, sends, recvs, tag=tag, op="reduce_scatter", step=tick, steps=ticks - 1,
+                       timeout_s=timeout_s).wait()
+    if average:
+        out.div_(world)
+
+
+# ---- dispatch: sync, async on the ring thread (CPU), or on the ring stream (CUDA) -----------------------
+
+def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_op: bool) -> dist.Work | None:
+    if device.type == "cuda":
+        current = torch.cuda.current_stream(device)
+        stream = ring.comm_stream(device)
+        stream.wait_stream(current)  # inputs written by earlier compute
+        with torch.cuda.stream(stream):
+            run()
+        current.wait_stream(stream)  # later compute reads the outputs; the host never waits
+        return None
+    if not async_op or ring.size == 1:
+        run()
+        return None
+    future: torch.futures.Future = torch.futures.Future()
+
+    def job() -> None:
+        try:
+            run()
+        except BaseException as err:  # handed to whoever waits on the Work
+            future.set_exception(err)
+        else:
+            future.set_result(None)
+
+    ring.executor.submit(job)
+    return _create_work_from_future(future)
+
+
+# ---- checks and helpers -----------------------------------------------------------------------------------
+
+def _check_pair(op: str, output: torch.Tensor, input: torch.Tensor, output_numel: int, ring: Ring,
+                *, input_numel: int | None = None) -> None:
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
+                             f"pass {name}.contiguous() (the ring sends and receives flat memory)")
+    if output.dtype != input.dtype:
+        raise ValueError(f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}; "
+                         f"cast one of them so both match")
+    if output.device != input.device:
+        raise ValueError(f"{op}: output is on {output.device} but input is on {input.device}; "
+                         f"put both on the same device")
+    if input_numel is not None and input.numel() != input_numel:
+        raise ValueError(f"{op}: input has {input.numel()} elements, expected world_size ({ring.size}) x "
+                         f"output ({output.numel()}) = {input_numel}")
+    if output.numel() != output_numel:
+        raise ValueError(f"{op}: output has {output.numel()} elements, expected world_size ({ring.size}) x "
+                         f"input ({input.numel()}) = {output_numel}")
+    if output.device.type == "cpu" and "gloo" not in ring.backend and ring.size > 1:
+        raise ValueError(f"{op}: CPU tensors need a gloo process group, but the group's backend is "
+                         f"{ring.backend!r}; move the tensors to the GPU or use a gloo group")
+    if output.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: tensors on {output.device.type!r} are not supported; use cpu (gloo) or cuda (nccl)")
+
+
+def _check_lists(op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs; pass one output per input")
+    dtypes = {t.dtype for t in inputs}
+    if len(dtypes) > 1:
+        raise ValueError(f"{op}: inputs mix dtypes {sorted(map(str, dtypes))}; one call packs one dtype, "
+                         f"so group the tensors by dtype")
+
+
+def _average(op: object, dtype: torch.dtype, name: str) -> bool:
+    key = op.lower() if isinstance(op, str) else ("sum" if op == dist.ReduceOp.SUM else
+                                                  "avg" if op == dist.ReduceOp.AVG else repr(op))
+    if key not in _SUM_OPS:
+        raise ValueError(f"{name}: op {op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG (for a scaled "
+                         f"sum, scale the input first, or call FSDPModule.set_force_sum_reduction_for_comms(True))")
+    if _SUM_OPS[key] and not dtype.is_floating_point:
+        raise ValueError(f"{name}: ReduceOp.AVG needs a floating-point tensor, got {dtype}; use SUM")
+    return _SUM_OPS[key]
+
+
+def _chunk_numel(bucket_mb: float, element_size: int, op: str) -> int:
+    if not bucket_mb > 0:
+        raise ValueError(f"{op}: bucket_mb={bucket_mb!r} must be > 0")
+    return max(1, int(bucket_mb * (1 << 20)) // element_size)
+
+
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+
+
+def _pack(numels: Sequence[int], element_size: int, bucket_mb: float) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose total size stays within one bucket (a larger tensor stands alone)."""
+    limit = max(1, math.floor(bucket_mb * (1 << 20) / element_size))
+    ranges, lo, total = [], 0, 0
+    for i, numel in enumerate(numels):
+        if i > lo and total + numel > limit:
+            ranges.append((lo, i))
+            lo, total = i, 0
+        total += numel
+    if lo < len(numels):
+        ranges.append((lo, len(numels)))
+    return ranges

@@ -1,0 +1,94 @@
+"""The ring over a process group: who this rank sends to and receives from, and the per-group state.
+
+Ranks here are *group* ranks (0 .. N-1 inside the group, also for a sub-group of the world); the global rank of a
+peer is kept beside it for error messages. One ``Ring`` exists per process group (``get_ring``), so every caller
+(collectives, FSDP2 adapters, fused layers) draws message tags from one counter: ops are matched between ranks by
+the order in which they were *issued*, whichever thread later runs them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+_TAG_SPACE = 1 << 30  # gloo tags are 32-bit; one tag per ring operation, recycled far apart
+
+
+class Ring:
+    """Neighbours on one process group: ``next = rank + 1``, ``prev = rank - 1`` (mod N)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.next = (self.rank + 1) % self.size
+        self.prev = (self.rank - 1) % self.size
+        self.global_next = dist.get_global_rank(group, self.next)
+        self.global_prev = dist.get_global_rank(group, self.prev)
+        self.backend = str(dist.get_backend(group))
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.broken: str | None = None  # the first failure; every later op raises it at once
+
+    def next_tag(self) -> int:
+        """A tag for one ring operation. Called on the issuing thread, in the same order on every rank."""
+        with self._lock:
+            self._seq += 1
+            return self._seq % _TAG_SPACE
+
+    def shard_held(self, k: int) -> int:
+        """Index of the shard in this rank's buffer after k all-gather ring steps: ``(r - k) mod N``."""
+        return (self.rank - k) % self.size
+
+    def shard_reduced(self, k: int) -> int:
+        """Index of the shard whose partial sum this rank adds to at reduce-scatter step k: ``(r - k - 1) mod N``."""
+        return (self.rank - k - 1) % self.size
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """One worker thread per group for async ring ops on CPU: ops run in the order they were issued."""
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commfuse-ring")
+        return self._executor
+
+    def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The CUDA stream ring steps run on for ``device`` (compute stays on the caller's current stream)."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    def peer_name(self, group_rank: int) -> str:
+        g = dist.get_global_rank(self.group, group_rank)
+        return f"rank {g}" if g == group_rank else f"rank {g} (group rank {group_rank})"
+
+    def __repr__(self) -> str:
+        return f"Ring(rank={self.rank}, size={self.size}, prev={self.prev}, next={self.next}, backend={self.backend})"
+
+
+_RINGS: weakref.WeakKeyDictionary[dist.ProcessGroup, Ring] = weakref.WeakKeyDictionary()
+
+
+def get_ring(group: dist.ProcessGroup | None = None, *, op: str = "commfuse_dp") -> Ring:
+    """The ``Ring`` of ``group`` (default: the world), checking that the group can be used from this rank."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{op}: torch.distributed is not initialised. Call torch.distributed.init_process_group(...) first "
+            f"(torchrun, accelerate launch and commfuse-dp launch set up the environment it reads).")
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(f"{op}: this process (global rank {dist.get_rank()}) is not a member of the process "
+                         f"group it was given; pass a group that contains it")
+    ring = _RINGS.get(group)
+    if ring is None:
+        ring = _RINGS[group] = Ring(group)
+    return ring

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from commfuse_dp import CommFuseConfig
+
+
+def test_defaults_and_keywords():
+    cfg = CommFuseConfig(schedule="slicing", bucket_mb=4, param_dtype="bf16", reduce_dtype=torch.float32)
+    assert cfg.schedule == "slicing"
+    assert cfg.bucket_mb == 4.0 and cfg.bucket_bytes == 4 << 20
+    assert cfg.param_dtype is torch.bfloat16 and cfg.reduce_dtype is torch.float32
+    assert CommFuseConfig().schedule == "fused"
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("schedule", "zero3", "allowed values are ('fused', 'slicing')"),
+    ("bucket_mb", 0, "bucket_mb=0"),
+    ("bucket_mb", "big", "must be a number"),
+    ("min_fuse_numel", -1, ">= 0"),
+    ("min_fuse_numel", 1.5, "whole number"),
+    ("timeout_s", -3, "timeout_s=-3"),
+    ("param_dtype", "int8", "allowed values are None, float32, bfloat16, float16"),
+    ("reduce_dtype", torch.int32, "reduce_dtype"),
+    ("grad_divide", "middle", "'post', 'pre', 'split'"),
+    ("stats", "yes", "true or false"),
+])
+def test_bad_values_name_the_field(field, value, fragment):
+    with pytest.raises(ValueError) as info:
+        CommFuseConfig(**{field: value})
+    assert f"CommFuseConfig.{field}" in str(info.value)
+    assert fragment in str(info.value)
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['buckt_mb'\]; known fields are"):
+        CommFuseConfig.from_dict({"buckt_mb": 3})
+    assert CommFuseConfig.from_dict({"bucket_mb": 3}).bucket_mb == 3.0
+
+
+def test_from_yaml_flat_and_block(tmp_path):
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("schedule: slicing\nbucket_mb: 8\nparam_dtype: bfloat16\n")
+    assert CommFuseConfig.from_yaml(flat) == CommFuseConfig(schedule="slicing", bucket_mb=8, param_dtype="bf16")
+    block = tmp_path / "accelerate.yaml"
+    block.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\ncommfuse:\n  timeout_s: 30\n")
+    assert CommFuseConfig.from_yaml(block).timeout_s == 30.0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="expected a YAML mapping"):
+        CommFuseConfig.from_yaml(bad)
+
+
+def test_env_round_trip():
+    cfg = CommFuseConfig(schedule="slicing", bucket_mb=2.5, min_fuse_numel=10, param_dtype="fp16",
+                         timeout_s=12, stats=False, grad_divide="split")
+    env = cfg.to_env()
+    assert env["COMMFUSE_BUCKET_MB"] == "2.5" and env["COMMFUSE_STATS"] == "false"
+    assert CommFuseConfig.from_env(env) == cfg
+    assert CommFuseConfig.from_env({"COMMFUSE_TIMEOUT_S": "7"}, bucket_mb=1).timeout_s == 7.0
+
+
+def test_env_bad_values_name_the_variable():
+    with pytest.raises(ValueError, match="COMMFUSE_BUCKET_MB='lots': must be a number"):
+        CommFuseConfig.from_env({"COMMFUSE_BUCKET_MB": "lots"})
+    with pytest.raises(ValueError, match="COMMFUSE_STATS='maybe'"):
+        CommFuseConfig.from_env({"COMMFUSE_STATS": "maybe"})
+    with pytest.raises(ValueError, match="CommFuseConfig.schedule='ring'"):
+        CommFuseConfig.from_env({"COMMFUSE_SCHEDULE": "ring"})
