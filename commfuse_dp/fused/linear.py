@@ -1,0 +1,201 @@
+"""The ring-fused linear: the all-gather of the weight and the reduce-scatter of its gradient run as ring steps,
+each beside a shard-sized piece of the layer's own GEMM.
+
+[Note: the fused schedule]  (DESIGN.md §2; N ranks, rank r, ``next = r+1``, ``prev = r-1`` mod N)
+
+Forward, ``y = x Wᵀ + b`` with W row-sharded (rank j owns rows R_j)::
+
+    buf = W_r                                   # own shard: the first piece waits for nothing
+    for k in 0 .. N-1:
+        s = (r - k) mod N                       # shard in buf
+        if k < N-1: start send(buf -> next), recv(nbuf <- prev)
+        y[:, R_s] = x @ buf.T + b[R_s]          # compute piece k while the ring step is in flight
+        if k < N-1: wait; swap(buf, nbuf)
+
+Backward, ``dx = dy W`` (all-gather ring again) and ``dW_r = Σ_ranks dy[:, R_r]ᵀ x`` (reduce-scatter ring),
+both in one loop::
+
+    for k in 0 .. N-1:
+        s = (r - k) mod N ; t = (r - k - 1) mod N
+        start: send(wbuf -> next), recv(nwbuf <- prev)            if k < N-1
+               send(acc_{k-1} -> next), recv(racc <- prev)        if k > 0
+        dx += dy[:, R_s] @ wbuf                                   # piece of dx
+        part_k = dy[:, R_t]ᵀ @ x  (and db: Σ_tokens dy[:, R_t])  # this rank's share of shard t of dW
+        wait; acc_k = part_k + racc  (part_k at k = 0)
+    dW_r = acc_{N-1}                            # t == r at k == N-1: complete, nothing sent after it
+
+Only two weight-shard buffers are live (never the full W), plus two gradient-shard buffers. The reduction order is
+fixed by the ring, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
+steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
+each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.autograd.profiler import record_function
+
+from ..ring import transport
+from .layout import GroupLayout
+
+if TYPE_CHECKING:
+    from .modules import FusedGroupState
+
+
+class FusedRingLinearFn(torch.autograd.Function):
+    """``outputs = FusedRingLinearFn.apply(x, state, *local_params)``; one output per member of the group.
+    ``local_params`` are each member's local weight shard and, if it has one, local bias shard."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: FusedGroupState, *params: torch.Tensor):
+        layout, engine = state.layout, state.engine
+        cdt = engine.compute_dtype(params[0].dtype)
+        x2 = x.reshape(-1, layout.in_features)
+        x2 = x2.to(cdt) if x2.dtype != cdt else x2
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
+        with record_function("commfuse::fused_forward"):
+            forward_ring(state, layout.pack(state.pairs(params), cdt), x2, outs)
+        ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
+        ctx.save_for_backward(x2, *params)
+        lead = tuple(x.shape[:-1])
+        return tuple(y.view(*lead, m.out_features) for y, m in zip(outs, layout.members))
+
+    @staticmethod
+    def backward(ctx, *grad_outs: torch.Tensor):
+        x2, *params = ctx.saved_tensors
+        state = ctx.state
+        with record_function("commfuse::fused_backward"):
+            dx, grads = backward_ring(state, x2, params, grad_outs, ctx.needs_input_grad[0],
+                                      ctx.needs_input_grad[2:])
+        if dx is not None:
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        return (dx, None, *grads)
+
+
+def forward_ring(state: FusedGroupState, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
+                 op: str = "forward") -> None:
+    """Run the forward ring over ``buf`` (this rank's packed shards), writing every member's output columns."""
+    engine, layout = state.engine, state.layout
+    ring, world = engine.ring, engine.ring.size
+    nbuf = torch.empty_like(buf) if world > 1 else None
+    tag = ring.next_tag() if world > 1 else 0
+    for k in range(world):
+        step = engine.start([buf], [nbuf], tag, op, k) if k < world - 1 else None
+        _forward_piece(layout, buf, x2, outs, ring.shard_held(k))
+        if transport._OBSERVERS:
+            transport.notify("compute", op, k)
+        if step is not None:
+            engine.wait(step)
+            buf, nbuf = nbuf, buf
+
+
+def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
+                   shard: int) -> None:
+    for m, y in zip(layout.members, outs):
+        lo, hi = m.rows(shard)
+        if hi == lo:
+            continue
+        w = m.weight(buf, hi - lo)
+        if m.has_bias:
+            torch.addmm(m.bias(buf, hi - lo), x2, w.t(), out=y[:, lo:hi])
+        else:
+            torch.mm(x2, w.t(), out=y[:, lo:hi])
+
+
+def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
+                  grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool,
+                  params_need_grad: tuple[bool, ...]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    engine, layout = state.engine, state.layout
+    ring, world = engine.ring, engine.ring.size
+    cdt = x2.dtype
+    members = layout.members
+    dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, members)]
+    train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j))
+             for j, dy in enumerate(dys)]
+    train_any = any(train)
+    sync = engine.requires_grad_sync
+    rdt = engine.reduce_dtype(cdt)
+    pairs = state.pairs(params)
+
+    wbuf = layout.pack(pairs, cdt) if need_dx else None
+    nwbuf = torch.empty_like(wbuf) if need_dx and world > 1 else None
+    dx = x2.new_zeros(x2.shape) if need_dx else None
+    parts = [x2.new_zeros(layout.numel, dtype=rdt) for _ in range(2)] if train_any else None
+    racc = x2.new_zeros(layout.numel, dtype=rdt) if train_any and sync and world > 1 else None
+    pending = state.take_unsynced() if train_any and sync else None  # partials kept by no-sync backwards
+    communicates = world > 1 and (need_dx or (train_any and sync))
+    tag = ring.next_tag() if communicates else 0
+    pre, post = engine.divide_factors() if sync else (1.0, 1.0)
+
+    for k in range(world):
+        sends, recvs = [], []
+        if need_dx and k < world - 1:
+            sends.append(wbuf)
+            recvs.append(nwbuf)
+        if train_any and sync and k > 0:
+            sends.append(parts[(k - 1) % 2])
+            recvs.append(racc)
+        step = engine.start(sends, recvs, tag, "backward", k) if sends else None
+        if need_dx:
+            s = ring.shard_held(k)
+            for m, dy in zip(members, dys):
+                lo, hi = m.rows(s)
+                if dy is not None and hi > lo:
+                    dx.addmm_(dy[:, lo:hi], m.weight(wbuf, hi - lo))
+        if train_any:
+            t = ring.shard_reduced(k)
+            part = parts[k % 2]
+            _grad_piece(layout, part, dys, train, x2, t)
+            if not sync:
+                state.keep_unsynced(t, part, world)
+            else:
+                if pending is not None:
+                    part.add_(pending[t])
+                if pre != 1.0:
+                    part.div_(pre)
+        if transport._OBSERVERS:
+            transport.notify("compute", "backward", k)
+        if step is not None:
+            engine.wait(step)
+            if need_dx and k < world - 1:
+                wbuf, nwbuf = nwbuf, wbuf
+        if train_any and sync and k > 0:
+            part.add_(racc)
+
+    grads: list[torch.Tensor | None] = [None] * len(params)
+    if train_any and sync:
+        final = parts[(world - 1) % 2]  # shard t == r
+        if post != 1.0:
+            final.div_(post)
+        for j, m in enumerate(members):
+            if not train[j]:
+                continue
+            w_idx, *b_idx = state.param_index(j)
+            rows = params[w_idx].shape[1] if m.transposed else params[w_idx].shape[0]
+            unpacked = layout.unpack_grad(final, m, rows, params[w_idx].dtype)
+            for idx, g in zip((w_idx, *b_idx), unpacked):
+                grads[idx] = g if params_need_grad[idx] else None
+    return dx, grads
+
+
+def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor | None], train: list[bool],
+                x2: torch.Tensor, shard: int) -> None:
+    """This rank's contribution to shard ``shard`` of every trainable member's dW (and db), into ``part``."""
+    for m, dy, trainable in zip(layout.members, dys, train):
+        if not trainable:
+            continue
+        lo, hi = m.rows(shard)
+        if hi == lo:
+            continue
+        dy_t = dy[:, lo:hi]
+        w_out = m.weight(part, hi - lo)
+        if w_out.dtype == x2.dtype:
+            torch.mm(dy_t.t(), x2, out=w_out)
+        else:
+            w_out.copy_(torch.mm(dy_t.t(), x2))
+        if m.has_bias:
+            m.bias(part, hi - lo).copy_(dy_t.sum(0))
+

@@ -1,0 +1,139 @@
+"""Fused modules: an ``nn.Linear`` (or HF ``Conv1D``) turned, in place, into a ring-fused sharded layer.
+
+``convert_linear`` swaps the module's class for a subclass (``RingLinear``, ``RingConv1D``) whose ``forward``
+runs the group's fused ring, and replaces its weight and bias by DTensor shards (``Shard(0)``; ``Shard(1)`` for the
+``(in, out)`` weight of ``Conv1D``) on the data-parallel mesh. Attribute names, ``isinstance`` checks, parameter
+shapes and state-dict keys stay those of the original module.
+
+A ``FusedGroup`` holds linears that read the same input (q/k/v, gate/up). The first member called runs the ring
+for all of them and keeps the others' outputs for their own calls with the *same* input tensor; a member called
+with another input (cross-attention) runs a ring of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ..engine import Engine
+from .layout import GroupLayout
+from .linear import FusedRingLinearFn
+
+
+class FusedGroupState:
+    """What the fused Function needs about one group: engine, layout, where each member's params sit in the
+    Function's inputs, and the gradient partials kept while gradient sync is off."""
+
+    def __init__(self, engine: Engine, layout: GroupLayout, has_bias: list[bool]) -> None:
+        self.engine, self.layout = engine, layout
+        self._index: list[tuple[int, ...]] = []
+        i = 0
+        for bias in has_bias:
+            self._index.append((i, i + 1) if bias else (i,))
+            i += 2 if bias else 1
+        self._unsynced: torch.Tensor | None = None
+
+    def param_index(self, member: int) -> tuple[int, ...]:
+        return self._index[member]
+
+    def pairs(self, params) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [(params[ix[0]], params[ix[1]] if len(ix) > 1 else None) for ix in self._index]
+
+    def keep_unsynced(self, shard: int, part: torch.Tensor, world: int) -> None:
+        if self._unsynced is None:
+            self._unsynced = part.new_zeros(world, part.numel())
+        self._unsynced[shard].add_(part)
+
+    def take_unsynced(self) -> torch.Tensor | None:
+        pending, self._unsynced = self._unsynced, None
+        return pending
+
+
+class FusedGroup:
+    def __init__(self, engine: Engine, modules: list[nn.Module]) -> None:
+        self.engine = engine
+        self.modules = modules
+        self.state = self._state(modules)
+        self._solo: dict[int, FusedGroupState] = {}
+        self._key: torch.Tensor | None = None
+        self._pending: dict[int, torch.Tensor] = {}
+
+    def _state(self, modules: list[nn.Module]) -> FusedGroupState:
+        shapes = [(m.weight.shape[1] if m._cf_transposed else m.weight.shape[0],
+                   m.weight.shape[0] if m._cf_transposed else m.weight.shape[1],
+                   m._cf_transposed, m.bias is not None) for m in modules]
+        return FusedGroupState(self.engine, GroupLayout.build(shapes, self.engine.ring.size),
+                               [m.bias is not None for m in modules])
+
+    def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if len(self.modules) == 1:
+            return _apply(self.state, self.modules, x)[0]
+        if x is self._key and index in self._pending:
+            out = self._pending.pop(index)
+            if not self._pending:
+                self._key = None
+            return out
+        if self._pending and index != 0:
+            # Another input than the group's (cross-attention): this member runs a ring of its own. The first
+            # member (index 0) always starts a new round, dropping outputs nobody asked for.
+            if index not in self._solo:
+                self._solo[index] = self._state([self.modules[index]])
+            return _apply(self._solo[index], [self.modules[index]], x)[0]
+        outs = _apply(self.state, self.modules, x)
+        self._key = x
+        self._pending = {j: out for j, out in enumerate(outs) if j != index}
+        return outs[index]
+
+    def reset(self) -> None:
+        self._key, self._pending = None, {}
+
+
+def _apply(state: FusedGroupState, modules: list[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    params: list[torch.Tensor] = []
+    for m in modules:
+        params.append(m.weight.to_local())
+        if m.bias is not None:
+            params.append(m.bias.to_local())
+    if state.engine.stats.enabled:
+        state.engine.stats.mark()
+    return FusedRingLinearFn.apply(x, state, *params)
+
+
+def _ring_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self._cf_group(self._cf_index, x)
+
+
+@functools.cache
+def ring_class(cls: type) -> type:
+    """``Ring<cls>``: ``cls`` with the fused forward (one class per original class, like FSDP2's)."""
+    return type(f"Ring{cls.__name__}", (cls,), {"forward": _ring_forward, "_cf_fused": True})
+
+
+def convert_linear(module: nn.Module, engine: Engine, transposed: bool) -> list[nn.Parameter]:
+    """Shard ``module``'s weight and bias onto the engine's mesh and swap its class; returns the new params."""
+    mesh, world, rank = engine.mesh, engine.ring.size, engine.ring.rank
+    new_params = []
+    for name, dim in (("weight", 1 if transposed else 0), ("bias", 0)):
+        full = getattr(module, name, None)
+        if full is None:
+            continue
+        chunks = torch.chunk(full.detach(), world, dim=dim)
+        local = chunks[rank].clone() if rank < len(chunks) else full.detach().narrow(dim, 0, 0).clone()
+        dtensor = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
+                                     shape=full.shape, stride=full.stride())
+        param = nn.Parameter(dtensor, requires_grad=full.requires_grad)
+        setattr(module, name, param)
+        new_params.append(param)
+    module._cf_transposed = transposed
+    module.__class__ = ring_class(type(module))
+    return new_params
+
+
+def attach_group(engine: Engine, modules: list[nn.Module]) -> FusedGroup:
+    group = FusedGroup(engine, modules)
+    for i, m in enumerate(modules):
+        m._cf_group, m._cf_index = group, i
+    return group
