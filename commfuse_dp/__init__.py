@@ -1,10 +1,13 @@
 """commfuse_dp: sharded data parallelism whose collectives run as peer-to-peer rings fused with compute.
 
 Public names (DESIGN.md §4): ``CommFuseConfig``; the ring layer in ``commfuse_dp.ring``; the integrations in
-``commfuse_dp.integrations`` (``fsdp.use_ring_collectives`` today).
+``commfuse_dp.integrations`` (``fsdp.use_ring_collectives`` today); ``shard(model, config)`` and
+``step_stats(model)`` for the fused engine.
 """
 
 from .config import CommFuseConfig
+from .shard import shard, step_stats
+from .stats import StepStats
 from .ring import (
     RingAllGather,
     RingCommError,
@@ -18,6 +21,6 @@ from .ring import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "CommFuseConfig", "RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
+    "CommFuseConfig", "StepStats", "shard", "step_stats", "RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
     "ring_all_gather_coalesced", "ring_reduce_scatter", "ring_reduce_scatter_coalesced",
 ]

@@ -1,0 +1,250 @@
+"""``shard(model, config)``: turn a model into a CommFuse-sharded model, in place.
+
+1. Every eligible linear (``nn.Linear``, HF ``Conv1D``) whose weight shard has at least ``min_fuse_numel``
+   elements becomes a ring-fused layer (``fused/``): its weight and bias become DTensor shards on a 1-D data-parallel
+   mesh, and its forward and backward run the fused rings. Linears that read the same input (``q/k/v``,
+   ``query/key/value``, ``gate/up``) share ring steps.
+2. Everything else (norms, embeddings, small or tied linears, other modules) is sharded by stock FSDP2
+   ``fully_shard``, unit by unit (the model's ``_no_split_modules`` classes, else the entries of its layer list),
+   with the fused parameters passed as ``ignored_params``, and its collectives switched to the bucketed rings.
+3. The model gains ``set_requires_gradient_sync(flag)`` / ``no_sync()`` covering both parts (gradient accumulation),
+   and ``commfuse_dp.step_stats(model)`` reports the last step's timing.
+
+Any torch optimizer built afterwards on ``model.parameters()`` keeps sharded state (ZeRO-3 memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from .config import CommFuseConfig
+from .engine import Engine
+from .fused.modules import attach_group, convert_linear
+from .ring.fsdp_comm import use_ring_collectives
+from .ring.topology import get_ring
+from .stats import StepStats
+
+logger = logging.getLogger("commfuse_dp")
+
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_proj", "up_proj"))
+
+
+def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: DeviceMesh | None = None,
+          units: tuple[type[nn.Module], ...] | None = None) -> nn.Module:
+    """Shard ``model`` in place over the data-parallel group and return it.
+
+    ``mesh``: a 1-D DeviceMesh of the data-parallel ranks (default: all ranks of the initialised world).
+    ``units``: module classes to shard as FSDP2 units (default: ``model._no_split_modules``, else the entries of
+    the model's longest ``nn.ModuleList``).
+    """
+    config = config if config is not None else CommFuseConfig()
+    if getattr(model, "_commfuse_engine", None) is not None:
+        raise ValueError("shard: this model is sharded already; call shard() once per model")
+    device = _single_device(model)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
+                           "init_process_group(...) first (torchrun / accelerate launch set it up)")
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mesh.ndim != 1:
+        raise ValueError(f"shard: the data-parallel mesh must be 1-D, got {mesh.ndim} dimensions")
+    if mesh.device_type != device.type:
+        raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
+                         f"move the model to the mesh's device first")
+    group = mesh.get_group()
+    _check_same_group(group)
+    engine = Engine(get_ring(group, op="shard"), mesh, config)
+
+    fused = _fusable_linears(model, config, engine.ring.size)
+    fused_params: set[nn.Parameter] = set()
+    for _, module, transposed in fused:
+        fused_params.update(convert_linear(module, engine, transposed))
+    for members in _shared_input_groups(fused):
+        attach_group(engine, members)
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    unit_modules = _units(model, units)
+    for unit in unit_modules:
+        if any(p not in fused_params for p in unit.parameters()):
+            fully_shard(unit, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
+    if any(p not in fused_params for p in model.parameters()):
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        use_ring_collectives(model, config, recorder=engine.stats)
+    _install(model, engine, [m for _, m, _ in fused])
+    logger.info("commfuse_dp.shard: %d linears fused (%s schedule), %d FSDP2 units + root, %d ranks",
+                len(fused), config.schedule, len(unit_modules), engine.ring.size)
+    return model
+
+
+def step_stats(model: nn.Module) -> StepStats:
+    """Timing of the last completed step of this rank (the current one if none completed yet)."""
+    engine = getattr(model, "_commfuse_engine", None)
+    if engine is None:
+        raise ValueError("step_stats: this model was not sharded with commfuse_dp.shard()")
+    if not engine.stats.enabled:
+        raise ValueError("step_stats: statistics are off (CommFuseConfig(stats=False))")
+    return engine.stats.last or engine.stats.current()
+
+
+# ---- what to fuse ----------------------------------------------------------------------------------------
+
+def _conv1d_class() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int) -> list[tuple[str, nn.Module, bool]]:
+    conv1d = _conv1d_class()
+    owners: Counter[int] = Counter()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] += 1
+    fused, small, tied, other = [], 0, 0, Counter()
+    for name, module in model.named_modules():
+        kind = type(module)
+        if kind is nn.Linear or (conv1d is not None and kind is conv1d):
+            if owners[id(module.weight)] > 1 or (module.bias is not None and owners[id(module.bias)] > 1):
+                tied += 1  # shared with another module (tied embeddings): FSDP2 keeps both uses in one unit
+            elif module.weight.numel() // world < config.min_fuse_numel:
+                small += 1
+            else:
+                fused.append((name, module, kind is not nn.Linear))
+        elif isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)):
+            other[kind.__name__] += 1
+    if small:
+        logger.info("commfuse_dp: %d linears have weight shards below min_fuse_numel=%d elements and go through "
+                    "the bucketed rings instead", small, config.min_fuse_numel)
+    if tied:
+        logger.info("commfuse_dp: %d linears share their weight with another module (tied embeddings) and go "
+                    "through the bucketed rings", tied)
+    for kind_name, count in other.items():
+        logger.info("commfuse_dp: %d modules of type %s are not fused (only nn.Linear and Conv1D themselves are; "
+                    "a subclass may use its weight in its own way); they go through the bucketed rings",
+                    count, kind_name)
+    return fused
+
+
+def _shared_input_groups(fused: list[tuple[str, nn.Module, bool]]) -> list[list[nn.Module]]:
+    """Linears that read the same input, by sibling names (a PEFT wrapper's ``base_layer`` counts as its wrapper)."""
+    by_parent: dict[str, dict[str, nn.Module]] = defaultdict(dict)
+    for name, module, _ in fused:
+        logical = name.removesuffix(".base_layer")
+        parent, _, leaf = logical.rpartition(".")
+        by_parent[parent][leaf] = module
+    groups, grouped = [], set()
+    for siblings in by_parent.values():
+        for names in SHARED_INPUT_GROUPS:
+            members = [siblings.get(n) for n in names]
+            if all(m is not None for m in members) and _compatible(members):
+                groups.append(members)
+                grouped.update(id(m) for m in members)
+    groups += [[m] for _, m, _ in fused if id(m) not in grouped]
+    return groups
+
+
+def _compatible(members: list[nn.Module]) -> bool:
+    first = members[0]
+    width = lambda m: m.weight.shape[0] if m._cf_transposed else m.weight.shape[1]  # noqa: E731
+    return all(width(m) == width(first) and m.weight.dtype == first.weight.dtype
+               and m._cf_transposed == first._cf_transposed for m in members)
+
+
+def _units(model: nn.Module, units: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:
+    """FSDP2 units, innermost first."""
+    if units is not None:
+        chosen = [m for m in model.modules() if isinstance(m, units) and m is not model]
+    else:
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        chosen = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        if not chosen:
+            lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+            chosen = list(max(lists, key=len)) if lists else []
+    # A unit that shares a parameter with a module outside it (a tied embedding) cannot be an FSDP2 unit of its
+    # own: both uses must sit in one unit, so it is left to its parent.
+    owners: dict[int, set[int]] = defaultdict(set)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)].add(id(module))
+    kept = []
+    for unit in chosen:
+        inside = {id(m) for m in unit.modules()}
+        if all(owners[id(p)] <= inside for p in unit.parameters()):
+            kept.append(unit)
+        else:
+            logger.info("commfuse_dp: %s shares a parameter with a module outside it (tied weights); it is sharded "
+                        "with its parent instead of as a unit of its own", type(unit).__name__)
+    return list(reversed(kept))
+
+
+# ---- checks ----------------------------------------------------------------------------------------------
+
+def _single_device(model: nn.Module) -> torch.device:
+    devices: dict[torch.device, str] = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        devices.setdefault(t.device, name)
+    if not devices:
+        raise ValueError("shard: the model has no parameters to shard")
+    if len(devices) > 1:
+        where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
+        raise ValueError(f"shard: the model's parameters and buffers are on several devices ({where}); move the "
+                         f"whole model to one device (model.to(device)) before sharding")
+    device = next(iter(devices))
+    if device.type == "meta":
+        raise ValueError("shard: the model is on the meta device; materialise it (to_empty + init, or load the "
+                         "weights) before sharding")
+    return device
+
+
+def _check_same_group(group: dist.ProcessGroup) -> None:
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if any(other != everyone[0] for other in everyone):
+        detail = "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone))
+        raise ValueError(f"shard: the ranks passed different data-parallel groups ({detail}); every rank must "
+                         f"pass the same mesh / process group")
+
+
+# ---- what the model gains ---------------------------------------------------------------------------------
+
+def _install(model: nn.Module, engine: Engine, fused_modules: list[nn.Module]) -> None:
+    groups = {id(m._cf_group): m._cf_group for m in fused_modules}.values()
+    fsdp_set_sync = model.set_requires_gradient_sync if isinstance(model, FSDPModule) else None
+
+    def begin_step(module, args):
+        engine.stats.begin_step()
+        for group in groups:
+            group.reset()
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Gradient sync on/off for the fused layers and every FSDP2 unit (off: accumulate locally)."""
+        engine.requires_grad_sync = requires_gradient_sync
+        if fsdp_set_sync is not None:
+            fsdp_set_sync(requires_gradient_sync, recurse=recurse)
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        """No gradient communication inside; the next backward outside syncs everything accumulated."""
+        set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            set_requires_gradient_sync(True)
+
+    model.register_forward_pre_hook(begin_step, prepend=True)
+    model.set_requires_gradient_sync = set_requires_gradient_sync
+    model.no_sync = no_sync
+    model._commfuse_engine = engine
