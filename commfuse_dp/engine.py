@@ -30,6 +30,16 @@ class Engine:
         self.stats = StatsRecorder(config.stats)
         self.requires_grad_sync = True
         self._steps = ring.size
+        self.slicing = None
+        if config.schedule == "slicing":
+            from .fused.sliced import SlicingScheduler
+
+            self.slicing = SlicingScheduler(self)
+
+    def begin_step(self) -> None:
+        self.stats.begin_step()
+        if self.slicing is not None:
+            self.slicing.begin_step()
 
     # -- ring steps, timed -------------------------------------------------------------------------------
 

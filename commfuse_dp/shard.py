@@ -225,7 +225,7 @@ def _install(model: nn.Module, engine: Engine, fused_modules: list[nn.Module]) -
     fsdp_set_sync = model.set_requires_gradient_sync if isinstance(model, FSDPModule) else None
 
     def begin_step(module, args):
-        engine.stats.begin_step()
+        engine.begin_step()
         for group in groups:
             group.reset()
 

@@ -21,20 +21,42 @@ from torch.distributed.tensor import DTensor, Shard
 from ..engine import Engine
 from .layout import GroupLayout
 from .linear import FusedRingLinearFn
+from .sliced import SlicedLinearFn, accumulate_grad
 
 
 class FusedGroupState:
     """What the fused Function needs about one group: engine, layout, where each member's params sit in the
     Function's inputs, and the gradient partials kept while gradient sync is off."""
 
-    def __init__(self, engine: Engine, layout: GroupLayout, has_bias: list[bool]) -> None:
-        self.engine, self.layout = engine, layout
+    def __init__(self, engine: Engine, layout: GroupLayout, modules: list[nn.Module]) -> None:
+        self.engine, self.layout, self.modules = engine, layout, modules
         self._index: list[tuple[int, ...]] = []
         i = 0
-        for bias in has_bias:
-            self._index.append((i, i + 1) if bias else (i,))
-            i += 2 if bias else 1
+        for m in modules:
+            self._index.append((i, i + 1) if m.bias is not None else (i,))
+            i += 2 if m.bias is not None else 1
         self._unsynced: torch.Tensor | None = None
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
+
+    def local_params(self) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [p.to_local() for p in self.params()]
+
+    def accumulate_grads(self, flat: torch.Tensor, grad_dtypes: tuple[torch.dtype, ...],
+                         train: tuple[bool, ...]) -> None:
+        """Add this rank's reduced gradient shards (a flat buffer in the group layout) into the params' grads."""
+        params = self.params()
+        for j, (m, module) in enumerate(zip(self.layout.members, self.modules)):
+            if not train[j]:
+                continue
+            idx = self.param_index(j)
+            weight = params[idx[0]]
+            rows = weight.to_local().shape[1 if m.transposed else 0]
+            for i, g in zip(idx, self.layout.unpack_grad(flat, m, rows, grad_dtypes[idx[0]])):
+                if params[i].requires_grad:
+                    accumulate_grad(params[i], g, 1 if (m.transposed and i == idx[0]) else 0)
 
     def param_index(self, member: int) -> tuple[int, ...]:
         return self._index[member]
@@ -65,8 +87,7 @@ class FusedGroup:
         shapes = [(m.weight.shape[1] if m._cf_transposed else m.weight.shape[0],
                    m.weight.shape[0] if m._cf_transposed else m.weight.shape[1],
                    m._cf_transposed, m.bias is not None) for m in modules]
-        return FusedGroupState(self.engine, GroupLayout.build(shapes, self.engine.ring.size),
-                               [m.bias is not None for m in modules])
+        return FusedGroupState(self.engine, GroupLayout.build(shapes, self.engine.ring.size), modules)
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
@@ -97,9 +118,11 @@ def _apply(state: FusedGroupState, modules: list[nn.Module], x: torch.Tensor) ->
         params.append(m.weight.to_local())
         if m.bias is not None:
             params.append(m.bias.to_local())
-    if state.engine.stats.enabled:
-        state.engine.stats.mark()
-    return FusedRingLinearFn.apply(x, state, *params)
+    engine = state.engine
+    if engine.stats.enabled:
+        engine.stats.mark()
+    fn = SlicedLinearFn if engine.slicing is not None else FusedRingLinearFn
+    return fn.apply(x, state, *params)
 
 
 def _ring_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""The ``"slicing"`` schedule: data-slicing overlap on the same rings and the same GEMM pieces as ``"fused"``.
+
+[Note: the slicing schedule]
+This is the strongest layer-level overlap we build on our transport, kept so that every benchmark compares the
+CommFuse idea itself against it, in one run:
+- forward of layer i: its weight was all-gathered during layer i-1 (prefetch, on the ring thread); layer i+1's
+  all-gather starts before layer i computes. The gathered weights are dropped after use (reshard after forward),
+  except the last layer's, which the backward needs first.
+- backward of layer i: its weight was re-gathered during layer i+1's backward; layer i-1's all-gather starts before
+  layer i computes; layer i's gradient reduce-scatter runs on the ring thread during layer i-1's backward, and all
+  of them are waited for once, when autograd finishes the backward (the tail: nothing hides the last one).
+The order of layers is the one recorded in the previous step (the first step runs without prefetch).
+Compute is exactly the fused schedule's pieces (``_forward_piece``, ``_grad_piece``), so the two schedules differ
+only in when communication happens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor, Shard
+
+from ..ring.collectives import ring_all_gather, ring_reduce_scatter
+from .linear import _forward_piece, _grad_piece
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from .modules import FusedGroupState
+
+
+class Gathered(NamedTuple):
+    work: dist.Work | None
+    flat: torch.Tensor  # (N, numel): every rank's packed shards
+    started: float
+
+
+class Reducing(NamedTuple):
+    work: dist.Work | None
+    shard: torch.Tensor  # (numel,): this rank's summed gradient shards
+    state: FusedGroupState
+    grad_dtypes: tuple[torch.dtype, ...]
+    train: tuple[bool, ...]
+    started: float
+
+
+class SlicingScheduler:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._order: list[FusedGroupState] = []  # forward order of the previous step
+        self._current: list[FusedGroupState] = []
+        self._prefetched: dict[tuple[int, str], tuple[Gathered, list[torch.Tensor]]] = {}
+        self._reducing: list[Reducing] = []
+        self._callback_queued = False
+
+    def begin_step(self) -> None:
+        if self._current:
+            self._order, self._current = self._current, []
+        self._prefetched.clear()
+
+    # -- all-gather with prefetch ----------------------------------------------------------------------
+
+    def _start_gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype) -> Gathered:
+        ring = self.engine.ring
+        packed = state.layout.pack(state.pairs(params), dtype)
+        flat = packed.new_empty(ring.size, state.layout.numel)
+        work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True,
+                               bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
+        return Gathered(work, flat, time.perf_counter())
+
+    def _wait(self, started: float, work: dist.Work | None) -> None:
+        began = time.perf_counter()
+        if work is not None:
+            work.wait()
+        if self.engine.stats.enabled:
+            self.engine.stats.ring_step(started, began, time.perf_counter())
+
+    def gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype,
+               phase: str) -> torch.Tensor:
+        """Every rank's shards of ``state``'s group; prefetched if the previous step's order predicted it, and
+        the next group's gather of this phase started before returning."""
+        if phase == "forward":
+            self._current.append(state)
+        got = self._prefetched.pop((id(state), phase), None)
+        gathered = got[0] if got is not None else self._start_gather(state, params, dtype)
+        following = self._following(state, phase)
+        if following is not None and (id(following[0]), phase) not in self._prefetched:
+            nxt_state, nxt_params = following
+            self._prefetched[(id(nxt_state), phase)] = (
+                self._start_gather(nxt_state, nxt_params, dtype), nxt_params)
+        self._wait(gathered.started, gathered.work)
+        if phase == "forward" and self._order and state is self._order[-1]:
+            self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat, time.perf_counter()), params)
+        return gathered.flat
+
+    def _following(self, state: FusedGroupState, phase: str) -> tuple[FusedGroupState, list[torch.Tensor]] | None:
+        order = self._order if phase == "forward" else self._order[::-1]
+        for i, s in enumerate(order[:-1]):
+            if s is state:
+                nxt = order[i + 1]
+                return nxt, nxt.local_params()
+        return None
+
+    # -- reduce-scatter in the background, waited at the end of backward ------------------------------------
+
+    def reduce_scatter(self, state: FusedGroupState, parts: torch.Tensor, grad_dtypes: tuple[torch.dtype, ...],
+                       train: tuple[bool, ...]) -> None:
+        ring = self.engine.ring
+        shard = parts.new_empty(state.layout.numel)
+        work = ring_reduce_scatter(shard, parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
+                                   bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
+        self._reducing.append(Reducing(work, shard, state, grad_dtypes, train, time.perf_counter()))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        self._callback_queued = False
+        _, post = self.engine.divide_factors()
+        pending, self._reducing = self._reducing, []
+        for red in pending:
+            self._wait(red.started, red.work)
+            if post != 1.0:
+                red.shard.div_(post)
+            red.state.accumulate_grads(red.shard, red.grad_dtypes, red.train)
+
+
+class SlicedLinearFn(torch.autograd.Function):
+    """Same contract as ``FusedRingLinearFn``; gradients of the weights arrive when the backward finishes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, state: FusedGroupState, *params: torch.Tensor):
+        layout, engine = state.layout, state.engine
+        cdt = engine.compute_dtype(params[0].dtype)
+        x2 = x.reshape(-1, layout.in_features)
+        x2 = x2.to(cdt) if x2.dtype != cdt else x2
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
+        with record_function("commfuse::sliced_forward"):
+            flat = engine.slicing.gather(state, list(params), cdt, "forward")
+            for s in range(engine.ring.size):
+                _forward_piece(layout, flat[s], x2, outs, s)
+        ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
+        ctx.save_for_backward(x2, *params)
+        lead = tuple(x.shape[:-1])
+        return tuple(y.view(*lead, m.out_features) for y, m in zip(outs, layout.members))
+
+    @staticmethod
+    def backward(ctx, *grad_outs: torch.Tensor):
+        x2, *params = ctx.saved_tensors
+        state = ctx.state
+        layout, engine = state.layout, state.engine
+        world, cdt = engine.ring.size, x2.dtype
+        members = layout.members
+        dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, members)]
+        needs = ctx.needs_input_grad[2:]
+        train = tuple(dy is not None and any(needs[i] for i in state.param_index(j)) for j, dy in enumerate(dys))
+        dx = None
+        with record_function("commfuse::sliced_backward"):
+            if ctx.needs_input_grad[0]:
+                flat = engine.slicing.gather(state, params, cdt, "backward")
+                dx = x2.new_zeros(x2.shape)
+                for s in range(world):
+                    for m, dy in zip(members, dys):
+                        lo, hi = m.rows(s)
+                        if dy is not None and hi > lo:
+                            dx.addmm_(dy[:, lo:hi], m.weight(flat[s], hi - lo))
+            if any(train):
+                parts = x2.new_zeros(world, layout.numel, dtype=engine.reduce_dtype(cdt))
+                for t in range(world):
+                    _grad_piece(layout, parts[t], dys, list(train), x2, t)
+                if not engine.requires_grad_sync:
+                    for t in range(world):
+                        state.keep_unsynced(t, parts[t], world)
+                else:
+                    pending = state.take_unsynced()
+                    if pending is not None:
+                        parts.add_(pending)
+                    pre, _ = engine.divide_factors()
+                    if pre != 1.0:
+                        parts.div_(pre)
+                    engine.slicing.reduce_scatter(state, parts, tuple(p.dtype for p in params), train)
+        if dx is not None:
+            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+        return (dx, None, *([None] * len(params)))
+
+
+def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor, dim: int) -> None:
+    """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``."""
+    if param.grad is None:
+        param.grad = DTensor.from_local(local_grad, param.device_mesh, [Shard(dim)], run_check=False,
+                                        shape=param.shape, stride=param.stride())
+    else:
+        param.grad.to_local().add_(local_grad)

@@ -1,0 +1,164 @@
+"""shard()-ed HF models against one process on the concatenated batch: losses, parameters, grad norms, eval."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commfuse_dp as cf
+import hf_models
+from harness import run_ranks
+
+STEPS = 5
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def _full(param):
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+
+
+def _train(model, batches_of_step, steps, accum, lr=1e-3, clip=True):
+    """Train; per step returns (loss summed over micro-batches, grad norm before clipping)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+    record = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(micro == accum - 1)
+            loss = model(**batches_of_step(step, micro)).loss / accum
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0) if clip \
+            else torch.zeros(())
+        opt.step()
+        opt.zero_grad()
+        record.append((torch.as_tensor(total), _full(norm) if hasattr(norm, "full_tensor") else norm))
+    return record
+
+
+def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=None):
+    """Sharded run and single-process reference on every rank; returns (ours, reference) summaries."""
+    config = config or cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0)
+    model, ref = hf_models.build(kind), hf_models.build(kind)
+    if prepare is not None:
+        model, ref = prepare(model), prepare(ref)
+    cf.shard(model, config)
+    ours = _train(model, lambda s, m: hf_models.batch(rank, s, m), STEPS, accum)
+    theirs = _train(ref, lambda s, m: hf_models.concat([hf_models.batch(r, s, m) for r in range(world_size)]),
+                    STEPS, accum)
+    losses = torch.stack([l for l, _ in ours])
+    dist.all_reduce(losses)
+    losses /= world_size
+    model.eval()
+    ref.eval()
+    probe = hf_models.batch(rank, 99)
+    with torch.no_grad():
+        logits, ref_logits = model(**probe).logits, ref(**probe).logits
+    return {
+        "losses": (losses, torch.stack([l for l, _ in theirs])),
+        "norms": (torch.stack([n for _, n in ours]), torch.stack([n for _, n in theirs])),
+        "params": ({n: _full(p) for n, p in model.named_parameters()},
+                   {n: p.detach() for n, p in ref.named_parameters()}),
+        "logits": (logits, ref_logits),
+        "stats": cf.step_stats(model),
+        "initial": {n: p.detach() for n, p in hf_models.build(kind).named_parameters()},
+    }
+
+
+def assert_parity(result, tol=FP32, label=""):
+    for key in ("losses", "norms", "logits"):
+        ours, ref = result[key]
+        torch.testing.assert_close(ours, ref, **tol, msg=lambda m: f"{label} {key}: {m}")
+    ours, ref = result["params"]
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], **tol, msg=lambda m: f"{label} {name}: {m}")
+
+
+def _parity_worker(rank, world_size):
+    summary = {}
+    for kind in ("gpt2", "llama", "bert"):
+        for schedule in ("fused", "slicing"):
+            result = run_case(rank, world_size, kind, schedule)
+            assert_parity(result, label=f"{kind}/{schedule}")
+            moved = max((result["params"][1][n] - p).abs().max().item() for n, p in result["initial"].items())
+            assert moved > 1e-4, "training did not move the parameters: the comparison would prove nothing"
+            stats = result["stats"]
+            assert stats.ring_steps > 0 and stats.wall_s > 0 and 0 <= stats.exposed_comm_s <= stats.wall_s
+            summary[f"{kind}/{schedule}"] = stats.ring_steps
+    return summary
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_hf_models_match_single_process(world_size):
+    summaries = run_ranks(_parity_worker, world_size, timeout=600)
+    assert all(s == summaries[0] for s in summaries)
+
+
+def _accumulation_worker(rank, world_size):
+    for kind in ("gpt2", "llama"):
+        for schedule in ("fused", "slicing"):
+            assert_parity(run_case(rank, world_size, kind, schedule, accum=2), label=f"{kind}/{schedule}/accum2")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gradient_accumulation(world_size):
+    run_ranks(_accumulation_worker, world_size, timeout=600)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                             lora_dropout=0.0))
+    for name, p in model.named_parameters():  # LoRA's B starts at zero; make it non-zero so both A and B train
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _lora_worker(rank, world_size):
+    for schedule in ("fused", "slicing"):
+        result = run_case(rank, world_size, "llama", schedule, prepare=_lora)
+        assert_parity(result, label=f"lora/{schedule}")
+        ours, ref = result["params"]
+        base = [n for n in ours if "base_layer.weight" in n]
+        assert base, "no LoRA base layer found"
+        initial = _lora(hf_models.build("llama"))
+        frozen = {n: p.detach() for n, p in initial.named_parameters()}
+        for n in base:
+            assert torch.equal(ours[n], frozen[n]), f"frozen {n} changed"
+    return True
+
+
+def test_lora_on_llama():
+    run_ranks(_lora_worker, 2, timeout=300)
+
+
+def _checkpointing_worker(rank, world_size):
+    def checkpointed(model):
+        model.gradient_checkpointing_enable()
+        return model
+
+    for schedule in ("fused", "slicing"):
+        assert_parity(run_case(rank, world_size, "llama", schedule, prepare=checkpointed), label=f"ckpt/{schedule}")
+    return True
+
+
+def test_hf_gradient_checkpointing():
+    run_ranks(_checkpointing_worker, 2, timeout=300)
+
+
+def _determinism_worker(rank, world_size):
+    first = run_case(rank, world_size, "llama", "fused")
+    second = run_case(rank, world_size, "llama", "fused")
+    assert torch.equal(first["losses"][0], second["losses"][0])
+    for name, p in first["params"][0].items():
+        assert torch.equal(p, second["params"][0][name]), name
+    return True
+
+
+def test_two_runs_are_bit_identical():
+    run_ranks(_determinism_worker, 3, timeout=300)
