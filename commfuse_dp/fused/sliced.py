@@ -55,6 +55,9 @@ class SlicingScheduler:
         self._prefetched: dict[tuple[int, str], tuple[Gathered, list[torch.Tensor]]] = {}
         self._reducing: list[Reducing] = []
         self._callback_queued = False
+        self.prefetch_hits = 0  # gathers that were already in flight when their layer asked for them
+        self.gathers = 0  # gathers started
+        self._backward_gathers: dict[int, bool] = {}  # per group: does its backward need the weight (dx)?
 
     def begin_step(self) -> None:
         if self._current:
@@ -65,6 +68,7 @@ class SlicingScheduler:
 
     def _start_gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype) -> Gathered:
         ring = self.engine.ring
+        self.gathers += 1
         packed = state.layout.pack(state.pairs(params), dtype)
         flat = packed.new_empty(ring.size, state.layout.numel)
         work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True,
@@ -79,12 +83,15 @@ class SlicingScheduler:
             self.engine.stats.ring_step(started, began, time.perf_counter())
 
     def gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype,
-               phase: str) -> torch.Tensor:
+               phase: str, backward_gathers: bool = True) -> torch.Tensor:
         """Every rank's shards of ``state``'s group; prefetched if the previous step's order predicted it, and
-        the next group's gather of this phase started before returning."""
+        the next group's gather of this phase started before returning. ``backward_gathers`` (forward only):
+        whether this group's backward will need its weight again (it does not when its input needs no grad)."""
         if phase == "forward":
             self._current.append(state)
+            self._backward_gathers[id(state)] = backward_gathers
         got = self._prefetched.pop((id(state), phase), None)
+        self.prefetch_hits += got is not None
         gathered = got[0] if got is not None else self._start_gather(state, params, dtype)
         following = self._following(state, phase)
         if following is not None and (id(following[0]), phase) not in self._prefetched:
@@ -92,16 +99,18 @@ class SlicingScheduler:
             self._prefetched[(id(nxt_state), phase)] = (
                 self._start_gather(nxt_state, nxt_params, dtype), nxt_params)
         self._wait(gathered.started, gathered.work)
-        if phase == "forward" and self._order and state is self._order[-1]:
+        if phase == "forward" and backward_gathers and self._order and state is self._order[-1]:
             self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat, time.perf_counter()), params)
         return gathered.flat
 
     def _following(self, state: FusedGroupState, phase: str) -> tuple[FusedGroupState, list[torch.Tensor]] | None:
         order = self._order if phase == "forward" else self._order[::-1]
-        for i, s in enumerate(order[:-1]):
+        for i, s in enumerate(order):
             if s is state:
-                nxt = order[i + 1]
-                return nxt, nxt.local_params()
+                for nxt in order[i + 1:]:
+                    if phase == "forward" or self._backward_gathers.get(id(nxt), True):
+                        return nxt, nxt.local_params()
+                return None
         return None
 
     # -- reduce-scatter in the background, waited at the end of backward ------------------------------------
@@ -140,7 +149,7 @@ class SlicedLinearFn(torch.autograd.Function):
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
         with record_function("commfuse::sliced_forward"):
-            flat = engine.slicing.gather(state, list(params), cdt, "forward")
+            flat = engine.slicing.gather(state, list(params), cdt, "forward", backward_gathers=x.requires_grad)
             for s in range(engine.ring.size):
                 _forward_piece(layout, flat[s], x2, outs, s)
         ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype

@@ -1,0 +1,59 @@
+"""The order of ring steps and compute pieces (DESIGN.md §2), recorded, not timed."""
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import commfuse_dp as cf
+from commfuse_dp.ring import observe_ring
+from harness import run_ranks
+
+
+def _fused_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0), mesh=init_device_mesh("cpu", (world_size,)))
+    events = []
+    x = torch.randn(4, 16, requires_grad=True)
+    with observe_ring(lambda event, op, step: events.append((event, op, step))):
+        model(x).sum().backward()
+    return events
+
+
+def test_fused_order_matches_design():
+    world = 3
+    events = run_ranks(_fused_worker, world)[0]
+    forward = [e[0][0].upper() + str(e[2]) for e in events if e[1] == "forward"]
+    backward = [e[0][0].upper() + str(e[2]) for e in events if e[1] == "backward"]
+    # Per layer. Forward: a piece of compute beside each ring step, the first before any wait, the last with no
+    # ring step after it. Backward: the last ring step (the final reduce-scatter hop) lands beside the last piece.
+    one_forward = ["S0", "C0", "W0", "S1", "C1", "W1", "C2"]
+    one_backward = ["S0", "C0", "W0", "S1", "C1", "W1", "S2", "C2", "W2"]
+    assert forward == one_forward * 2, forward
+    assert backward == one_backward * 2, backward
+    for seq in (one_forward, one_backward):
+        assert seq.index("C0") < seq.index("W0")
+        last_compute = max(i for i, e in enumerate(seq) if e.startswith("C"))
+        assert not any(e.startswith("S") for e in seq[last_compute:])
+
+
+def _slicing_worker(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    cf.shard(model, cf.CommFuseConfig(schedule="slicing", min_fuse_numel=0))
+    scheduler = model._commfuse_engine.slicing
+    counts = []
+    for _ in range(3):
+        model(torch.randn(4, 16)).sum().backward()
+        counts.append((scheduler.prefetch_hits, scheduler.gathers))
+    return counts
+
+
+def test_slicing_prefetches_after_the_first_step():
+    (hits1, started1), (hits2, started2), (hits3, started3) = run_ranks(_slicing_worker, 2)[0]
+    # Step 1 learns the order: 4 forward + 3 backward gathers (layer 1's input needs no grad: no dx, no gather),
+    # none prefetched. Later steps ask for the same 7; all but layer 1's forward are prefetched (layer 4's backward
+    # keeps its forward gather), and no gather is started that nobody uses: 6 started per step.
+    assert (hits1, started1) == (0, 7)
+    assert (hits2 - hits1, started2 - started1) == (6, 6)
+    assert (hits3 - hits2, started3 - started2) == (6, 6)
