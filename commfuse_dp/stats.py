@@ -10,8 +10,12 @@ turns it off.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +74,61 @@ class StatsRecorder:
         wall = max(self.end - self.start, 0.0)
         return StepStats(step=self.step, wall_s=wall, compute_s=max(wall - self.exposed, 0.0), comm_s=self.comm,
                          exposed_comm_s=self.exposed, ring_steps=self.ring_steps)
+
+
+@dataclass
+class Timeline:
+    """Intervals of one rank: ``{"lane": "compute" | "ring" | "ring-thread", "op", "step", "t0", "t1"}``,
+    seconds from the start of the recording. Ring steps run by the main thread (fused) are drawn on the ``ring``
+    lane beside the compute they overlap; those of the ring thread (async collectives) on ``ring-thread``."""
+
+    events: list[dict] = field(default_factory=list)
+
+    def chrome_trace(self, rank: int = 0) -> list[dict]:
+        lanes = {"compute": 0, "ring": 1, "ring-thread": 2}
+        trace = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
+                 for lane, tid in lanes.items()]
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for e in self.events:
+            trace.append({"name": f"{e['op']} {e['step']}", "ph": "X", "pid": rank, "tid": lanes[e["lane"]],
+                          "ts": e["t0"] * 1e6, "dur": max(e["t1"] - e["t0"], 0.0) * 1e6, "cat": e["lane"]})
+        return trace
+
+
+@contextlib.contextmanager
+def record_timeline() -> Iterator[Timeline]:
+    """Record the ring steps and compute pieces of everything run inside (cost: a clock read per event)."""
+    from .ring.transport import observe_ring
+
+    timeline, origin = Timeline(), time.perf_counter()
+    main = threading.get_ident()
+    open_steps: dict[tuple[int, str, int], float] = {}
+    open_compute: dict[tuple[str, int], float] = {}
+
+    def on_event(event: str, op: str, step: int) -> None:
+        now, thread = time.perf_counter() - origin, threading.get_ident()
+        if event == "start":
+            open_steps[(thread, op, step)] = now
+        elif event == "done":
+            t0 = open_steps.pop((thread, op, step), None)
+            if t0 is not None:
+                lane = "ring" if thread == main else "ring-thread"
+                timeline.events.append({"lane": lane, "op": op, "step": step, "t0": t0, "t1": now})
+        elif event == "compute_begin":
+            open_compute[(op, step)] = now
+        elif event == "compute":
+            t0 = open_compute.pop((op, step), None)
+            if t0 is not None:
+                timeline.events.append({"lane": "compute", "op": op, "step": step, "t0": t0, "t1": now})
+
+    with observe_ring(on_event):
+        yield timeline
+
+
+def write_chrome_trace(path: str, per_rank: list[list[dict]]) -> None:
+    """One Chrome / Perfetto trace file (open it in ui.perfetto.dev or chrome://tracing) for all ranks."""
+    trace = []
+    for rank, events in enumerate(per_rank):
+        trace += Timeline(events).chrome_trace(rank)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)

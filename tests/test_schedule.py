@@ -23,8 +23,9 @@ def _fused_worker(rank, world_size):
 def test_fused_order_matches_design():
     world = 3
     events = run_ranks(_fused_worker, world)[0]
-    forward = [e[0][0].upper() + str(e[2]) for e in events if e[1] == "forward"]
-    backward = [e[0][0].upper() + str(e[2]) for e in events if e[1] == "backward"]
+    shown = {"start": "S", "compute": "C", "wait": "W"}  # "compute_begin" and "done" are implied by these
+    forward = [shown[e[0]] + str(e[2]) for e in events if e[1] == "forward" and e[0] in shown]
+    backward = [shown[e[0]] + str(e[2]) for e in events if e[1] == "backward" and e[0] in shown]
     # Per layer. Forward: a piece of compute beside each ring step, the first before any wait, the last with no
     # ring step after it. Backward: the last ring step (the final reduce-scatter hop) lands beside the last piece.
     one_forward = ["S0", "C0", "W0", "S1", "C1", "W1", "C2"]

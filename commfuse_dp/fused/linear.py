@@ -84,6 +84,8 @@ def forward_ring(state: FusedGroupState, buf: torch.Tensor, x2: torch.Tensor, ou
     tag = ring.next_tag() if world > 1 else 0
     for k in range(world):
         step = engine.start([buf], [nbuf], tag, op, k) if k < world - 1 else None
+        if transport._OBSERVERS:
+            transport.notify("compute_begin", op, k)
         _forward_piece(layout, buf, x2, outs, ring.shard_held(k))
         if transport._OBSERVERS:
             transport.notify("compute", op, k)
@@ -139,6 +141,8 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
             sends.append(parts[(k - 1) % 2])
             recvs.append(racc)
         step = engine.start(sends, recvs, tag, "backward", k) if sends else None
+        if transport._OBSERVERS:
+            transport.notify("compute_begin", "backward", k)
         if need_dx:
             s = ring.shard_held(k)
             for m, dy in zip(members, dys):

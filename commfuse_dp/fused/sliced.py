@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor, Shard
 
+from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from .linear import _forward_piece, _grad_piece
 
@@ -150,8 +151,12 @@ class SlicedLinearFn(torch.autograd.Function):
         outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
         with record_function("commfuse::sliced_forward"):
             flat = engine.slicing.gather(state, list(params), cdt, "forward", backward_gathers=x.requires_grad)
+            if transport._OBSERVERS:
+                transport.notify("compute_begin", "forward", 0)
             for s in range(engine.ring.size):
                 _forward_piece(layout, flat[s], x2, outs, s)
+            if transport._OBSERVERS:
+                transport.notify("compute", "forward", 0)
         ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
         ctx.save_for_backward(x2, *params)
         lead = tuple(x.shape[:-1])
@@ -169,8 +174,10 @@ class SlicedLinearFn(torch.autograd.Function):
         train = tuple(dy is not None and any(needs[i] for i in state.param_index(j)) for j, dy in enumerate(dys))
         dx = None
         with record_function("commfuse::sliced_backward"):
-            if ctx.needs_input_grad[0]:
-                flat = engine.slicing.gather(state, params, cdt, "backward")
+            flat = engine.slicing.gather(state, params, cdt, "backward") if ctx.needs_input_grad[0] else None
+            if transport._OBSERVERS:
+                transport.notify("compute_begin", "backward", 0)
+            if flat is not None:
                 dx = x2.new_zeros(x2.shape)
                 for s in range(world):
                     for m, dy in zip(members, dys):
@@ -192,6 +199,8 @@ class SlicedLinearFn(torch.autograd.Function):
                     if pre != 1.0:
                         parts.div_(pre)
                     engine.slicing.reduce_scatter(state, parts, tuple(p.dtype for p in params), train)
+            if transport._OBSERVERS:
+                transport.notify("compute", "backward", 0)
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, *([None] * len(params)))

@@ -31,8 +31,10 @@ _OBSERVERS: list[Observer] = []
 
 @contextlib.contextmanager
 def observe_ring(callback: Observer) -> Iterator[None]:
-    """Call ``callback(event, op, step)`` for every ``"start"`` and ``"wait"`` of a ring step (and every
-    ``"compute"`` piece the fused layers report through ``notify``). For schedule tests and timelines."""
+    """Call ``callback(event, op, step)`` for every ring step's ``"start"``, ``"wait"`` (the wait begins) and
+    ``"done"`` (it ended), and for the fused layers' compute pieces, ``"compute_begin"`` and ``"compute"`` (the
+    piece ended), reported through ``notify``. Called on the thread doing the work. For schedule tests and
+    timelines."""
     _OBSERVERS.append(callback)
     try:
         yield
@@ -75,7 +77,12 @@ class StepHandle:
                 work.wait()
             for work in self.sends:
                 work.wait()
-            return
+        else:
+            self._wait_host()
+        if _OBSERVERS:
+            notify("done", self.op, self.step)
+
+    def _wait_host(self) -> None:
         ring = self.ring
         # Receives first: they are what the next piece of compute needs; a send completes when the peer
         # has posted the matching receive.

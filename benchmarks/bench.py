@@ -1,0 +1,203 @@
+"""``commfuse-dp bench``: every schedule on the same model and batch, on the emulated cluster, at several link rates.
+
+    commfuse-dp bench --quick --json bench.json        # about 4 minutes here: 2 ranks, 3 rates, all variants
+    commfuse-dp bench --rates 1000,2000,4000 --world-size 2 --out-dir bench-out
+
+1. Calibration: compute alone and communication alone at a reference rate give the *balanced* rate, where the
+   ZeRO-3 bytes of a step take as long as its compute (communication time scales as 1/rate).
+2. The sweep: the balanced rate, twice it and half of it (communication from half to twice the compute), or
+   ``--rates``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
+3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit, step_s, exposed_s,
+   tokens_per_s, peak_mem_mb, ratio_to_limit), a PNG of the sweep, and a timeline of one fused and one slicing step
+   at the balanced rate (PNG and a Chrome/Perfetto trace).
+
+Exposed communication is a schedule's step time minus compute alone at the same rate. The overlap limit is
+max(compute alone, communication alone). Needs root (network namespaces); every run is bounded by ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .cluster import EmulatedCluster
+from .worker import VARIANTS
+
+CPU_NOTES = {
+    "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
+    "deepspeed_zero3": "CPU: DeepSpeed's gloo collectives; its prefetch/overlap as on CPU",
+    "ddp": "DDP keeps the full model and optimizer on every rank (no sharding)",
+    "comm_only": "the ZeRO-3 bytes of a step through the rings, back to back",
+    "compute_only": "same per-rank work, no communication",
+}
+SHAPING_NOTE = ("tbf token buckets (1 MB) refill while a link is idle, so schedules with compute gaps get some "
+                "bytes above the rate that back-to-back communication alone does not (DESIGN.md §6 shaping)")
+
+
+def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *, memory=False,
+             timeline: str | None = None) -> dict:
+    """One set of ranks at ``rate``: every variant, interleaved. Returns the worker's result (rank 0's JSON)."""
+    cluster.set_rate(rate)
+    with tempfile.TemporaryDirectory(prefix="commfuse-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        port = 29500 + int(rate) % 400 + int(time.time()) % 50
+        argv = [sys.executable, "-m", "commfuse_dp.benchmarks.worker", "--world-size", str(cluster.world_size),
+                "--master", f"{cluster.address(0)}:{port}", "--variants", ",".join(variants),
+                "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                "--out", out, *args.model_args]
+        if memory:
+            argv.append("--memory")
+        if timeline:
+            argv += ["--timeline", timeline]
+        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(cluster.world_size)]
+        procs = [cluster.popen(r, [*argv, "--rank", str(r)], stdout=logs[r], stderr=subprocess.STDOUT)
+                 for r in range(cluster.world_size)]
+        deadline = time.monotonic() + args.timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if not os.path.exists(out):
+            tails = []
+            for r, log in enumerate(logs):
+                log.seek(0)
+                tails.append(f"--- rank {r} (exit {procs[r].returncode}):\n" + log.read()[-3000:])
+            raise RuntimeError(f"benchmark at {rate:g} Mbit/s produced no result (timeout {args.timeout}s or a rank "
+                               f"failed):\n" + "\n".join(tails))
+        with open(out) as f:
+            return json.load(f)
+
+
+def records_from(result: dict, rate: float, world: int) -> list[dict]:
+    variants = result["variants"]
+    compute = variants.get("compute_only", {}).get("step_s")
+    comm = variants.get("comm_only", {}).get("step_s")
+    limit = max(compute, comm) if compute and comm else None
+    tokens = result["tokens_per_rank"] * world
+    rows = []
+    for name, v in variants.items():
+        step = v["step_s"]
+        if name == "comm_only":
+            exposed = step
+        elif name == "compute_only":
+            exposed = 0.0
+        else:
+            exposed = max(step - compute, 0.0) if compute else None
+        rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
+                     "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
+                     "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"]})
+    return rows
+
+
+def print_table(records: list[dict], balanced: float) -> None:
+    print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'tokens/s':>9} {'peak MiB':>9} "
+          f"{'x limit':>7}")
+    for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
+        mark = "  <- balanced" if rate == balanced else ""
+        for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: VARIANTS.index(r["schedule"])):
+            mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] else "-"
+            ratio = f"{r['ratio_to_limit']:.2f}" if r["ratio_to_limit"] else "-"
+            exposed = f"{r['exposed_s']:.3f}" if r["exposed_s"] is not None else "-"
+            note = CPU_NOTES.get(r["schedule"], "")
+            print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {r['tokens_per_s']:>9.0f} "
+                  f"{mem:>9} {ratio:>7}  {note}{mark}")
+            mark = ""
+    print(f"\nnote: {SHAPING_NOTE}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="commfuse-dp bench", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2: one core each here)")
+    parser.add_argument("--rates", help="comma-separated link rates in Mbit/s (default: calibrated sweep)")
+    parser.add_argument("--reference-rate", type=float, default=1000.0, help="calibration rate, Mbit/s")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps per variant (about 4 minutes)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants per rate")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    parser.add_argument("--json", help="write the records to this JSON file")
+    parser.add_argument("--out-dir", default="bench-out", help="PNG plots and traces go here (default bench-out)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one rate may take before it is killed")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--intermediate", type=int, default=1408)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 2, 1
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
+    args.model_args = [f"--{k}={getattr(args, k)}" for k in ("hidden", "intermediate", "layers", "heads", "vocab",
+                                                                "seq", "batch")]
+    os.makedirs(args.out_dir, exist_ok=True)
+    started = time.monotonic()
+    records: list[dict] = []
+    with EmulatedCluster(args.world_size, args.reference_rate) as cluster:
+        if args.rates:
+            rates = [float(r) for r in args.rates.split(",")]
+            balanced = rates[len(rates) // 2]
+        else:
+            print(f"calibrating at {args.reference_rate:g} Mbit/s ...", flush=True)
+            calib = run_rate(cluster, args.reference_rate, ["compute_only", "comm_only"], args)["variants"]
+            compute, comm = calib["compute_only"]["step_s"], calib["comm_only"]["step_s"]
+            balanced = round(args.reference_rate * comm / compute, -1)
+            rates = [2 * balanced, balanced, balanced / 2]
+            print(f"compute {compute:.3f}s, communication {comm:.3f}s per step at {args.reference_rate:g} Mbit/s "
+                  f"-> balanced rate {balanced:g} Mbit/s; sweep {', '.join(f'{r:g}' for r in rates)}", flush=True)
+        timeline_path = os.path.join(args.out_dir, "timeline.json")
+        for rate in rates:
+            at_balance = rate == balanced
+            print(f"running {len(variants)} variants at {rate:g} Mbit/s ...", flush=True)
+            result = run_rate(cluster, rate, variants, args, memory=at_balance,
+                              timeline=timeline_path if at_balance else None)
+            records += records_from(result, rate, args.world_size)
+            if at_balance and result.get("timelines"):
+                _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
+    print_table(records, balanced)
+    payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
+               "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "vocab", "seq",
+                                                        "batch")},
+               "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE}, "wall_s": time.monotonic() - started}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    from .plots import sweep_png
+
+    sweep_png(records, os.path.join(args.out_dir, "sweep.png"),
+              f"{args.world_size} ranks, emulated links: step time per schedule")
+    print(f"\nwrote {args.json or '(no JSON)'}, {args.out_dir}/sweep.png, {args.out_dir}/timeline.png, "
+          f"{args.out_dir}/trace.json in {time.monotonic() - started:.0f}s")
+    return 0
+
+
+def _write_timeline(timelines: dict, out_dir: str, rate: float, world: int) -> None:
+    from commfuse_dp.stats import write_chrome_trace
+
+    from .plots import timeline_png
+
+    timeline_png(timelines, os.path.join(out_dir, "timeline.png"), f"{world} ranks at {rate:g} Mbit/s")
+    ranks = max(len(v) for v in timelines.values())
+    merged = [[dict(e, op=f"{name}:{e['op']}") for name, v in timelines.items() for e in (v[r] if r < len(v) else [])]
+              for r in range(ranks)]
+    write_chrome_trace(os.path.join(out_dir, "trace.json"), merged)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""One rank of a benchmark run (started by ``benchmarks/bench.py`` inside its network namespace).
+
+Every variant is built once, on the same model (same seed) and the same per-rank batch, then the variants take turns
+(``--rounds`` rounds, each running ``--steps`` timed steps of every variant after a warm-up), so that all of them see
+the same machine. A step is forward + backward + optimizer step (AdamW), timed on this rank between a barrier and
+its end; rank 0 gathers every rank's times and keeps the slowest rank per step.
+
+Variants:
+- ``fused``, ``slicing``: ``commfuse_dp.shard`` with that schedule.
+- ``fsdp2``: stock ``fully_shard`` per decoder layer and root, its own gloo collectives. On CPU, FSDP2 runs them
+  synchronously on the main thread (no overlap at all): a CPU artefact that weakens this baseline.
+- ``deepspeed_zero3``: a DeepSpeed ZeRO-3 engine (gloo, torch AdamW as client optimizer). Its collectives are
+  asynchronous gloo ops; prefetch and overlap are DeepSpeed's own.
+- ``ddp``: ``DistributedDataParallel`` (gloo all-reduce buckets during backward).
+- ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound).
+- ``comm_only``: the ZeRO-3 bytes of one step (all-gather forward, all-gather backward, reduce-scatter backward of
+  every parameter, layer by layer) through the rings, no compute (the communication bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
+
+
+def model_config(args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False)
+
+
+def build_model(args):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(model_config(args))
+
+
+def make_batch(args, rank):
+    gen = torch.Generator().manual_seed(1234 + rank)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    return {"input_ids": ids, "labels": ids}
+
+
+class Runner:
+    """A variant: ``step()`` runs one training step on the fixed batch."""
+
+    def __init__(self, name, args, rank, world):
+        self.name, self.args, self.rank, self.world = name, args, rank, world
+        self.batch = make_batch(args, rank)
+        self.model = None
+        getattr(self, f"_build_{name}")()
+
+    def _optimizer(self, params):
+        return torch.optim.AdamW(params, lr=1e-4)
+
+    def _build_fused(self, schedule="fused"):
+        import commfuse_dp as cf
+
+        self.model = cf.shard(build_model(self.args), cf.CommFuseConfig(schedule=schedule, timeout_s=600))
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_slicing(self):
+        self._build_fused("slicing")
+
+    def _build_fsdp2(self):
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = build_model(self.args)
+        for layer in self.model.model.layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_ddp(self):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = DistributedDataParallel(build_model(self.args))
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_compute_only(self):
+        self.model = build_model(self.args)
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_deepspeed_zero3(self):
+        import deepspeed
+
+        model = build_model(self.args)
+        config = {"train_micro_batch_size_per_gpu": self.args.batch, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer(model.parameters()),
+                                                 config=config)
+        self.model, self.opt, self.engine = engine, opt, engine
+
+    def _build_comm_only(self):
+        from commfuse_dp.ring import ring_all_gather, ring_reduce_scatter
+
+        model = build_model(self.args)
+        units = [list(model.model.embed_tokens.parameters())]
+        units += [list(layer.parameters()) for layer in model.model.layers]
+        units += [list(model.model.norm.parameters()) + list(model.lm_head.parameters())]
+        numels = [sum(p.numel() for p in unit) for unit in units]
+        shards = [torch.zeros(-(-n // self.world)) for n in numels]
+        fulls = [torch.zeros(self.world * s.numel()) for s in shards]
+        del model
+
+        def step():
+            for shard, full in zip(shards, fulls):  # forward all-gathers
+                ring_all_gather(full, shard)
+            for shard, full in zip(reversed(shards), reversed(fulls)):  # backward: all-gather + reduce-scatter
+                ring_all_gather(full, shard)
+                ring_reduce_scatter(shard, full)
+
+        self._comm_step = step
+
+    def step(self) -> None:
+        if self.name == "comm_only":
+            self._comm_step()
+            return
+        if self.name == "deepspeed_zero3":
+            loss = self.engine(**self.batch).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            return
+        loss = self.model(**self.batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def peak_bytes(fn) -> int:
+    """Upper bound of the CPU memory allocated while ``fn`` runs (profiler per-op allocations; an op's release
+    counts from its end), added to what the variant holds before it runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    timeline = [((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end), e.self_cpu_memory_usage)
+                for e in prof.events() if e.self_cpu_memory_usage]
+    current = peak = 0
+    for _, change in sorted(timeline):
+        current += change
+        peak = max(peak, current)
+    return peak
+
+
+def resident_bytes(runner: Runner) -> int:
+    """Bytes this rank holds for the variant between steps: parameter shards and optimizer state."""
+    if runner.model is None:
+        return 0
+    seen, total = set(), 0
+    for p in runner.model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
+            total += local.numel() * local.element_size()
+    opt = getattr(runner.opt, "optimizer", runner.opt)
+    for state in getattr(opt, "state", {}).values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
+    return total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master", required=True, help="host:port of rank 0's rendezvous")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--memory", action="store_true", help="also measure peak memory per variant")
+    parser.add_argument("--timeline", help="write fused/slicing ring timelines of one step to this JSON file")
+    parser.add_argument("--out", required=True)
+    for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("vocab", 4096),
+                          ("seq", 256), ("batch", 2)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)  # one core per rank
+    host, port = args.master.rsplit(":", 1)
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(args.rank), WORLD_SIZE=str(args.world_size),
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
+                            timeout=datetime.timedelta(seconds=600))
+    rank, world = args.rank, args.world_size
+    names = [v for v in args.variants.split(",") if v]
+    runners = {name: Runner(name, args, rank, world) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.warmup):
+        for runner in runners.values():
+            runner.step()
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                runner.step()
+                times[name].append(time.perf_counter() - start)
+    memory = {}
+    if args.memory:
+        for name, runner in runners.items():
+            dist.barrier()
+            memory[name] = resident_bytes(runner) + peak_bytes(runner.step)
+    timelines = {}
+    if args.timeline:
+        from commfuse_dp.stats import record_timeline
+
+        for name in ("fused", "slicing"):
+            if name in runners:
+                dist.barrier()
+                with record_timeline() as timeline:
+                    runners[name].step()
+                timelines[name] = timeline.events
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, {"times": times, "memory": memory, "timelines": timelines})
+    if rank == 0:
+        result = {"variants": {}}
+        for name in names:
+            per_step = [max(g["times"][name][i] for g in gathered) for i in range(len(times[name]))]
+            result["variants"][name] = {
+                "step_s": statistics.median(per_step), "steps_s": per_step,
+                "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
+            }
+        result["tokens_per_rank"] = args.batch * args.seq
+        result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
+                               for name in ("fused", "slicing") if name in names and args.timeline}
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

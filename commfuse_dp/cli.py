@@ -1,0 +1,35 @@
+"""``commfuse-dp``: the command line. ``commfuse-dp COMMAND --help`` explains each command.
+
+    commfuse-dp bench [--quick] [--json PATH]   schedules compared on the emulated cluster (needs root)
+    commfuse-dp plan  [--model ...]             predicted step time of the schedules on a real cluster
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "bench": ("commfuse_dp.benchmarks.bench", "compare the schedules on the emulated cluster (root)"),
+    "plan": ("commfuse_dp.plan", "predict step time, exposed communication and MFU on a real cluster"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<6} {text}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"commfuse-dp: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(COMMANDS[command][0]).main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
