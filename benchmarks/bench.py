@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from .cluster import EmulatedCluster
-from .worker import VARIANTS
+from .worker import EXTRA_VARIANTS, VARIANTS
 
 CPU_NOTES = {
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
@@ -105,7 +105,7 @@ def print_table(records: list[dict], balanced: float) -> None:
           f"{'x limit':>7}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
         mark = "  <- balanced" if rate == balanced else ""
-        for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: VARIANTS.index(r["schedule"])):
+        for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: (VARIANTS + EXTRA_VARIANTS).index(r["schedule"])):
             mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] else "-"
             ratio = f"{r['ratio_to_limit']:.2f}" if r["ratio_to_limit"] else "-"
             exposed = f"{r['exposed_s']:.3f}" if r["exposed_s"] is not None else "-"
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
+        parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k}={getattr(args, k)}" for k in ("hidden", "intermediate", "layers", "heads", "vocab",
                                                                 "seq", "batch")]
     os.makedirs(args.out_dir, exist_ok=True)
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             balanced = rates[len(rates) // 2]
         else:
             print(f"calibrating at {args.reference_rate:g} Mbit/s ...", flush=True)
-            calib = run_rate(cluster, args.reference_rate, ["compute_only", "comm_only"], args)["variants"]
+            calib_args = argparse.Namespace(**{**vars(args), "rounds": 1, "steps": 3, "warmup": 2})
+            calib = run_rate(cluster, args.reference_rate, ["compute_only", "comm_only"], calib_args)["variants"]
             compute, comm = calib["compute_only"]["step_s"], calib["comm_only"]["step_s"]
             balanced = round(args.reference_rate * comm / compute, -1)
             rates = [2 * balanced, balanced, balanced / 2]

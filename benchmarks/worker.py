@@ -13,6 +13,7 @@ Variants:
   asynchronous gloo ops; prefetch and overlap are DeepSpeed's own.
 - ``ddp``: ``DistributedDataParallel`` (gloo all-reduce buckets during backward).
 - ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound).
+- ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
 - ``comm_only``: the ZeRO-3 bytes of one step (all-gather forward, all-gather backward, reduce-scatter backward of
   every parameter, layer by layer) through the rings, no compute (the communication bound).
 """
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
+EXTRA_VARIANTS = ("fused_noprefetch",)  # for before/after measurements; not in the default set
 
 
 def model_config(args):
@@ -66,11 +68,15 @@ class Runner:
     def _optimizer(self, params):
         return torch.optim.AdamW(params, lr=1e-4)
 
-    def _build_fused(self, schedule="fused"):
+    def _build_fused(self, schedule="fused", **options):
         import commfuse_dp as cf
 
-        self.model = cf.shard(build_model(self.args), cf.CommFuseConfig(schedule=schedule, timeout_s=600))
+        config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, **options)
+        self.model = cf.shard(build_model(self.args), config)
         self.opt = self._optimizer(self.model.parameters())
+
+    def _build_fused_noprefetch(self):
+        self._build_fused(prefetch_next=False)
 
     def _build_slicing(self):
         self._build_fused("slicing")

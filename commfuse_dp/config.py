@@ -60,6 +60,11 @@ class CommFuseConfig:
     """Where the mean over ranks divides the gradient: ``"post"`` after the sum, ``"pre"`` before it,
     ``"split"`` by sqrt(N) on each side (safest against fp16 overflow/underflow)."""
 
+    prefetch_next: bool = True
+    """Start the next layer's first ring step during this layer's last compute piece (DESIGN.md §2, "Across
+    layers"), in forward and backward, using the layer order of the previous step. Off: each layer's ring starts
+    with the layer, leaving a small bubble at every layer boundary."""
+
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
     ``RingCommError`` naming that peer and the step, on every rank, instead of hanging."""
@@ -81,8 +86,9 @@ class CommFuseConfig:
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
-        if not isinstance(self.stats, bool):
-            raise ValueError(f"CommFuseConfig.stats={self.stats!r}: must be true or false")
+        for name in ("stats", "prefetch_next"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CommFuseConfig.{name}={getattr(self, name)!r}: must be true or false")
         self.param_dtype = _dtype("param_dtype", self.param_dtype)
         self.reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
 
@@ -180,7 +186,7 @@ def _parse_env(name: str, raw: str) -> Any:
     """Turn one environment string into the type of field ``name``; validation proper is ``__post_init__``'s."""
     var = ENV_PREFIX + name.upper()
     text = raw.strip()
-    if name == "stats":
+    if name in ("stats", "prefetch_next"):
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:

@@ -24,6 +24,15 @@ class InFlight(NamedTuple):
     started: float
 
 
+class Ahead(NamedTuple):
+    """A layer's first ring step, started during the previous layer (``prefetch_next``)."""
+
+    step: InFlight
+    buf: torch.Tensor  # the layer's packed weight shards being sent
+    nbuf: torch.Tensor  # receiving the previous rank's shards
+    tag: int
+
+
 class Engine:
     def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig) -> None:
         self.ring, self.mesh, self.config = ring, mesh, config
@@ -35,11 +44,52 @@ class Engine:
             from .fused.sliced import SlicingScheduler
 
             self.slicing = SlicingScheduler(self)
+        self._prefetch = config.prefetch_next and config.schedule == "fused" and ring.size > 1
+        self._order: list = []  # fused groups in the forward order of the previous step
+        self._current: list = []
+        self._ahead: dict[tuple[int, str], Ahead] = {}
+        self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
 
     def begin_step(self) -> None:
         self.stats.begin_step()
         if self.slicing is not None:
             self.slicing.begin_step()
+        if self._current:
+            self._order, self._current = self._current, []
+        for ahead in self._ahead.values():  # started on every rank alike but not used (another path was taken)
+            ahead.step.handle.wait()
+        self._ahead.clear()
+
+    # -- across layers: the next layer's first ring step starts during this layer's last piece -------------
+
+    def entered(self, state, needs_dx: bool) -> None:
+        """A fused group's forward begins (records the order for the next step's prefetch)."""
+        if self._prefetch:
+            self._current.append(state)
+            self._needs_dx[id(state)] = needs_dx
+
+    def take_ahead(self, state, phase: str) -> Ahead | None:
+        return self._ahead.pop((id(state), phase), None) if self._prefetch else None
+
+    def start_next(self, state, phase: str) -> None:
+        """Start the first ring step of the group that follows ``state`` in ``phase`` (if the order is known)."""
+        if not self._prefetch:
+            return
+        order = self._order if phase == "forward" else self._order[::-1]
+        try:
+            following = order[order.index(state) + 1]
+        except (ValueError, IndexError):
+            return
+        if phase == "backward" and not self._needs_dx.get(id(following), False):
+            return  # its backward sends no weight shards: nothing to start early
+        key = (id(following), phase)
+        if key in self._ahead:
+            return
+        params = following.local_params()
+        buf = following.layout.pack(following.pairs(params), self.compute_dtype(params[0].dtype))
+        nbuf = torch.empty_like(buf)
+        tag = self.ring.next_tag()
+        self._ahead[key] = Ahead(self.start([buf], [nbuf], tag, phase, 0), buf, nbuf, tag)
 
     # -- ring steps, timed -------------------------------------------------------------------------------
 

@@ -9,15 +9,16 @@ from commfuse_dp.ring import observe_ring
 from harness import run_ranks
 
 
-def _fused_worker(rank, world_size):
+def _fused_worker(rank, world_size, steps=1):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
     cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0), mesh=init_device_mesh("cpu", (world_size,)))
-    events = []
     x = torch.randn(4, 16, requires_grad=True)
-    with observe_ring(lambda event, op, step: events.append((event, op, step))):
-        model(x).sum().backward()
-    return events
+    for _ in range(steps):
+        events = []
+        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+            model(x).sum().backward()
+    return events  # of the last step
 
 
 def test_fused_order_matches_design():
@@ -36,6 +37,21 @@ def test_fused_order_matches_design():
         assert seq.index("C0") < seq.index("W0")
         last_compute = max(i for i, e in enumerate(seq) if e.startswith("C"))
         assert not any(e.startswith("S") for e in seq[last_compute:])
+
+
+def _sequence(events, op):
+    shown = {"start": "S", "compute": "C", "wait": "W"}
+    return [shown[e[0]] + str(e[2]) for e in events if e[1] == op and e[0] in shown]
+
+
+def test_next_layer_ring_starts_during_the_last_piece():
+    # From the second step on, the order is known: the next layer's step 0 starts (S0) before this layer's last
+    # piece (C2), and the next layer then begins with a piece (C0), its step 0 already in flight.
+    events = run_ranks(_fused_worker, 3, (2,))[0]
+    assert _sequence(events, "forward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S0", "C2",
+                                            "C0", "W0", "S1", "C1", "W1", "C2"]
+    assert _sequence(events, "backward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S2", "S0", "C2", "W2",
+                                             "C0", "W0", "S1", "C1", "W1", "S2", "C2", "W2"]
 
 
 def _slicing_worker(rank, world_size):

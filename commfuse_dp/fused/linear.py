@@ -56,8 +56,9 @@ class FusedRingLinearFn(torch.autograd.Function):
         x2 = x2.to(cdt) if x2.dtype != cdt else x2
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
+        engine.entered(state, x.requires_grad)
         with record_function("commfuse::fused_forward"):
-            forward_ring(state, layout.pack(state.pairs(params), cdt), x2, outs)
+            forward_ring(state, params, cdt, x2, outs)
         ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
         ctx.save_for_backward(x2, *params)
         lead = tuple(x.shape[:-1])
@@ -75,15 +76,25 @@ class FusedRingLinearFn(torch.autograd.Function):
         return (dx, None, *grads)
 
 
-def forward_ring(state: FusedGroupState, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
+def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
                  op: str = "forward") -> None:
-    """Run the forward ring over ``buf`` (this rank's packed shards), writing every member's output columns."""
+    """Run the forward ring over this rank's packed shards, writing every member's output columns."""
     engine, layout = state.engine, state.layout
     ring, world = engine.ring, engine.ring.size
-    nbuf = torch.empty_like(buf) if world > 1 else None
-    tag = ring.next_tag() if world > 1 else 0
+    ahead = engine.take_ahead(state, op)
+    if ahead is not None:  # step 0 started during the previous layer
+        buf, nbuf, tag, first = ahead.buf, ahead.nbuf, ahead.tag, ahead.step
+    else:
+        buf = layout.pack(state.pairs(params), cdt)
+        nbuf = torch.empty_like(buf) if world > 1 else None
+        tag = ring.next_tag() if world > 1 else 0
+        first = None
     for k in range(world):
-        step = engine.start([buf], [nbuf], tag, op, k) if k < world - 1 else None
+        step = None
+        if k < world - 1:
+            step = first if k == 0 and first is not None else engine.start([buf], [nbuf], tag, op, k)
+        else:
+            engine.start_next(state, op)  # the next layer's first ring step, beside this last piece
         if transport._OBSERVERS:
             transport.notify("compute_begin", op, k)
         _forward_piece(layout, buf, x2, outs, ring.shard_held(k))
@@ -122,14 +133,23 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     rdt = engine.reduce_dtype(cdt)
     pairs = state.pairs(params)
 
-    wbuf = layout.pack(pairs, cdt) if need_dx else None
-    nwbuf = torch.empty_like(wbuf) if need_dx and world > 1 else None
+    ahead = engine.take_ahead(state, "backward") if need_dx else None
+    if ahead is not None:  # step 0 (weight shards only) started during the previous layer's backward
+        wbuf, nwbuf, first = ahead.buf, ahead.nbuf, ahead.step
+    else:
+        wbuf = layout.pack(pairs, cdt) if need_dx else None
+        nwbuf = torch.empty_like(wbuf) if need_dx and world > 1 else None
+        first = None
     dx = x2.new_zeros(x2.shape) if need_dx else None
-    parts = [x2.new_zeros(layout.numel, dtype=rdt) for _ in range(2)] if train_any else None
-    racc = x2.new_zeros(layout.numel, dtype=rdt) if train_any and sync and world > 1 else None
+    # Every element of the gradient buffers is written before it is sent, except padding rows (out_features not
+    # a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
+    # uninitialised travels the ring.
+    alloc = x2.new_zeros if any(m.out_features % world for m in members) or not all(train) else x2.new_empty
+    parts = [alloc(layout.numel, dtype=rdt) for _ in range(2)] if train_any else None
+    racc = x2.new_empty(layout.numel, dtype=rdt) if train_any and sync and world > 1 else None
     pending = state.take_unsynced() if train_any and sync else None  # partials kept by no-sync backwards
     communicates = world > 1 and (need_dx or (train_any and sync))
-    tag = ring.next_tag() if communicates else 0
+    tag = ahead.tag if ahead is not None else ring.next_tag() if communicates else 0
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
 
     for k in range(world):
@@ -140,7 +160,12 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if train_any and sync and k > 0:
             sends.append(parts[(k - 1) % 2])
             recvs.append(racc)
-        step = engine.start(sends, recvs, tag, "backward", k) if sends else None
+        if k == 0 and first is not None:
+            step = first
+        else:
+            step = engine.start(sends, recvs, tag, "backward", k) if sends else None
+        if k == world - 1:
+            engine.start_next(state, "backward")
         if transport._OBSERVERS:
             transport.notify("compute_begin", "backward", k)
         if need_dx:

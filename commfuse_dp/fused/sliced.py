@@ -64,6 +64,13 @@ class SlicingScheduler:
         if self._current:
             self._order, self._current = self._current, []
         self._prefetched.clear()
+        if self._reducing or self._callback_queued:
+            # A backward that raised before autograd finished it: its reduce-scatters ran on every rank alike;
+            # wait for them and drop their gradients, so that the next backward queues its callback again.
+            for red in self._reducing:
+                if red.work is not None:
+                    red.work.wait()
+            self._reducing, self._callback_queued = [], False
 
     # -- all-gather with prefetch ----------------------------------------------------------------------
 
@@ -97,8 +104,9 @@ class SlicingScheduler:
         following = self._following(state, phase)
         if following is not None and (id(following[0]), phase) not in self._prefetched:
             nxt_state, nxt_params = following
+            nxt_dtype = self.engine.compute_dtype(nxt_params[0].dtype)  # its own, as its layer will ask
             self._prefetched[(id(nxt_state), phase)] = (
-                self._start_gather(nxt_state, nxt_params, dtype), nxt_params)
+                self._start_gather(nxt_state, nxt_params, nxt_dtype), nxt_params)
         self._wait(gathered.started, gathered.work)
         if phase == "forward" and backward_gathers and self._order and state is self._order[-1]:
             self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat, time.perf_counter()), params)
