@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--min-fuse-numel", type=int, default=1 << 16, help="CommFuseConfig.min_fuse_numel")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
@@ -144,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
-    args.model_args = [f"--{k}={getattr(args, k)}" for k in ("hidden", "intermediate", "layers", "heads", "vocab",
-                                                                "seq", "batch")]
+    args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+        "hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "min_fuse_numel")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []

@@ -71,7 +71,8 @@ class Runner:
     def _build_fused(self, schedule="fused", **options):
         import commfuse_dp as cf
 
-        config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, **options)
+        config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
+                                   **options)
         self.model = cf.shard(build_model(self.args), config)
         self.opt = self._optimizer(self.model.parameters())
 
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeline", help="write fused/slicing ring timelines of one step to this JSON file")
     parser.add_argument("--out", required=True)
     for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("vocab", 4096),
-                          ("seq", 256), ("batch", 2)):
+                          ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
 

@@ -1,0 +1,104 @@
+"""The planner, the benchmark's bookkeeping and plots, and one real (tiny) emulated-cluster run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from commfuse_dp import plan
+from commfuse_dp.benchmarks.bench import records_from
+from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
+
+SCHEDULES = ("no_overlap", "slicing", "fused")
+
+
+def _cluster(ranks=4, gbps=25.0, latency_us=10.0, tflops=300.0):
+    return plan.Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12)
+
+
+def test_planner_bounds():
+    units = plan.units_for(*plan.KNOWN_MODELS["llama-7b"], tokens=4096, seq=4096)
+    cl = _cluster()
+    results = {s: plan.simulate(units, cl, s) for s in SCHEDULES}
+    compute = results["fused"]["compute_s"]
+    for s in SCHEDULES:
+        assert results[s]["step_s"] >= compute * (1 - 1e-9), s  # nothing beats compute alone
+    assert results["no_overlap"]["step_s"] > results["slicing"]["step_s"]
+    assert results["no_overlap"]["step_s"] > results["fused"]["step_s"]
+    # An infinitely fast link leaves compute alone, for every schedule.
+    fast = plan.Cluster(4, 1e18, 0.0, cl.flops_per_s)
+    for s in SCHEDULES:
+        assert plan.simulate(units, fast, s)["step_s"] == pytest.approx(compute, rel=1e-6)
+    # One rank: nothing to communicate.
+    single = plan.Cluster(1, cl.bytes_per_s, cl.latency_s, cl.flops_per_s)
+    assert plan.simulate(units, single, "no_overlap")["step_s"] == pytest.approx(compute, rel=1e-9)
+
+
+def test_planner_recommendations_grow_with_latency():
+    low, high = plan.recommend(_cluster(latency_us=5)), plan.recommend(_cluster(latency_us=50))
+    assert high["bucket_mb"] > low["bucket_mb"] and high["min_fuse_numel"] > low["min_fuse_numel"]
+
+
+def test_plan_command(tmp_path, capsys):
+    assert plan.main(["--model", "gpt2", "--ranks", "4", "--link-gbps", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "no_overlap" in out and "fused" in out and "recommended: CommFuseConfig(" in out
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "vocab_size": 100}))
+    assert plan.main(["--model", str(config), "--ranks", "2"]) == 0
+    with pytest.raises(SystemExit, match="neither a known shape"):
+        plan.main(["--model", "no-such-model"])
+    with pytest.raises(SystemExit):
+        plan.main(["--ranks", "0"])
+
+
+def test_records_and_plots(tmp_path):
+    result = {"tokens_per_rank": 100, "variants": {
+        "fused": {"step_s": 1.2, "steps_s": [1.2], "peak_mem_mb": 10.0},
+        "compute_only": {"step_s": 1.0, "steps_s": [1.0], "peak_mem_mb": 12.0},
+        "comm_only": {"step_s": 0.8, "steps_s": [0.8], "peak_mem_mb": 1.0}}}
+    rows = {r["schedule"]: r for r in records_from(result, 500.0, 2)}
+    assert rows["fused"]["exposed_s"] == pytest.approx(0.2) and rows["fused"]["ratio_to_limit"] == pytest.approx(1.2)
+    assert rows["fused"]["tokens_per_s"] == pytest.approx(200 / 1.2)
+    assert rows["comm_only"]["exposed_s"] == 0.8 and rows["compute_only"]["exposed_s"] == 0.0
+    sweep_png(list(rows.values()), str(tmp_path / "sweep.png"), "test")
+    events = [{"lane": "compute", "op": "forward", "step": 0, "t0": 0.0, "t1": 0.1},
+              {"lane": "ring", "op": "forward", "step": 0, "t0": 0.0, "t1": 0.05}]
+    timeline_png({"fused": [events, events]}, str(tmp_path / "timeline.png"), "test")
+    for name in ("sweep.png", "timeline.png"):
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                 reason="the emulated cluster needs root and iproute2 (ip, tc)")
+
+
+@needs_netns
+def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "commfuse_dp.cli", "bench", "--rates", "4000", "--rounds", "1", "--steps", "1",
+           "--warmup", "1", "--variants", "fused,slicing,ddp,compute_only,comm_only", "--hidden", "64",
+           "--intermediate", "128", "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "1",
+           "--min-fuse-numel", "0",
+           "--json", str(out), "--out-dir", str(tmp_path), "--timeout", "240"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    schedules = {r["schedule"] for r in data["records"]}
+    assert schedules == {"fused", "slicing", "ddp", "compute_only", "comm_only"}
+    for r in data["records"]:
+        assert {"schedule", "world_size", "rate_mbit", "step_s", "exposed_s", "tokens_per_s", "peak_mem_mb"} <= set(r)
+        assert r["world_size"] == 2 and r["rate_mbit"] == 4000 and r["step_s"] > 0
+    assert data["balanced_rate_mbit"] == 4000
+    for name in ("sweep.png", "timeline.png", "trace.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "ring" for e in trace) and any(e.get("cat") == "compute" for e in trace)
+    # Torn down: no namespace of ours is left.
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "cf" not in " ".join(line.split()[0] for line in left.splitlines() if line.strip()), left
