@@ -131,14 +131,16 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
         works = dist.batch_isend_irecv(p2p)
         return StepHandle(ring, works[:len(sends)], works[len(sends):], op, step, steps, timeout_s, True)
     pg, handle = ring.group, StepHandle(ring, [], [], op, step, steps, timeout_s, False)
+    # Receives first: a gloo send moves its bytes once the receiver has posted the receive, and the notice that
+    # it has then leaves ahead of this rank's own outgoing bytes instead of queueing behind them.
     try:  # gloo raises here already when the peer's connection is gone
-        for t in sends:
-            handle.sends.append(pg.send([t], ring.next, tag))
-    except RuntimeError as err:
-        raise handle._failure(err, ring.next, "send to") from err
-    try:
         for t in recvs:
             handle.recvs.append(pg.recv([t], ring.prev, tag))
     except RuntimeError as err:
         raise handle._failure(err, ring.prev, "receive from") from err
+    try:
+        for t in sends:
+            handle.sends.append(pg.send([t], ring.next, tag))
+    except RuntimeError as err:
+        raise handle._failure(err, ring.next, "send to") from err
     return handle
