@@ -50,19 +50,11 @@ class FusedRingLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, state: FusedGroupState, *params: torch.Tensor):
-        layout, engine = state.layout, state.engine
-        cdt = engine.compute_dtype(params[0].dtype)
-        x2 = x.reshape(-1, layout.in_features)
-        x2 = x2.to(cdt) if x2.dtype != cdt else x2
-        x2 = x2 if x2.is_contiguous() else x2.contiguous()
-        outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
-        engine.entered(state, x.requires_grad)
+        cdt, x2, outs = prepare_forward(state, x, params)
+        state.engine.entered(state, x.requires_grad)
         with record_function("commfuse::fused_forward"):
             forward_ring(state, params, cdt, x2, outs)
-        ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
-        ctx.save_for_backward(x2, *params)
-        lead = tuple(x.shape[:-1])
-        return tuple(y.view(*lead, m.out_features) for y, m in zip(outs, layout.members))
+        return finish_forward(ctx, state, x, x2, params, outs)
 
     @staticmethod
     def backward(ctx, *grad_outs: torch.Tensor):
@@ -74,6 +66,24 @@ class FusedRingLinearFn(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, *grads)
+
+
+def prepare_forward(state: FusedGroupState, x: torch.Tensor, params) -> tuple[torch.dtype, torch.Tensor, list]:
+    """The compute dtype, the input as a contiguous ``(tokens, in)`` matrix in it, and one empty output per member."""
+    layout = state.layout
+    cdt = state.engine.compute_dtype(params[0].dtype)
+    x2 = x.reshape(-1, layout.in_features)
+    x2 = x2.to(cdt) if x2.dtype != cdt else x2
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    return cdt, x2, [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
+
+
+def finish_forward(ctx, state: FusedGroupState, x: torch.Tensor, x2: torch.Tensor, params, outs) -> tuple:
+    """Save what the backward needs and return the outputs in the input's leading shape."""
+    ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
+    ctx.save_for_backward(x2, *params)
+    lead = tuple(x.shape[:-1])
+    return tuple(y.view(*lead, m.out_features) for y, m in zip(outs, state.layout.members))
 
 
 def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
-from .linear import _forward_piece, _grad_piece
+from .linear import _forward_piece, _grad_piece, finish_forward, prepare_forward
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -152,11 +152,7 @@ class SlicedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, state: FusedGroupState, *params: torch.Tensor):
         layout, engine = state.layout, state.engine
-        cdt = engine.compute_dtype(params[0].dtype)
-        x2 = x.reshape(-1, layout.in_features)
-        x2 = x2.to(cdt) if x2.dtype != cdt else x2
-        x2 = x2 if x2.is_contiguous() else x2.contiguous()
-        outs = [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
+        cdt, x2, outs = prepare_forward(state, x, params)
         with record_function("commfuse::sliced_forward"):
             flat = engine.slicing.gather(state, list(params), cdt, "forward", backward_gathers=x.requires_grad)
             if transport._OBSERVERS:
@@ -165,10 +161,7 @@ class SlicedLinearFn(torch.autograd.Function):
                 _forward_piece(layout, flat[s], x2, outs, s)
             if transport._OBSERVERS:
                 transport.notify("compute", "forward", 0)
-        ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
-        ctx.save_for_backward(x2, *params)
-        lead = tuple(x.shape[:-1])
-        return tuple(y.view(*lead, m.out_features) for y, m in zip(outs, layout.members))
+        return finish_forward(ctx, state, x, x2, params, outs)
 
     @staticmethod
     def backward(ctx, *grad_outs: torch.Tensor):
