@@ -1,0 +1,92 @@
+"""Host overhead of one ring step on gloo: the time this thread spends issuing a step and waiting for it when the
+bytes have already arrived (the cost a fused layer pays per ring step on top of its compute).
+
+    python benchmarks/step_overhead.py                    # 2 ranks over loopback, 4 KiB and 1 MiB shards
+
+Per size, ``--steps`` ring steps run with a busy compute piece of ``--piece-ms`` between start and wait (long enough
+for the bytes to land), and the table shows the median time inside ``start_step`` (issue) and inside ``wait``.
+Their sum is the host overhead per ring step. This is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    from commfuse_dp.ring.topology import get_ring
+    from commfuse_dp.ring.transport import start_step
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    ring = get_ring()
+    rows = []
+    for size in args.sizes:
+        send, recv = torch.randn(size // 4), torch.empty(size // 4)
+        issue, wait = [], []
+        for i in range(args.steps + 20):
+            dist.barrier() if i % 50 == 0 else None
+            t0 = time.perf_counter()
+            handle = start_step(ring, [send], [recv], tag=ring.next_tag(), op="probe", step=0, steps=1,
+                                timeout_s=60)
+            t1 = time.perf_counter()
+            _busy(args.piece_ms / 1e3)
+            t2 = time.perf_counter()
+            handle.wait()
+            t3 = time.perf_counter()
+            if i >= 20:
+                issue.append(t1 - t0)
+                wait.append(t3 - t2)
+        rows.append((size, statistics.median(issue), statistics.median(wait)))
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--sizes", default="4096,1048576", help="bytes per shard, comma-separated")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--piece-ms", type=float, default=2.0, help="busy compute between start and wait")
+    args = parser.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    print(f"host time per ring step, gloo over loopback, {args.world_size} ranks, median of {args.steps} steps, "
+          f"{args.piece_ms:g} ms of compute between start and wait")
+    print(f"{'shard':>10} {'issue us':>9} {'wait us':>8} {'total us':>9}")
+    for size, issue, wait in rows:
+        print(f"{size:>10} {issue * 1e6:>9.1f} {wait * 1e6:>8.1f} {(issue + wait) * 1e6:>9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
