@@ -21,7 +21,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+try:
+    from .loopback import run_loopback
+except ImportError:  # run as a script: python benchmarks/ring_micro.py
+    from loopback import run_loopback
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -103,18 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--world-size must be at least 2 (a ring of one rank sends nothing)")
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
+    rows = run_loopback(_rank, args.world_size, args)
+    if rows is None:
         print("a rank failed; see its output above", file=sys.stderr)
         return 1
 

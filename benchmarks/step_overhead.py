@@ -18,7 +18,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+try:
+    from .loopback import run_loopback
+except ImportError:  # run as a script: python benchmarks/step_overhead.py
+    from loopback import run_loopback
 
 
 def _busy(seconds: float) -> None:
@@ -69,17 +73,10 @@ def main(argv=None) -> int:
     parser.add_argument("--piece-ms", type=float, default=2.0, help="busy compute between start and wait")
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    rows = run_loopback(_rank, args.world_size, args, timeout=600)
+    if rows is None:
+        print("a rank failed; see its output above")
+        return 1
     print(f"host time per ring step, gloo over loopback, {args.world_size} ranks, median of {args.steps} steps, "
           f"{args.piece_ms:g} ms of compute between start and wait")
     print(f"{'shard':>10} {'issue us':>9} {'wait us':>8} {'total us':>9}")
