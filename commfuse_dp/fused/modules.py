@@ -91,7 +91,7 @@ class FusedGroup:
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
-            return _apply(self.state, self.modules, x)[0]
+            return _apply(self.state, x)[0]
         if x is self._key and index in self._pending:
             out = self._pending.pop(index)
             if not self._pending:
@@ -102,8 +102,8 @@ class FusedGroup:
             # member (index 0) always starts a new round, dropping outputs nobody asked for.
             if index not in self._solo:
                 self._solo[index] = self._state([self.modules[index]])
-            return _apply(self._solo[index], [self.modules[index]], x)[0]
-        outs = _apply(self.state, self.modules, x)
+            return _apply(self._solo[index], x)[0]
+        outs = _apply(self.state, x)
         self._key = x
         self._pending = {j: out for j, out in enumerate(outs) if j != index}
         return outs[index]
@@ -112,12 +112,8 @@ class FusedGroup:
         self._key, self._pending = None, {}
 
 
-def _apply(state: FusedGroupState, modules: list[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    params: list[torch.Tensor] = []
-    for m in modules:
-        params.append(m.weight.to_local())
-        if m.bias is not None:
-            params.append(m.bias.to_local())
+def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    params = [p.to_local() for p in state.params()]  # autograd-aware: grads flow back into the DTensor params
     engine = state.engine
     if engine.stats.enabled:
         engine.stats.mark()
