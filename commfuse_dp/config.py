@@ -65,6 +65,11 @@ class CommFuseConfig:
     layers"), in forward and backward, using the layer order of the previous step. Off: each layer's ring starts
     with the layer, leaving a small bubble at every layer boundary."""
 
+    prefetch_depth: int = 2
+    """With ``prefetch_next``: how many following layers have their first ring step in flight at once. Each one
+    holds one more packed weight shard of that layer; a deeper queue lets the link run ahead of compute where
+    a layer's compute is short, so its bytes land by the time a longer layer needs them."""
+
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
     ``RingCommError`` naming that peer and the step, on every rank, instead of hanging."""
@@ -83,6 +88,10 @@ class CommFuseConfig:
         self.min_fuse_numel = _number("min_fuse_numel", self.min_fuse_numel, int)
         if self.min_fuse_numel < 0:
             raise ValueError(f"CommFuseConfig.min_fuse_numel={self.min_fuse_numel!r}: must be an integer >= 0")
+        self.prefetch_depth = _number("prefetch_depth", self.prefetch_depth, int)
+        if self.prefetch_depth < 1:
+            raise ValueError(f"CommFuseConfig.prefetch_depth={self.prefetch_depth!r}: must be an integer >= 1 "
+                             f"(turn the prefetch off with prefetch_next=false)")
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
@@ -192,9 +201,9 @@ def _parse_env(name: str, raw: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
-    if name in ("bucket_mb", "timeout_s", "min_fuse_numel"):
+    if name in ("bucket_mb", "timeout_s", "min_fuse_numel", "prefetch_depth"):
         try:
-            return float(text) if name != "min_fuse_numel" else int(float(text))
+            return float(text) if name not in ("min_fuse_numel", "prefetch_depth") else int(float(text))
         except ValueError:
             raise ValueError(f"{var}={raw!r}: must be a number") from None
     return text  # strings and dtype names

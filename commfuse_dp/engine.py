@@ -49,6 +49,12 @@ class Engine:
         self._current: list = []
         self._ahead: dict[tuple[int, str], Ahead] = {}
         self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
+        # A fused layer's last reduce-scatter step lands during the next layer's first backward piece instead of
+        # during its own last piece (a window of a whole layer, not a piece); the grads are put in place then,
+        # or when the backward ends.
+        self.defer_last_reduce = self._prefetch
+        self._deferred: list = []
+        self._deferred_callback = False
 
     def begin_step(self) -> None:
         self.stats.begin_step()
@@ -59,6 +65,27 @@ class Engine:
         for ahead in self._ahead.values():  # started on every rank alike but not used (another path was taken)
             ahead.step.handle.wait()
         self._ahead.clear()
+        self.finish_deferred()  # a backward that ended without its end-of-backward callback (an error in it)
+
+    # -- a layer's last gradient step, finished during the next layer ---------------------------------------
+
+    def defer(self, deferred) -> None:
+        """Keep ``deferred`` (a ``DeferredReduce``) in flight until the next fused backward's first piece ends
+        or the backward finishes, whichever comes first."""
+        self._deferred.append(deferred)
+        if not self._deferred_callback:
+            self._deferred_callback = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._deferred_callback = False
+        self.finish_deferred()
+
+    def finish_deferred(self) -> None:
+        pending, self._deferred = self._deferred, []
+        for deferred in pending:
+            self.wait(deferred.step)
+            deferred.complete()
 
     # -- across layers: the next layer's first ring step starts during this layer's last piece -------------
 
@@ -72,24 +99,30 @@ class Engine:
         return self._ahead.pop((id(state), phase), None) if self._prefetch else None
 
     def start_next(self, state, phase: str) -> None:
-        """Start the first ring step of the group that follows ``state`` in ``phase`` (if the order is known)."""
+        """Keep the first ring step of the ``prefetch_depth`` groups that follow ``state`` in ``phase`` in flight
+        (if the order is known); a group whose step is already in flight counts without starting anything."""
         if not self._prefetch:
             return
         order = self._order if phase == "forward" else self._order[::-1]
         try:
-            following = order[order.index(state) + 1]
-        except (ValueError, IndexError):
+            at = order.index(state)
+        except ValueError:
             return
-        if phase == "backward" and not self._needs_dx.get(id(following), False):
-            return  # its backward sends no weight shards: nothing to start early
-        key = (id(following), phase)
-        if key in self._ahead:
-            return
-        params = following.local_params()
-        buf = following.layout.pack(following.pairs(params), self.compute_dtype(params[0].dtype))
-        nbuf = torch.empty_like(buf)
-        tag = self.ring.next_tag()
-        self._ahead[key] = Ahead(self.start([buf], [nbuf], tag, phase, 0), buf, nbuf, tag)
+        wanted = self.config.prefetch_depth
+        for following in order[at + 1:]:
+            if wanted == 0:
+                break
+            if phase == "backward" and not self._needs_dx.get(id(following), False):
+                continue  # its backward sends no weight shards: nothing to start early
+            wanted -= 1
+            key = (id(following), phase)
+            if key in self._ahead:
+                continue
+            params = following.local_params()
+            buf = following.layout.pack(following.pairs(params), self.compute_dtype(params[0].dtype))
+            nbuf = torch.empty_like(buf)
+            tag = self.ring.next_tag()
+            self._ahead[key] = Ahead(self.start([buf], [nbuf], tag, phase, 0), buf, nbuf, tag)
 
     # -- ring steps, timed -------------------------------------------------------------------------------
 

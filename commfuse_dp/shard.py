@@ -44,7 +44,10 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
 
     ``mesh``: a 1-D DeviceMesh of the data-parallel ranks (default: all ranks of the initialised world).
     ``units``: module classes to shard as FSDP2 units (default: ``model._no_split_modules``, else the entries of
-    the model's longest ``nn.ModuleList``).
+    the model's longest ``nn.ModuleList``). By default a unit whose parameters left after fusing are too few to
+    be worth a collective of their own (a shard below ``min_fuse_numel`` elements, e.g. a decoder layer's two
+    norm weights) joins its parent's unit instead: the root gathers them once at the start of the step and
+    reduce-scatters them once at the end, rather than with two blocking ring collectives inside every layer.
     """
     config = config if config is not None else CommFuseConfig()
     if getattr(model, "_commfuse_engine", None) is not None:
@@ -73,6 +76,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units)
+    if units is None:
+        unit_modules = [u for u in unit_modules
+                        if _unfused_numel(u, fused_params) // engine.ring.size >= max(config.min_fuse_numel, 1)]
     for unit in unit_modules:
         if any(p not in fused_params for p in unit.parameters()):
             fully_shard(unit, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
@@ -160,6 +166,10 @@ def _compatible(members: list[nn.Module]) -> bool:
     width = lambda m: m.weight.shape[0] if m._cf_transposed else m.weight.shape[1]  # noqa: E731
     return all(width(m) == width(first) and m.weight.dtype == first.weight.dtype
                and m._cf_transposed == first._cf_transposed for m in members)
+
+
+def _unfused_numel(unit: nn.Module, fused_params: set[nn.Parameter]) -> int:
+    return sum(p.numel() for p in unit.parameters() if p not in fused_params)
 
 
 def _units(model: nn.Module, units: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:

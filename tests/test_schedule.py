@@ -9,10 +9,11 @@ from commfuse_dp.ring import observe_ring
 from harness import run_ranks
 
 
-def _fused_worker(rank, world_size, steps=1):
+def _fused_worker(rank, world_size, steps=1, prefetch_next=True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0), mesh=init_device_mesh("cpu", (world_size,)))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_next=prefetch_next),
+             mesh=init_device_mesh("cpu", (world_size,)))
     x = torch.randn(4, 16, requires_grad=True)
     for _ in range(steps):
         events = []
@@ -23,7 +24,7 @@ def _fused_worker(rank, world_size, steps=1):
 
 def test_fused_order_matches_design():
     world = 3
-    events = run_ranks(_fused_worker, world)[0]
+    events = run_ranks(_fused_worker, world, (1, False))[0]  # each layer on its own: no cross-layer prefetch
     shown = {"start": "S", "compute": "C", "wait": "W"}  # "compute_begin" and "done" are implied by these
     forward = [shown[e[0]] + str(e[2]) for e in events if e[1] == "forward" and e[0] in shown]
     backward = [shown[e[0]] + str(e[2]) for e in events if e[1] == "backward" and e[0] in shown]
@@ -44,14 +45,44 @@ def _sequence(events, op):
     return [shown[e[0]] + str(e[2]) for e in events if e[1] == op and e[0] in shown]
 
 
+def test_last_gradient_step_lands_during_the_next_layer():
+    # The first step does not know the layer order yet (no prefetch), but a layer's last reduce-scatter hop (S2)
+    # is not waited beside its own last piece: it is waited after the next layer's first piece (C0 ... W2), and
+    # the last layer's at the end of the backward.
+    backward = _sequence(run_ranks(_fused_worker, 3)[0], "backward")
+    assert backward == ["S0", "C0", "W0", "S1", "C1", "W1", "S2", "C2",
+                        "S0", "C0", "W2", "W0", "S1", "C1", "W1", "S2", "C2", "W2"], backward
+
+
 def test_next_layer_ring_starts_during_the_last_piece():
     # From the second step on, the order is known: the next layer's step 0 starts (S0) before this layer's last
     # piece (C2), and the next layer then begins with a piece (C0), its step 0 already in flight.
     events = run_ranks(_fused_worker, 3, (2,))[0]
     assert _sequence(events, "forward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S0", "C2",
                                             "C0", "W0", "S1", "C1", "W1", "C2"]
-    assert _sequence(events, "backward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S2", "S0", "C2", "W2",
-                                             "C0", "W0", "S1", "C1", "W1", "S2", "C2", "W2"]
+    assert _sequence(events, "backward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S2", "S0", "C2",
+                                             "C0", "W2", "W0", "S1", "C1", "W1", "S2", "C2", "W2"]
+
+
+def _depth_worker(rank, world_size, depth):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_depth=depth))
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        events = []
+        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+            model(x).sum().backward()
+    return _sequence(events, "forward")
+
+
+def test_prefetch_depth_keeps_that_many_layers_in_flight():
+    # 2 ranks, 3 layers, second step. Depth 1: each layer's step 0 starts during the previous layer's last piece.
+    # Depth 2: the first layer's last piece starts both following layers' step 0; nothing starts after that.
+    assert run_ranks(_depth_worker, 2, (1,))[0] == ["S0", "C0", "W0", "S0", "C1", "C0", "W0", "S0", "C1",
+                                                    "C0", "W0", "C1"]
+    assert run_ranks(_depth_worker, 2, (2,))[0] == ["S0", "C0", "W0", "S0", "S0", "C1", "C0", "W0", "C1",
+                                                    "C0", "W0", "C1"]
 
 
 def _slicing_worker(rank, world_size):

@@ -151,6 +151,34 @@ def test_hf_gradient_checkpointing():
     run_ranks(_checkpointing_worker, 2, timeout=300)
 
 
+def _small_units_worker(rank, world_size):
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    # Tiny Llama at 2 ranks: every linear's shard has >= 256 elements (fused), a layer's two norms only 32: such
+    # a layer joins the root's FSDP2 unit unless units are named explicitly.
+    for schedule in ("fused", "slicing"):
+        config = cf.CommFuseConfig(schedule=schedule, min_fuse_numel=64)
+        seen = {}
+
+        def check_units(model, units=None):
+            cf.shard(model, config, units=units)
+            seen[units is None] = [isinstance(m, FSDPModule) for m in model.model.layers]
+            assert isinstance(model, FSDPModule)
+            return model
+
+        assert_parity(run_case(rank, world_size, "llama", schedule, config=config), label=f"small-units/{schedule}")
+        check_units(hf_models.build("llama"))
+        assert seen[True] == [False, False], "norm-only decoder layers should have joined the root unit"
+        check_units(hf_models.build("llama"), units=(LlamaDecoderLayer,))
+        assert seen[False] == [True, True], "explicit units must be kept"
+    return True
+
+
+def test_layers_with_only_small_params_join_the_root_unit():
+    run_ranks(_small_units_worker, 2, timeout=300)
+
+
 def _determinism_worker(rank, world_size):
     first = run_case(rank, world_size, "llama", "fused")
     second = run_case(rank, world_size, "llama", "fused")

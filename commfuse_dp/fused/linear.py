@@ -32,10 +32,11 @@ each shard's partial sum locally, sends no gradient bytes, and adds them into th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor, Shard
 
 from ..ring import transport
 from .layout import GroupLayout
@@ -197,16 +198,23 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
                     part.div_(pre)
         if transport._OBSERVERS:
             transport.notify("compute", "backward", k)
-        if step is not None:
+        if k == 0:
+            engine.finish_deferred()  # the previous layer's last gradient step, which had this piece to land
+        last_deferred = step is not None and k == world - 1 and engine.defer_last_reduce
+        if step is not None and not last_deferred:
             engine.wait(step)
             if need_dx and k < world - 1:
                 wbuf, nwbuf = nwbuf, wbuf
-        if train_any and sync and k > 0:
+        if train_any and sync and k > 0 and not last_deferred:
             part.add_(racc)
 
     grads: list[torch.Tensor | None] = [None] * len(params)
     if train_any and sync:
         final = parts[(world - 1) % 2]  # shard t == r
+        if last_deferred:  # completed by engine.finish_deferred, which adds racc and accumulates the grads
+            engine.defer(DeferredReduce(step, state, final, racc, post, tuple(p.dtype for p in params),
+                                        tuple(params_need_grad), tuple(train)))
+            return dx, grads
         if post != 1.0:
             final.div_(post)
         for j, m in enumerate(members):
@@ -218,6 +226,38 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
             for idx, g in zip((w_idx, *b_idx), unpacked):
                 grads[idx] = g if params_need_grad[idx] else None
     return dx, grads
+
+
+class DeferredReduce(NamedTuple):
+    """A fused layer's last reduce-scatter step, left in flight when its backward returned
+    (``Engine.defer_last_reduce``): it lands during the next layer's first piece, and then
+    ``complete()`` adds the received partial sum and puts the finished shard into the parameters' grads."""
+
+    step: object  # engine.InFlight
+    state: FusedGroupState
+    final: torch.Tensor  # this rank's own partial of shard r
+    racc: torch.Tensor  # receives the rest of the ring's sum
+    post: float
+    dtypes: tuple[torch.dtype, ...]
+    need_grad: tuple[bool, ...]
+    train: tuple[bool, ...]
+
+    def complete(self) -> None:
+        self.final.add_(self.racc)
+        if self.post != 1.0:
+            self.final.div_(self.post)
+        state, layout = self.state, self.state.layout
+        params = state.params()
+        for j, m in enumerate(layout.members):
+            if not self.train[j]:
+                continue
+            w_idx, *b_idx = state.param_index(j)
+            local = params[w_idx].to_local()
+            rows = local.shape[1] if m.transposed else local.shape[0]
+            unpacked = layout.unpack_grad(self.final, m, rows, self.dtypes[w_idx])
+            for idx, g in zip((w_idx, *b_idx), unpacked):
+                if self.need_grad[idx]:
+                    accumulate_grad(params[idx], g, 1 if (m.transposed and idx == w_idx) else 0)
 
 
 def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor | None], train: list[bool],
@@ -238,3 +278,11 @@ def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor 
         if m.has_bias:
             m.bias(part, hi - lo).copy_(dy_t.sum(0))
 
+
+def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor, dim: int) -> None:
+    """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``."""
+    if param.grad is None:
+        param.grad = DTensor.from_local(local_grad, param.device_mesh, [Shard(dim)], run_check=False,
+                                        shape=param.shape, stride=param.stride())
+    else:
+        param.grad.to_local().add_(local_grad)

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..engine import Engine
 from .layout import GroupLayout
-from .linear import FusedRingLinearFn
-from .sliced import SlicedLinearFn, accumulate_grad
+from .linear import FusedRingLinearFn, accumulate_grad
+from .sliced import SlicedLinearFn
 
 
 class FusedGroupState:

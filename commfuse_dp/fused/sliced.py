@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor, Shard
 
 from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
-from .linear import _forward_piece, _grad_piece, finish_forward, prepare_forward
+from .linear import _forward_piece, _grad_piece, accumulate_grad, finish_forward, prepare_forward
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -205,12 +204,3 @@ class SlicedLinearFn(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, *([None] * len(params)))
-
-
-def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor, dim: int) -> None:
-    """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``."""
-    if param.grad is None:
-        param.grad = DTensor.from_local(local_grad, param.device_mesh, [Shard(dim)], run_check=False,
-                                        shape=param.shape, stride=param.stride())
-    else:
-        param.grad.to_local().add_(local_grad)
