@@ -3,8 +3,9 @@
     commfuse-dp bench --quick --json bench.json        # about 4 minutes here: 2 ranks, 3 rates, all variants
     commfuse-dp bench --rates 1000,2000,4000 --world-size 2 --out-dir bench-out
 
-1. Calibration: compute alone and communication alone at a reference rate give the *balanced* rate, where the
-   ZeRO-3 bytes of a step take as long as its compute (communication time scales as 1/rate).
+1. Calibration: compute alone at a reference rate, and communication alone at that rate and twice it, give the
+   *balanced* rate, where the ZeRO-3 bytes of a step take as long as its compute (communication time fitted as
+   a fixed part plus a part that scales as 1/rate).
 2. The sweep: the balanced rate, twice it and half of it (communication from half to twice the compute), or
    ``--rates``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
 3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit, step_s, exposed_s,
@@ -34,6 +35,7 @@ CPU_NOTES = {
     "ddp": "DDP keeps the full model and optimizer on every rank (no sharding)",
     "comm_only": "the ZeRO-3 bytes of a step through the rings, back to back",
     "compute_only": "same per-rank work, no communication",
+    "concurrent": "compute alone and communication alone at once, independent: the CPU-shared limit",
 }
 SHAPING_NOTE = ("tbf token buckets (1 MB) refill while a link is idle, so schedules with compute gaps get some "
                 "bytes above the rate that back-to-back communication alone does not (DESIGN.md §6 shaping)")
@@ -157,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"calibrating at {args.reference_rate:g} Mbit/s ...", flush=True)
             calib_args = argparse.Namespace(**{**vars(args), "rounds": 1, "steps": 3, "warmup": 2})
-            calib = run_rate(cluster, args.reference_rate, ["compute_only", "comm_only"], calib_args)["variants"]
+            reference = args.reference_rate
+            calib = run_rate(cluster, reference, ["compute_only", "comm_only"], calib_args)["variants"]
             compute, comm = calib["compute_only"]["step_s"], calib["comm_only"]["step_s"]
-            balanced = round(args.reference_rate * comm / compute, -1)
+            comm2 = run_rate(cluster, 2 * reference, ["comm_only"], calib_args)["variants"]["comm_only"]["step_s"]
+            balanced = balanced_rate(reference, compute, comm, comm2)
             rates = [2 * balanced, balanced, balanced / 2]
-            print(f"compute {compute:.3f}s, communication {comm:.3f}s per step at {args.reference_rate:g} Mbit/s "
-                  f"-> balanced rate {balanced:g} Mbit/s; sweep {', '.join(f'{r:g}' for r in rates)}", flush=True)
+            print(f"compute {compute:.3f}s, communication {comm:.3f}s at {reference:g} and {comm2:.3f}s at "
+                  f"{2 * reference:g} Mbit/s per step -> balanced rate {balanced:g} Mbit/s; sweep "
+                  f"{', '.join(f'{r:g}' for r in rates)}", flush=True)
         timeline_path = os.path.join(args.out_dir, "timeline.json")
         for rate in rates:
             at_balance = rate == balanced
@@ -187,6 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.json or '(no JSON)'}, {args.out_dir}/sweep.png, {args.out_dir}/timeline.png, "
           f"{args.out_dir}/trace.json in {time.monotonic() - started:.0f}s")
     return 0
+
+
+def balanced_rate(reference: float, compute: float, comm: float, comm_at_double: float) -> float:
+    """The rate at which communication alone takes as long as compute alone, from communication times at
+    ``reference`` and twice it, fitted as ``fixed + bytes_term / rate`` (the fixed part: per-step latencies and
+    CPU work that a faster link does not shorten). Falls back to pure ``1/rate`` scaling when the two times do not
+    fit that form (noise) or the fixed part alone exceeds the compute."""
+    per_rate = 2 * reference * (comm - comm_at_double)  # seconds x Mbit/s
+    fixed = comm - per_rate / reference
+    if per_rate > 0 and 0 <= fixed < 0.9 * compute:
+        return round(per_rate / (compute - fixed), -1)
+    return round(reference * comm / compute, -1)
 
 
 def _write_timeline(timelines: dict, out_dir: str, rate: float, world: int) -> None:

@@ -8,7 +8,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"fused": "#d62728", "slicing": "#1f77b4", "fsdp2": "#2ca02c", "deepspeed_zero3": "#9467bd",
-          "ddp": "#8c564b", "compute_only": "#7f7f7f", "comm_only": "#bcbd22", "fused_noprefetch": "#ff9896"}
+          "ddp": "#8c564b", "compute_only": "#7f7f7f", "comm_only": "#bcbd22", "fused_noprefetch": "#ff9896",
+          "concurrent": "#17becf"}
 LANES = {"compute": ("compute", "#4c72b0"), "ring": ("ring steps (fused)", "#dd8452"),
          "ring-thread": ("ring thread (async)", "#55a868")}
 
@@ -19,7 +20,7 @@ def sweep_png(records: list[dict], path: str, title: str) -> None:
     schedules = sorted({r["schedule"] for r in records}, key=list(COLORS).index)
     for schedule in schedules:
         rows = sorted((r for r in records if r["schedule"] == schedule), key=lambda r: r["rate_mbit"])
-        style = ":" if schedule in ("compute_only", "comm_only") else "-"
+        style = ":" if schedule in ("compute_only", "comm_only", "concurrent") else "-"
         ax.plot([r["rate_mbit"] for r in rows], [r["step_s"] for r in rows], style, marker="o",
                 color=COLORS.get(schedule), label=schedule)
     limit = {}

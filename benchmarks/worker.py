@@ -14,6 +14,9 @@ Variants:
 - ``ddp``: ``DistributedDataParallel`` (gloo all-reduce buckets during backward).
 - ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound).
 - ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
+- ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
+  the same time, with no dependency between them. The best any overlap can do on this machine, where the
+  communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
 - ``comm_only``: the ZeRO-3 bytes of one step (all-gather forward, all-gather backward, reduce-scatter backward of
   every parameter, layer by layer) through the rings, no compute (the communication bound).
 """
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
-EXTRA_VARIANTS = ("fused_noprefetch",)  # for before/after measurements; not in the default set
+EXTRA_VARIANTS = ("fused_noprefetch", "concurrent")  # for before/after measurements; not in the default set
 
 
 def model_config(args):
@@ -133,10 +136,37 @@ class Runner:
 
         self._comm_step = step
 
+    def _build_concurrent(self):
+        import threading
+
+        self._build_comm_only()
+        comm_step = self._comm_step
+        self._build_compute_only()
+        failure: list[BaseException] = []
+
+        def run_comm():
+            try:
+                comm_step()
+            except BaseException as err:  # surfaced on the main thread below
+                failure.append(err)
+
+        def step():
+            thread = threading.Thread(target=run_comm, daemon=True)
+            thread.start()
+            self._compute_step()
+            thread.join(timeout=600)
+            if thread.is_alive() or failure:
+                raise RuntimeError(f"concurrent: the communication thread failed: {failure or 'still running'}")
+
+        self._comm_step = step
+
     def step(self) -> None:
-        if self.name == "comm_only":
+        if self.name in ("comm_only", "concurrent"):
             self._comm_step()
             return
+        self._compute_step()
+
+    def _compute_step(self) -> None:
         if self.name == "deepspeed_zero3":
             loss = self.engine(**self.batch).loss
             self.engine.backward(loss)

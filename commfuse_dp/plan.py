@@ -14,8 +14,9 @@ resources per rank, the compute stream and the link, and plays each schedule on 
 - ``fused``: inside each unit N compute pieces run beside N-1 ring steps (forward) or N ring steps (backward:
   weight shards and gradient partial sums together); a piece waits for the ring step before it. Parameters that are
   not fused (embedding, norms) take the bucketed path at the unit's edges, as ``shard()`` does.
-Calibration fits F (compute alone) and B (communication alone) per rate from a ``commfuse-dp bench`` JSON and
-compares the prediction for every schedule with its measured step time.
+Calibration fits F (compute alone), B (communication alone) and, where the JSON has the ``concurrent`` bound, the
+CPU time communication takes from compute per byte, per rate, from a ``commfuse-dp bench`` JSON, and compares the
+prediction for fused and slicing with their measured step times.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KNOWN_MODELS = {
     # name: hidden, intermediate, layers, heads, kv heads, vocab
@@ -42,6 +43,8 @@ class Unit:
     fused_numel: int  # weight elements of fused linears (all ranks together)
     other_numel: int  # parameters through the bucketed rings (embedding, norms)
     flops: float  # forward FLOPs of this rank's tokens
+    groups: tuple[int, ...] = ()  # the fused groups' weight elements, in order (sum: fused_numel)
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class Cluster:
     flops_per_s: float
     param_bytes: int = 2
     grad_bytes: int = 2
+    cpu_s_per_byte: float = 0.0  # compute time the communication's CPU work takes per byte (shared cores)
+    prefetch_depth: int = 2  # CommFuseConfig.prefetch_depth
 
 
 def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -62,9 +67,76 @@ def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads:
     units = [Unit("embedding", 0, vocab * hidden, 0.0)]
     for i in range(layers):
         numel = sum(groups)
-        units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention))
-    units.append(Unit("lm_head", vocab * hidden, hidden, 2.0 * tokens * vocab * hidden))
+        units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention, tuple(groups), tokens))
+    units.append(Unit("lm_head", vocab * hidden, hidden, 2.0 * tokens * vocab * hidden, (vocab * hidden,), tokens))
     return units
+
+
+def _fused(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the fused schedule: compute pieces and a FIFO link per rank, as ``shard()`` runs them.
+
+    Each fused group (q/k/v, o, gate/up, down, lm_head) computes N pieces; ring step k is issued when piece k
+    starts and waited when it ends, except that a group's step 0 (its own weight shards) is issued during the last
+    piece of the group ``prefetch_depth`` before it, and in backward a group's last step (gradient partials only)
+    is waited after the next group's first piece. Attention runs as compute with no ring step. Parameters that
+    are not fused go through one bucketed all-gather before the forward and one reduce-scatter after the
+    backward, both exposed."""
+    n, depth = cl.ranks, cl.prefetch_depth
+    other = sum(u.other_numel for u in units)
+    bucketed = lambda nbytes: (n - 1) * (cl.latency_s + other / n * nbytes / cl.bytes_per_s)  # noqa: E731
+    # (weight elements, forward seconds) per group, and compute-only gaps (attention), in forward order.
+    items: list[tuple[int, float]] = []
+    for u in units:
+        if not u.groups:
+            items.append((0, u.flops / cl.flops_per_s))
+            continue
+        gemm = [2.0 * u.tokens * g / cl.flops_per_s for g in u.groups]
+        items += [(g, f) for g, f in zip(u.groups, gemm)]
+        if u.flops / cl.flops_per_s > sum(gemm):
+            items.insert(len(items) - len(u.groups) + 1, (0, u.flops / cl.flops_per_s - sum(gemm)))
+    link = [0.0]
+
+    def send(issue: float, nbytes: float) -> float:
+        link[0] = max(issue, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
+        return link[0]
+
+    def phase(seq: list[tuple[int, float]], t: float, backward: bool) -> float:
+        groups = [i for i, (g, _) in enumerate(seq) if g]
+        first_done: dict[int, float] = {}
+        deferred = None
+        for i, (numel, seconds) in enumerate(seq):
+            if not numel:
+                t += seconds
+                continue
+            shard = numel / n
+            piece = seconds / n
+            if i not in first_done:  # not prefetched: step 0 starts with the group
+                first_done[i] = send(t, shard * cl.param_bytes)
+            done = first_done[i]
+            for k in range(n):
+                if k > 0:
+                    nbytes = shard * ((cl.param_bytes if k < n - 1 else 0) + (cl.grad_bytes if backward else 0))
+                    done = send(t, nbytes) if nbytes else t
+                if k == n - 1:  # the last piece: prefetch the following groups' step 0
+                    at = groups.index(i)
+                    for j in groups[at + 1:at + 1 + depth]:
+                        if j not in first_done:
+                            first_done[j] = send(t, seq[j][0] / n * cl.param_bytes)
+                t += piece
+                if k == 0 and deferred is not None:
+                    t, deferred = max(t, deferred), None
+                if k < n - 1 or not backward:
+                    t = max(t, done) if k < n - 1 else t
+                else:
+                    deferred = done
+        return max(t, deferred) if deferred is not None else t
+
+    t = send(0.0, 0.0) + bucketed(cl.param_bytes)
+    link[0] = t
+    t = phase(items, t, backward=False)
+    t = phase([(g, 2 * f) for g, f in reversed(items)], t, backward=True)
+    t = max(t, link[0]) + bucketed(cl.grad_bytes)
+    return t
 
 
 def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
@@ -83,6 +155,14 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         comm = sum(2 * coll(u.fused_numel + u.other_numel, cl.param_bytes) +
                    coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units)
         return {"step_s": compute + comm, "compute_s": compute, "flops": flops}
+    if cl.cpu_s_per_byte and n > 1:
+        # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
+        # stack): the compute of an overlapping schedule slows by that much.
+        moved = sum(u.fused_numel + u.other_numel for u in units) * (n - 1) / n * (2 * cl.param_bytes +
+                                                                                    cl.grad_bytes)
+        slowed = replace(cl, cpu_s_per_byte=0.0,
+                         flops_per_s=cl.flops_per_s * compute / (compute + cl.cpu_s_per_byte * moved))
+        return {**simulate(units, slowed, schedule), "compute_s": compute}
     if schedule == "slicing":
         # The link serves requests in issue order (the ring thread): unit i+1's gather is issued when unit i
         # starts computing; in backward, unit i's reduce-scatter is issued when its backward compute ends.
@@ -108,26 +188,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
             link = max(link, comp) + rs[i]
         return {"step_s": max(comp, link), "compute_s": compute, "flops": flops}
     if schedule == "fused":
-        t = 0.0
-        step_fwd = lambda u: cl.latency_s + u.fused_numel / n * cl.param_bytes / cl.bytes_per_s  # noqa: E731
-        step_bwd = lambda u, nbytes: cl.latency_s + u.fused_numel / n * nbytes / cl.bytes_per_s  # noqa: E731
-        other = [u for u in units if u.other_numel]
-        t += sum(coll(u.other_numel, cl.param_bytes) for u in other)  # bucketed, at the start of forward
-        for u, f in zip(units, fwd):
-            if u.fused_numel == 0 or n == 1:
-                t += f
-                continue
-            piece = f / n
-            t += piece + steps * max(piece, step_fwd(u))
-        for u, b in zip(reversed(units), reversed(bwd)):
-            if u.fused_numel == 0 or n == 1:
-                t += b
-                continue
-            piece = b / n
-            ring = [step_bwd(u, cl.param_bytes)] + [step_bwd(u, cl.param_bytes + cl.grad_bytes)] * (n - 2) + \
-                   [step_bwd(u, cl.grad_bytes)]
-            t += sum(max(piece, r) for r in ring)
-        t += sum(coll(u.other_numel, cl.grad_bytes) for u in other)  # bucketed, at the end of backward
+        t = compute if n == 1 else _fused(units, cl)
         return {"step_s": t, "compute_s": compute, "flops": flops}
     raise ValueError(f"unknown schedule {schedule!r}")
 
@@ -180,6 +241,8 @@ def calibrate(path: str, latency_us: float) -> int:
     units = units_for(*model, tokens=tokens, seq=seq)
     flops = 3 * sum(u.flops for u in units)
     zero3_bytes = sum(3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
+    # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
+    # are slower than the rings the planner models.
     names = {"fused": "fused", "slicing": "slicing"}
     print(f"calibration against {path}: {world} ranks, fp32, {tokens} tokens per rank")
     print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
@@ -189,9 +252,14 @@ def calibrate(path: str, latency_us: float) -> int:
         rows = {r["schedule"]: r for r in bench["records"] if r["rate_mbit"] == rate}
         if "compute_only" not in rows or "comm_only" not in rows:
             continue
-        f_rate = flops / rows["compute_only"]["step_s"]
-        b_rate = zero3_bytes / rows["comm_only"]["step_s"]
-        cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4)
+        compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
+        f_rate, b_rate = flops / compute, zero3_bytes / comm
+        # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication
+        # takes from compute on this machine; without it, none is assumed.
+        both = rows.get("concurrent", {}).get("step_s")
+        cpu_per_byte = max(both - compute, 0.0) / zero3_bytes if both and both > comm else 0.0
+        cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
+                     cpu_s_per_byte=cpu_per_byte)
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue

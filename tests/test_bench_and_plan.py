@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from commfuse_dp import plan
-from commfuse_dp.benchmarks.bench import records_from
+from commfuse_dp.benchmarks.bench import balanced_rate, records_from
 from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
 
 SCHEDULES = ("no_overlap", "slicing", "fused")
@@ -35,6 +35,15 @@ def test_planner_bounds():
     # One rank: nothing to communicate.
     single = plan.Cluster(1, cl.bytes_per_s, cl.latency_s, cl.flops_per_s)
     assert plan.simulate(units, single, "no_overlap")["step_s"] == pytest.approx(compute, rel=1e-9)
+
+
+def test_balanced_rate_fits_a_fixed_part():
+    # 0.1 s fixed + 600 s*Mbit/s: 0.7 s at 1000, 0.4 s at 2000; compute 0.5 s -> 600 / 0.4 = 1500 Mbit/s.
+    assert balanced_rate(1000.0, 0.5, 0.7, 0.4) == 1500.0
+    # Pure 1/rate scaling agrees with the one-point formula.
+    assert balanced_rate(1000.0, 0.5, 0.8, 0.4) == 1600.0
+    # Times that do not fit (noise: slower at the faster rate) fall back to 1/rate scaling.
+    assert balanced_rate(1000.0, 0.5, 0.7, 0.75) == 1400.0
 
 
 def test_planner_recommendations_grow_with_latency():
