@@ -24,6 +24,10 @@ both in one loop::
         wait; acc_k = part_k + racc  (part_k at k = 0)
     dW_r = acc_{N-1}                            # t == r at k == N-1: complete, nothing sent after it
 
+Across layers (``prefetch_next``): step 0 of the next ``prefetch_depth`` layers starts during this layer's last
+piece, and in backward the last step (gradient partials only) is waited after the next layer's first piece rather
+than beside this layer's last one (``DeferredReduce``), so it has a whole piece more to land.
+
 Only two weight-shard buffers are live (never the full W), plus two gradient-shard buffers. The reduction order is
 fixed by the ring, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
 steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
