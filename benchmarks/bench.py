@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2: one core each here)")
     parser.add_argument("--rates", help="comma-separated link rates in Mbit/s (default: calibrated sweep)")
     parser.add_argument("--reference-rate", type=float, default=1000.0, help="calibration rate, Mbit/s")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)} (also: {','.join(EXTRA_VARIANTS)})")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps per variant (about 4 minutes)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants per rate")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")

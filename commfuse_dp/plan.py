@@ -14,9 +14,9 @@ resources per rank, the compute stream and the link, and plays each schedule on 
 - ``fused``: inside each unit N compute pieces run beside N-1 ring steps (forward) or N ring steps (backward:
   weight shards and gradient partial sums together); a piece waits for the ring step before it. Parameters that are
   not fused (embedding, norms) take the bucketed path at the unit's edges, as ``shard()`` does.
-Calibration fits F (compute alone), B (communication alone) and, where the JSON has the ``concurrent`` bound, the
-CPU time communication takes from compute per byte, per rate, from a ``commfuse-dp bench`` JSON, and compares the
-prediction for fused and slicing with their measured step times.
+Calibration fits F (compute alone) and B (communication alone) per rate from a ``commfuse-dp bench`` JSON, and
+one figure for the machine where the JSON has the ``concurrent`` bound: the CPU time communication takes from
+compute per byte. It compares the prediction for fused and slicing with their measured step times.
 """
 
 from __future__ import annotations
@@ -125,14 +125,13 @@ def _fused(units: list[Unit], cl: Cluster) -> float:
                 t += piece
                 if k == 0 and deferred is not None:
                     t, deferred = max(t, deferred), None
-                if k < n - 1 or not backward:
-                    t = max(t, done) if k < n - 1 else t
-                else:
+                if k < n - 1:
+                    t = max(t, done)
+                elif backward:  # the last step lands during the next group's first piece
                     deferred = done
         return max(t, deferred) if deferred is not None else t
 
-    t = send(0.0, 0.0) + bucketed(cl.param_bytes)
-    link[0] = t
+    t = link[0] = bucketed(cl.param_bytes)
     t = phase(items, t, backward=False)
     t = phase([(g, 2 * f) for g, f in reversed(items)], t, backward=True)
     t = max(t, link[0]) + bucketed(cl.grad_bytes)
@@ -248,19 +247,20 @@ def calibrate(path: str, latency_us: float) -> int:
     # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
     # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
     # alone shorter than compute alone). Without such a rate, none is assumed.
-    per_byte = []
+    by_rate: dict[float, dict[str, dict]] = {}
     for r in bench["records"]:
-        rows = {x["schedule"]: x["step_s"] for x in bench["records"] if x["rate_mbit"] == r["rate_mbit"]}
-        if r["schedule"] == "concurrent" and rows.get("comm_only", 1e9) < rows.get("compute_only", 0.0):
-            per_byte.append(max(r["step_s"] - rows["compute_only"], 0.0) / zero3_bytes)
+        by_rate.setdefault(r["rate_mbit"], {})[r["schedule"]] = r
+    per_byte = [max(rows["concurrent"]["step_s"] - rows["compute_only"]["step_s"], 0.0) / zero3_bytes
+                for rows in by_rate.values()
+                if {"concurrent", "compute_only", "comm_only"} <= set(rows)
+                and rows["comm_only"]["step_s"] < rows["compute_only"]["step_s"]]
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
     print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
           f"{'error':>7}")
     worst = 0.0
-    for rate in sorted({r["rate_mbit"] for r in bench["records"]}):
-        rows = {r["schedule"]: r for r in bench["records"] if r["rate_mbit"] == rate}
+    for rate, rows in sorted(by_rate.items()):
         if "compute_only" not in rows or "comm_only" not in rows:
             continue
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]

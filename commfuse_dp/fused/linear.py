@@ -217,7 +217,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         final = parts[(world - 1) % 2]  # shard t == r
         if last_deferred:  # completed by engine.finish_deferred, which adds racc and accumulates the grads
             engine.defer(DeferredReduce(step, state, final, racc, post, tuple(p.dtype for p in params),
-                                        tuple(params_need_grad), tuple(train)))
+                                        tuple(train)))
             return dx, grads
         if post != 1.0:
             final.div_(post)
@@ -243,25 +243,13 @@ class DeferredReduce(NamedTuple):
     racc: torch.Tensor  # receives the rest of the ring's sum
     post: float
     dtypes: tuple[torch.dtype, ...]
-    need_grad: tuple[bool, ...]
     train: tuple[bool, ...]
 
     def complete(self) -> None:
         self.final.add_(self.racc)
         if self.post != 1.0:
             self.final.div_(self.post)
-        state, layout = self.state, self.state.layout
-        params = state.params()
-        for j, m in enumerate(layout.members):
-            if not self.train[j]:
-                continue
-            w_idx, *b_idx = state.param_index(j)
-            local = params[w_idx].to_local()
-            rows = local.shape[1] if m.transposed else local.shape[0]
-            unpacked = layout.unpack_grad(self.final, m, rows, self.dtypes[w_idx])
-            for idx, g in zip((w_idx, *b_idx), unpacked):
-                if self.need_grad[idx]:
-                    accumulate_grad(params[idx], g, 1 if (m.transposed and idx == w_idx) else 0)
+        self.state.accumulate_grads(self.final, self.dtypes, self.train)
 
 
 def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor | None], train: list[bool],
