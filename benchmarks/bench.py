@@ -33,8 +33,8 @@ CPU_NOTES = {
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
     "deepspeed_zero3": "CPU: DeepSpeed's gloo collectives; its prefetch/overlap as on CPU",
     "ddp": "DDP keeps the full model and optimizer on every rank (no sharding)",
-    "comm_only": "the ZeRO-3 bytes of a step through the rings, back to back",
-    "compute_only": "same per-rank work, no communication",
+    "comm_only": "the bytes shard() moves in a step (embedding as token rows) through the rings, back to back",
+    "compute_only": "same per-rank work (optimizer on 1/N of the parameters), no communication",
     "concurrent": "compute alone and communication alone at once, independent: the CPU-shared limit",
 }
 SHAPING_NOTE = ("tbf token buckets (1 MB) refill while a link is idle, so schedules with compute gaps get some "

@@ -12,13 +12,16 @@ Variants:
 - ``deepspeed_zero3``: a DeepSpeed ZeRO-3 engine (gloo, torch AdamW as client optimizer). Its collectives are
   asynchronous gloo ops; prefetch and overlap are DeepSpeed's own.
 - ``ddp``: ``DistributedDataParallel`` (gloo all-reduce buckets during backward).
-- ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound).
+- ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound): forward and
+  backward of the whole model, the optimizer step on this rank's 1/N of every parameter, as a sharded rank does.
 - ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
 - ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
   the same time, with no dependency between them. The best any overlap can do on this machine, where the
   communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
-- ``comm_only``: the ZeRO-3 bytes of one step (all-gather forward, all-gather backward, reduce-scatter backward of
-  every parameter, layer by layer) through the rings, no compute (the communication bound).
+- ``comm_only``: the bytes ``shard()`` moves in one step, through the rings, no compute (the communication bound):
+  all-gather forward, all-gather backward and reduce-scatter backward of every decoder layer and of the final norm
+  and lm_head, layer by layer; the embedding as the ring embedding moves it (token rows, or the table forward and
+  its gradient backward).
 """
 
 from __future__ import annotations
@@ -101,8 +104,12 @@ class Runner:
         self.opt = self._optimizer(self.model.parameters())
 
     def _build_compute_only(self):
+        # The per-rank work of a sharded rank: forward and backward of the whole model on this rank's batch, and the
+        # optimizer step on this rank's 1/N of every parameter (views into the parameters and their grads).
         self.model = build_model(self.args)
-        self.opt = self._optimizer(self.model.parameters())
+        self._owned = [(p, p.detach().view(-1).chunk(self.world)[self.rank]) for p in self.model.parameters()
+                       if self.rank < len(p.detach().view(-1).chunk(self.world))]
+        self.opt = self._optimizer([view for _, view in self._owned])
 
     def _build_deepspeed_zero3(self):
         import deepspeed
@@ -119,20 +126,37 @@ class Runner:
         from commfuse_dp.ring import ring_all_gather, ring_reduce_scatter
 
         model = build_model(self.args)
-        units = [list(model.model.embed_tokens.parameters())]
-        units += [list(layer.parameters()) for layer in model.model.layers]
+        embed = model.model.embed_tokens.weight
+        units = [list(layer.parameters()) for layer in model.model.layers]
         units += [list(model.model.norm.parameters()) + list(model.lm_head.parameters())]
         numels = [sum(p.numel() for p in unit) for unit in units]
         shards = [torch.zeros(-(-n // self.world)) for n in numels]
         fulls = [torch.zeros(self.world * s.numel()) for s in shards]
+        # The embedding moves what shard()'s ring embedding moves: the looked-up rows of every rank's tokens (and
+        # the token ids) when they are fewer than a table shard's rows, else the table forward and its gradient
+        # backward.
+        tokens, chunk = self.args.batch * self.args.seq, -(-embed.shape[0] // self.world)
+        rows = tokens <= chunk
+        width = (tokens if rows else chunk) * embed.shape[1]
+        e_shard, e_full = torch.zeros(width), torch.zeros(self.world * width)
+        ids, all_ids = torch.zeros(tokens, dtype=torch.int64), torch.zeros(self.world * tokens, dtype=torch.int64)
         del model
 
         def step():
+            if rows:
+                ring_all_gather(all_ids, ids)
+                ring_reduce_scatter(e_shard, e_full)
+            else:
+                ring_all_gather(e_full, e_shard)
             for shard, full in zip(shards, fulls):  # forward all-gathers
                 ring_all_gather(full, shard)
             for shard, full in zip(reversed(shards), reversed(fulls)):  # backward: all-gather + reduce-scatter
                 ring_all_gather(full, shard)
                 ring_reduce_scatter(shard, full)
+            if rows:
+                ring_all_gather(e_full, e_shard)
+            else:
+                ring_reduce_scatter(e_shard, e_full)
 
         self._comm_step = step
 
@@ -174,8 +198,13 @@ class Runner:
             return
         loss = self.model(**self.batch).loss
         loss.backward()
+        if self.name in ("compute_only", "concurrent"):
+            for p, view in self._owned:
+                view.grad = p.grad.view(-1).chunk(self.world)[self.rank]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.name in ("compute_only", "concurrent"):
+            self.model.zero_grad(set_to_none=True)
 
 
 def peak_bytes(fn) -> int:

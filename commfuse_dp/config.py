@@ -70,6 +70,12 @@ class CommFuseConfig:
     holds one more packed weight shard of that layer; a deeper queue lets the link run ahead of compute where
     a layer's compute is short, so its bytes land by the time a longer layer needs them."""
 
+    ring_embeddings: bool = True
+    """An ``nn.Embedding`` whose table shard has at least ``min_fuse_numel`` elements (and is not tied to another
+    module) is sharded by rows and exchanges looked-up rows and their gradients instead of the table when the
+    tokens of a rank are fewer than the rows of a shard (``fused/embedding.py``), for either schedule. Off: the
+    table goes through FSDP2 and the bucketed rings like the other unfused parameters."""
+
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
     ``RingCommError`` naming that peer and the step, on every rank, instead of hanging."""
@@ -95,7 +101,7 @@ class CommFuseConfig:
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
-        for name in ("stats", "prefetch_next"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CommFuseConfig.{name}={getattr(self, name)!r}: must be true or false")
         self.param_dtype = _dtype("param_dtype", self.param_dtype)
@@ -189,13 +195,14 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings")
 
 
 def _parse_env(name: str, raw: str) -> Any:
     """Turn one environment string into the type of field ``name``; validation proper is ``__post_init__``'s."""
     var = ENV_PREFIX + name.upper()
     text = raw.strip()
-    if name in ("stats", "prefetch_next"):
+    if name in _BOOL_FIELDS:
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:

@@ -100,7 +100,9 @@ class Engine:
 
     def start_next(self, state, phase: str) -> None:
         """Keep the first ring step of the ``prefetch_depth`` groups that follow ``state`` in ``phase`` in flight
-        (if the order is known); a group whose step is already in flight counts without starting anything."""
+        (if the order is known); a group whose step is already in flight counts without starting anything. After
+        the last group of the forward, the backward's first groups follow (their weight shards land during the
+        loss) when a backward can follow (the last group's input needed grad: not under ``no_grad``)."""
         if not self._prefetch:
             return
         order = self._order if phase == "forward" else self._order[::-1]
@@ -108,6 +110,17 @@ class Engine:
             at = order.index(state)
         except ValueError:
             return
+        self._start_following(order, at, phase)
+        if phase == "forward" and at == len(order) - 1 and self._needs_dx.get(id(state), False):
+            self._start_following(order[::-1], -1, "backward")
+
+    def start_first(self, phase: str) -> None:
+        """Before the first fused group of a forward (from a ring embedding, once its own exchange is under way):
+        start that group's first ring step and those of the following ones."""
+        if self._prefetch and phase == "forward" and not self._current and self._order:
+            self._start_following(self._order, -1, phase)
+
+    def _start_following(self, order: list, at: int, phase: str) -> None:
         wanted = self.config.prefetch_depth
         for following in order[at + 1:]:
             if wanted == 0:

@@ -45,6 +45,13 @@ class Unit:
     flops: float  # forward FLOPs of this rank's tokens
     groups: tuple[int, ...] = ()  # the fused groups' weight elements, in order (sum: fused_numel)
     tokens: int = 0
+    table: tuple[int, int] | None = None  # (rows, width) of a ring embedding (``CommFuseConfig.ring_embeddings``)
+
+    def ring_step_numel(self, ranks: int) -> int:
+        """A ring embedding's elements per ring step: the looked-up rows of one rank's tokens, or the table shard
+        if that is smaller (``fused/embedding.py`` picks the smaller)."""
+        rows, width = self.table
+        return min(self.tokens, -(-rows // ranks)) * width
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads:
     kv = hidden * kv_heads // heads
     groups = [hidden * (hidden + 2 * kv), hidden * hidden, 2 * hidden * intermediate, intermediate * hidden]
     attention = 4 * tokens * seq * hidden  # QK^T and AV, causal halves ignored
-    units = [Unit("embedding", 0, vocab * hidden, 0.0)]
+    units = [Unit("embedding", 0, vocab * hidden, 0.0, tokens=tokens, table=(vocab, hidden))]
     for i in range(layers):
         numel = sum(groups)
         units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention, tuple(groups), tokens))
@@ -80,10 +87,12 @@ def _fused(units: list[Unit], cl: Cluster) -> float:
     piece of the group ``prefetch_depth`` before it, and in backward a group's last step (gradient partials only)
     is waited after the next group's first piece. Attention runs as compute with no ring step. Parameters that
     are not fused go through one bucketed all-gather before the forward and one reduce-scatter after the
-    backward, both exposed."""
+    backward, both exposed; so do a ring embedding's two exchanges."""
     n, depth = cl.ranks, cl.prefetch_depth
-    other = sum(u.other_numel for u in units)
+    other = sum(u.other_numel for u in units if not u.table)
     bucketed = lambda nbytes: (n - 1) * (cl.latency_s + other / n * nbytes / cl.bytes_per_s)  # noqa: E731
+    tables = lambda nbytes: sum((n - 1) * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s)  # noqa
+                                for u in units if u.table)
     # (weight elements, forward seconds) per group, and compute-only gaps (attention), in forward order.
     items: list[tuple[int, float]] = []
     for u in units:
@@ -131,10 +140,10 @@ def _fused(units: list[Unit], cl: Cluster) -> float:
                     deferred = done
         return max(t, deferred) if deferred is not None else t
 
-    t = link[0] = bucketed(cl.param_bytes)
+    t = link[0] = bucketed(cl.param_bytes) + tables(cl.param_bytes)
     t = phase(items, t, backward=False)
     t = phase([(g, 2 * f) for g, f in reversed(items)], t, backward=True)
-    t = max(t, link[0]) + bucketed(cl.grad_bytes)
+    t = max(t, link[0]) + bucketed(cl.grad_bytes) + tables(cl.grad_bytes)
     return t
 
 
@@ -145,6 +154,11 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
 
     def coll(numel: int, nbytes: int) -> float:  # one ring all-gather or reduce-scatter of numel elements
         return 0.0 if numel == 0 or n == 1 else steps * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)
+
+    def moved(u: Unit, nbytes: int) -> float:  # one pass of a unit's parameters (or of a ring embedding's rows)
+        if u.table and schedule != "no_overlap":
+            return 0.0 if n == 1 else steps * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s)
+        return coll(u.fused_numel + u.other_numel, nbytes)
 
     fwd = [u.flops / cl.flops_per_s for u in units]
     bwd = [2 * f for f in fwd]
@@ -157,16 +171,17 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
         # stack): the compute of an overlapping schedule slows by that much.
-        moved = sum(u.fused_numel + u.other_numel for u in units) * (n - 1) / n * (2 * cl.param_bytes +
-                                                                                    cl.grad_bytes)
+        total = sum(steps * u.ring_step_numel(n) * (cl.param_bytes + cl.grad_bytes) if u.table else
+                    (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
+                    for u in units)  # bytes one rank sends per step
         slowed = replace(cl, cpu_s_per_byte=0.0,
-                         flops_per_s=cl.flops_per_s * compute / (compute + cl.cpu_s_per_byte * moved))
+                         flops_per_s=cl.flops_per_s * compute / (compute + cl.cpu_s_per_byte * total))
         return {**simulate(units, slowed, schedule), "compute_s": compute}
     if schedule == "slicing":
         # The link serves requests in issue order (the ring thread): unit i+1's gather is issued when unit i
         # starts computing; in backward, unit i's reduce-scatter is issued when its backward compute ends.
-        ag = [coll(u.fused_numel + u.other_numel, cl.param_bytes) for u in units]
-        rs = [coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units]
+        ag = [moved(u, cl.param_bytes) for u in units]
+        rs = [moved(u, cl.grad_bytes) for u in units]
         link = comp = 0.0
         gathered = {0: ag[0]}
         link = ag[0]
@@ -180,8 +195,8 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         gathered = {order[0]: comp}  # the last unit keeps its forward gather for the backward
         for j, i in enumerate(order):
             start = max(comp, gathered[i])
-            if j + 1 < len(order):
-                link = max(link, start) + ag[order[j + 1]]
+            if j + 1 < len(order):  # (a ring embedding's backward needs no table: nothing to gather)
+                link = max(link, start) + (0.0 if units[order[j + 1]].table else ag[order[j + 1]])
                 gathered[order[j + 1]] = link
             comp = start + bwd[i]
             link = max(link, comp) + rs[i]
@@ -239,7 +254,10 @@ def calibrate(path: str, latency_us: float) -> int:
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
     units = units_for(*model, tokens=tokens, seq=seq)
     flops = 3 * sum(u.flops for u in units)
-    zero3_bytes = sum(3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
+    # What the bench's comm_only moves per rank: every unit gathered twice and reduce-scattered once, except the ring
+    # embedding's two exchanges.
+    zero3_bytes = sum(2 * (world - 1) * u.ring_step_numel(world) * 4 if u.table else
+                      3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
     # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
     # are slower than the rings the planner models.
     names = {"fused": "fused", "slicing": "slicing"}

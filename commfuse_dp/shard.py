@@ -4,10 +4,13 @@
    elements becomes a ring-fused layer (``fused/``): its weight and bias become DTensor shards on a 1-D data-parallel
    mesh, and its forward and backward run the fused rings. Linears that read the same input (``q/k/v``,
    ``query/key/value``, ``gate/up``) share ring steps.
-2. Everything else (norms, embeddings, small or tied linears, other modules) is sharded by stock FSDP2
+2. Every ``nn.Embedding`` with a large enough, untied table becomes a ring embedding (``fused/embedding.py``,
+   ``CommFuseConfig.ring_embeddings``): sharded by rows, it exchanges looked-up rows instead of the table when
+   that moves fewer bytes.
+3. Everything else (norms, small embeddings, small or tied linears, other modules) is sharded by stock FSDP2
    ``fully_shard``, unit by unit (the model's ``_no_split_modules`` classes, else the entries of its layer list),
    with the fused parameters passed as ``ignored_params``, and its collectives switched to the bucketed rings.
-3. The model gains ``set_requires_gradient_sync(flag)`` / ``no_sync()`` covering both parts (gradient accumulation),
+4. The model gains ``set_requires_gradient_sync(flag)`` / ``no_sync()`` covering both parts (gradient accumulation),
    and ``commfuse_dp.step_stats(model)`` reports the last step's timing.
 
 Any torch optimizer built afterwards on ``model.parameters()`` keeps sharded state (ZeRO-3 memory).
@@ -28,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .config import CommFuseConfig
 from .engine import Engine
+from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
 from .ring.fsdp_comm import use_ring_collectives
 from .ring.topology import get_ring
@@ -73,6 +77,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fused_params.update(convert_linear(module, engine, transposed))
     for members in _shared_input_groups(fused):
         attach_group(engine, members)
+    if config.ring_embeddings:
+        for module in _ring_embeddings(model, config, engine.ring.size):
+            fused_params.add(convert_embedding(module, engine))
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units)
@@ -141,6 +148,24 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int) -> li
                     "a subclass may use its weight in its own way); they go through the bucketed rings",
                     count, kind_name)
     return fused
+
+
+def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int) -> list[nn.Embedding]:
+    owners: Counter[int] = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    chosen = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding):
+            continue
+        why = embedding_eligible(module)
+        if why is None and owners[id(module.weight)] > 1:
+            why = "its table is shared with another module (tied embeddings)"
+        if why is None and -(-module.weight.shape[0] // world) * module.weight.shape[1] < config.min_fuse_numel:
+            why = f"its shard is below min_fuse_numel={config.min_fuse_numel} elements"
+        if why is None:
+            chosen.append(module)
+        else:
+            logger.info("commfuse_dp: embedding %s goes through the bucketed rings: %s", name or "(root)", why)
+    return chosen
 
 
 def _shared_input_groups(fused: list[tuple[str, nn.Module, bool]]) -> list[list[nn.Module]]:

@@ -131,21 +131,25 @@ def ring_class(cls: type) -> type:
     return type(f"Ring{cls.__name__}", (cls,), {"forward": _ring_forward, "_cf_fused": True})
 
 
+def shard_parameter(module: nn.Module, name: str, dim: int, engine: Engine) -> nn.Parameter:
+    """Replace ``module.<name>`` by this rank's ``torch.chunk`` of it along ``dim``, as a ``Shard(dim)`` DTensor
+    parameter on the engine's mesh (an empty shard for ranks past the last chunk)."""
+    mesh, world, rank = engine.mesh, engine.ring.size, engine.ring.rank
+    full = getattr(module, name)
+    chunks = torch.chunk(full.detach(), world, dim=dim)
+    local = chunks[rank].clone() if rank < len(chunks) else full.detach().narrow(dim, 0, 0).clone()
+    dtensor = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
+                                 shape=full.shape, stride=full.stride())
+    param = nn.Parameter(dtensor, requires_grad=full.requires_grad)
+    setattr(module, name, param)
+    return param
+
+
 def convert_linear(module: nn.Module, engine: Engine, transposed: bool) -> list[nn.Parameter]:
     """Shard ``module``'s weight and bias onto the engine's mesh and swap its class; returns the new params."""
-    mesh, world, rank = engine.mesh, engine.ring.size, engine.ring.rank
-    new_params = []
-    for name, dim in (("weight", 1 if transposed else 0), ("bias", 0)):
-        full = getattr(module, name, None)
-        if full is None:
-            continue
-        chunks = torch.chunk(full.detach(), world, dim=dim)
-        local = chunks[rank].clone() if rank < len(chunks) else full.detach().narrow(dim, 0, 0).clone()
-        dtensor = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
-                                     shape=full.shape, stride=full.stride())
-        param = nn.Parameter(dtensor, requires_grad=full.requires_grad)
-        setattr(module, name, param)
-        new_params.append(param)
+    new_params = [shard_parameter(module, name, dim, engine)
+                  for name, dim in (("weight", 1 if transposed else 0), ("bias", 0))
+                  if getattr(module, name, None) is not None]
     module._cf_transposed = transposed
     module.__class__ = ring_class(type(module))
     return new_params

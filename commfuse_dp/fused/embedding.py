@@ -1,0 +1,270 @@
+"""The ring embedding: a row-sharded ``nn.Embedding`` whose ranks exchange looked-up rows instead of the table.
+
+Rank j owns rows ``[j·c, (j+1)·c)`` of the ``(V, H)`` table, ``c = ceil(V / N)`` (``torch.chunk``), as a
+``Shard(0)`` DTensor. Each call picks the cheaper of two exchanges, the same choice on every rank (it depends only
+on the largest token count ``T`` of any rank, which the ranks swap first):
+
+- *rows* (``T ≤ c``: the tokens of a rank are fewer than the rows of a shard, the usual case for large vocabularies):
+
+  forward: the ranks' token ids go round the ring (all-gather, ``T`` ids per step); then a reduce-scatter ring
+  of ``(T, H)`` partial outputs: at step k this rank looks up, for the tokens of rank ``t = (r - k - 1) mod N``,
+  the rows it owns (zero elsewhere) and adds the partial sum received from ``prev``; after N-1 steps it holds the
+  complete rows of its own tokens. Every output row has exactly one non-zero contribution, so the result is exact.
+
+  backward: the output gradients ``dY`` go round the ring (all-gather); beside each step this rank adds the held
+  rank's rows into the gradient of the table rows it owns (``index_add``). Padding-index rows get no gradient.
+
+- *table* (``T > c``): the classic ZeRO-3 path, an all-gather of the table shards, a plain lookup, and a
+  reduce-scatter of the dense table gradient. The backward needs no table, so nothing is gathered twice.
+
+Per rank and per step, rows moves ``(N-1)·T·H`` elements each way and table ``(N-1)·c·H``. The gradient is
+exchanged even inside ``no_sync()`` (the rows of the other ranks are needed to form this rank's shard at all);
+its sum over ranks is divided as ``CommFuseConfig.grad_divide`` says, like every other gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.profiler import record_function
+
+from ..engine import Engine
+
+
+class EmbeddingState:
+    """What the ring embedding's Function needs: the engine, the table's row count and this rank's row range."""
+
+    def __init__(self, engine: Engine, module: nn.Embedding, num_embeddings: int) -> None:
+        self.engine, self.module = engine, module
+        world, rank = engine.ring.size, engine.ring.rank
+        self.num_embeddings = num_embeddings
+        self.chunk = -(-num_embeddings // world)  # rows per shard (torch.chunk)
+        self.lo = min(rank * self.chunk, num_embeddings)
+        self.rows = min(self.chunk, num_embeddings - self.lo)
+        padding = module.padding_idx
+        self.padding_idx = None if padding is None else padding % num_embeddings
+
+
+class RingEmbeddingFn(torch.autograd.Function):
+    """``y = RingEmbeddingFn.apply(ids, state, local_weight)``."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, state: EmbeddingState, weight: torch.Tensor) -> torch.Tensor:
+        engine = state.engine
+        cdt = engine.compute_dtype(weight.dtype)
+        flat = ids.reshape(-1).to(torch.int64)
+        with record_function("commfuse::embedding_forward"):
+            counts = _gather(engine, flat.new_tensor([flat.numel()]), "embedding_count")
+            most = int(counts.max())
+            ctx.state, ctx.count, ctx.shape, ctx.most = state, flat.numel(), ids.shape, most
+            if most <= state.chunk:
+                padded = flat.new_full((most,), -1)
+                padded[:flat.numel()] = flat
+                ids_all = _gather(engine, padded, "embedding_ids")
+                out = _rows_forward(state, weight, ids_all, cdt)
+                ctx.save_for_backward(ids_all)
+            else:
+                out = _table_forward(state, weight, flat, cdt)
+                ctx.save_for_backward(flat)
+        ctx.rows_mode = most <= state.chunk
+        ctx.weight_dtype = weight.dtype
+        return out[:flat.numel()].view(*ids.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[2]:
+            return None, None, None
+        state = ctx.state
+        engine = state.engine
+        (saved,) = ctx.saved_tensors
+        hidden = grad_out.shape[-1]
+        rdt = engine.reduce_dtype(engine.compute_dtype(ctx.weight_dtype))
+        pre, post = engine.divide_factors()
+        dy = grad_out.reshape(-1, hidden).to(rdt)
+        with record_function("commfuse::embedding_backward"):
+            if ctx.rows_mode:
+                grad = _rows_backward(state, saved, dy, ctx.most, rdt, pre)
+            else:
+                grad = _table_backward(state, saved, dy, rdt, pre)
+        if post != 1.0:
+            grad.div_(post)
+        return None, None, grad.to(ctx.weight_dtype)
+
+
+# ---- the two exchanges ----------------------------------------------------------------------------------
+
+def _rows_forward(state: EmbeddingState, weight: torch.Tensor, ids_all: torch.Tensor,
+                  cdt: torch.dtype) -> torch.Tensor:
+    owned = _owned(state, ids_all, skip_padding=False)
+
+    def lookup(t: int, part: torch.Tensor) -> None:
+        pos, rows = owned[t]
+        part.zero_()
+        if pos.numel():
+            part.index_copy_(0, pos, weight.index_select(0, rows).to(cdt))
+
+    return _reduce(state.engine, (ids_all.shape[1], weight.shape[1]), cdt, weight.device, lookup,
+                   "embedding_forward", then=_prefetch_layers(state.engine))
+
+
+def _rows_backward(state: EmbeddingState, ids_all: torch.Tensor, dy: torch.Tensor, most: int, rdt: torch.dtype,
+                   pre: float) -> torch.Tensor:
+    engine = state.engine
+    world, rank = engine.ring.size, engine.ring.rank
+    hidden = dy.shape[1]
+    held = dy.new_empty(world, most, hidden)
+    held[rank, :dy.shape[0]].copy_(dy)
+    held[rank, dy.shape[0]:].zero_()
+    if pre != 1.0:
+        held[rank].div_(pre)
+    owned = _owned(state, ids_all, skip_padding=True)
+    grad = dy.new_zeros(state.rows, hidden)
+
+    def add(s: int) -> None:
+        pos, rows = owned[s]
+        if pos.numel():
+            grad.index_add_(0, rows, held[s].index_select(0, pos))
+
+    _gather_into(engine, held, "embedding_backward", add)
+    return grad
+
+
+def _table_forward(state: EmbeddingState, weight: torch.Tensor, flat: torch.Tensor, cdt: torch.dtype):
+    engine = state.engine
+    world, rank = engine.ring.size, engine.ring.rank
+    table = weight.new_empty(world, state.chunk, weight.shape[1], dtype=cdt)
+    table[rank, :state.rows].copy_(weight)
+    table[rank, state.rows:].zero_()
+    _gather_into(engine, table, "embedding_forward", then=_prefetch_layers(engine))
+    full = table.view(world * state.chunk, -1)[:state.num_embeddings]
+    return F.embedding(flat, full, state.padding_idx)
+
+
+def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor, rdt: torch.dtype,
+                    pre: float) -> torch.Tensor:
+    world = state.engine.ring.size
+    dense = dy.new_zeros(world * state.chunk, dy.shape[1])
+    keep = flat != state.padding_idx if state.padding_idx is not None else None
+    if keep is None:
+        dense.index_add_(0, flat, dy)
+    else:
+        dense.index_add_(0, flat[keep], dy[keep])
+    if pre != 1.0:
+        dense.div_(pre)
+    dense = dense.view(world, state.chunk, -1)
+
+    def take(t: int, part: torch.Tensor) -> None:
+        part.copy_(dense[t])
+
+    return _reduce(state.engine, dense.shape[1:], rdt, dy.device, take, "embedding_backward")[:state.rows]
+
+
+def _prefetch_layers(engine: Engine) -> Callable[[], None]:
+    """Queued behind the embedding's last ring step: the first fused layers' first steps (``prefetch_next``)."""
+    return lambda: engine.start_first("forward")
+
+
+def _owned(state: EmbeddingState, ids_all: torch.Tensor, *, skip_padding: bool) -> list:
+    """Per rank t: (positions in rank t's ids whose row this rank owns, those rows in the local shard)."""
+    local = ids_all - state.lo
+    mine = (local >= 0) & (local < state.rows)
+    if skip_padding and state.padding_idx is not None:
+        mine &= ids_all != state.padding_idx
+    out = []
+    for t in range(ids_all.shape[0]):
+        pos = mine[t].nonzero().squeeze(1)
+        out.append((pos, local[t].index_select(0, pos)))
+    return out
+
+
+# ---- ring loops driven by the engine (timed, observed, with the ring's timeout) ---------------------------
+
+def _gather(engine: Engine, mine: torch.Tensor, op: str) -> torch.Tensor:
+    """All-gather a same-shape tensor from every rank: ``out[j]`` is rank j's."""
+    out = mine.new_empty(engine.ring.size, *mine.shape)
+    out[engine.ring.rank].copy_(mine)
+    _gather_into(engine, out, op)
+    return out
+
+
+def _gather_into(engine: Engine, out: torch.Tensor, op: str, piece: Callable[[int], None] | None = None,
+                 then: Callable[[], None] | None = None) -> None:
+    """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring); ``piece(s)`` runs on each rank's
+    slot as soon as it is held, beside the ring step that brings the next one; ``then()`` right after the last
+    step started."""
+    ring = engine.ring
+    world = ring.size
+    tag = ring.next_tag() if world > 1 else 0
+    for k in range(world):
+        s = ring.shard_held(k)
+        step = engine.start([out[s]], [out[(s - 1) % world]], tag, op, k) if k < world - 1 else None
+        if then is not None and k == max(world - 2, 0):
+            then()
+        if piece is not None:
+            piece(s)
+        if step is not None:
+            engine.wait(step)
+
+
+def _reduce(engine: Engine, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+            piece: Callable[[int, torch.Tensor], None], op: str, then: Callable[[], None] | None = None
+            ) -> torch.Tensor:
+    """Reduce-scatter ring: ``piece(t, part)`` writes this rank's contribution for rank t into ``part`` beside the
+    step that brings the partial sum for t; returns the complete sum for this rank. ``then()`` runs right after
+    the last step started."""
+    ring = engine.ring
+    world = ring.size
+    parts = [torch.empty(shape, dtype=dtype, device=device) for _ in range(min(world, 2))]
+    racc = torch.empty(shape, dtype=dtype, device=device) if world > 1 else None
+    tag = ring.next_tag() if world > 1 else 0
+    for k in range(world):
+        step = engine.start([parts[(k - 1) % 2]], [racc], tag, op, k) if k > 0 else None
+        if then is not None and k == world - 1:
+            then()
+        part = parts[k % 2]
+        piece(ring.shard_reduced(k), part)
+        if step is not None:
+            engine.wait(step)
+            part.add_(racc)
+    return parts[(world - 1) % 2]
+
+
+# ---- the module ------------------------------------------------------------------------------------------
+
+def _ring_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    state = self._cf_embedding
+    if state.engine.stats.enabled:
+        state.engine.stats.mark()
+    return RingEmbeddingFn.apply(ids, state, self.weight.to_local())
+
+
+class RingEmbedding(nn.Embedding):
+    """``nn.Embedding`` with a row-sharded DTensor table and the ring exchange above (made by ``convert_embedding``
+    from an existing module; names, state-dict keys and ``isinstance(m, nn.Embedding)`` are kept)."""
+
+    forward = _ring_embedding_forward
+
+
+def embedding_eligible(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be a ring embedding, or None if it can."""
+    if type(module) is not nn.Embedding:
+        return f"{type(module).__name__} is not nn.Embedding itself"
+    if module.max_norm is not None:
+        return "max_norm renormalises the table in place during the forward"
+    if module.scale_grad_by_freq or module.sparse:
+        return "scale_grad_by_freq / sparse gradients are not supported"
+    return None
+
+
+def convert_embedding(module: nn.Embedding, engine: Engine) -> nn.Parameter:
+    """Shard ``module``'s table by rows onto the engine's mesh and swap its class; returns the new parameter."""
+    from .modules import shard_parameter
+
+    num_embeddings = module.weight.shape[0]
+    param = shard_parameter(module, "weight", 0, engine)
+    module._cf_embedding = EmbeddingState(engine, module, num_embeddings)
+    module.__class__ = RingEmbedding
+    return param

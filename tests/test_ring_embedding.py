@@ -1,0 +1,92 @@
+"""The ring embedding (fused/embedding.py) against nn.Embedding on the concatenated batch: outputs and table grads,
+both exchanges (rows and table), uneven token counts per rank, uneven and empty shards, padding_idx, frozen tables,
+and which embeddings shard() converts."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import commfuse_dp as cf
+import hf_models
+from commfuse_dp.fused.embedding import RingEmbedding
+from commfuse_dp.ring.transport import observe_ring
+from harness import run_ranks
+
+
+def _build(vocab, hidden, padding_idx):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(vocab, hidden, padding_idx=padding_idx), nn.Linear(hidden, 3))
+
+
+def _ids(rank, tokens, vocab, padding_idx):
+    ids = torch.randint(0, vocab, (tokens + rank % 2,), generator=torch.Generator().manual_seed(100 * tokens + rank))
+    if padding_idx is not None:
+        ids[::4] = padding_idx
+    return ids
+
+
+# (vocab, hidden, padding_idx, tokens of even ranks (odd ranks have one more), the exchange expected at 4 ranks)
+CASES = [(50, 8, 3, 4, "rows"), (50, 8, None, 40, "table"), (5, 4, None, 1, "rows"), (5, 4, 0, 9, "table")]
+
+
+def _worker(rank, world_size):
+    seen = []
+    for vocab, hidden, padding_idx, tokens, _ in CASES:
+        model, ref = _build(vocab, hidden, padding_idx), _build(vocab, hidden, padding_idx)
+        cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+        assert isinstance(model[0], RingEmbedding) and isinstance(model[0], nn.Embedding)
+        chunk = -(-vocab // world_size)
+        assert model[0].weight.to_local().shape == (max(0, min(chunk, vocab - rank * chunk)), hidden)
+        all_ids = [_ids(r, tokens, vocab, padding_idx) for r in range(world_size)]
+        for step in range(2):  # the second step adds into the existing grads
+            ops = []
+            with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
+                rows = model[0](all_ids[rank])
+                model[1](rows).pow(2).sum().backward()
+            start = sum(len(i) for i in all_ids[:rank])
+            ref_rows = ref[0](torch.cat(all_ids))
+            (ref[1](ref_rows).pow(2).sum() / world_size).backward()
+            torch.testing.assert_close(rows, ref_rows[start:start + len(all_ids[rank])], rtol=0, atol=0)  # exact
+            grad = model[0].weight.grad.full_tensor()
+            torch.testing.assert_close(grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+            if padding_idx is not None:
+                assert torch.count_nonzero(grad[padding_idx]) == 0
+        if world_size > 1:  # (one rank starts no ring steps)
+            rows = "embedding_ids" in ops
+            assert rows == (tokens + 1 <= chunk), (vocab, tokens, ops)
+            seen.append("rows" if rows else "table")
+            assert "embedding_backward" in ops
+        with torch.no_grad():  # evaluation: forward only, same values
+            torch.testing.assert_close(model(all_ids[rank]), ref(all_ids[rank]), rtol=1e-6, atol=1e-6)
+        model[0].weight.requires_grad_(False)  # a frozen table: no gradient exchange, no grad
+        ops.clear()
+        with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
+            model(all_ids[rank]).sum().backward()
+        assert "embedding_backward" not in ops and model[0].weight.grad is not None  # the old grad is kept
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_embedding_matches_nn_embedding(world_size):
+    seen = run_ranks(_worker, world_size, timeout=300)
+    assert all(s == seen[0] for s in seen)
+    if world_size == 4:
+        assert seen[0] == [case[-1] for case in CASES]
+
+
+def _conversion_worker(rank, world_size):
+    converted = {}
+    for kind in ("gpt2", "llama", "bert"):
+        model = cf.shard(hf_models.build(kind), cf.CommFuseConfig(min_fuse_numel=0))
+        converted[kind] = sorted(n for n, m in model.named_modules() if isinstance(m, RingEmbedding))
+    off = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0, ring_embeddings=False))
+    converted["llama/off"] = [n for n, m in off.named_modules() if isinstance(m, RingEmbedding)]
+    return converted
+
+
+def test_which_embeddings_are_converted():
+    converted = run_ranks(_conversion_worker, 2, timeout=300)[0]
+    assert converted["gpt2"] == ["transformer.wpe"]  # wte is tied to lm_head: it stays with FSDP2
+    assert converted["llama"] == ["model.embed_tokens"]
+    assert converted["bert"] == ["bert.embeddings.position_embeddings", "bert.embeddings.token_type_embeddings"]
+    assert converted["llama/off"] == []
