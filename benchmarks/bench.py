@@ -12,8 +12,10 @@
    tokens_per_s, peak_mem_mb, ratio_to_limit), a PNG of the sweep, and a timeline of one fused and one slicing step
    at the balanced rate (PNG and a Chrome/Perfetto trace).
 
-Exposed communication is a schedule's step time minus compute alone at the same rate. The overlap limit is
-max(compute alone, communication alone). Needs root (network namespaces); every run is bounded by ``--timeout``.
+Exposed communication is a schedule's step time minus compute alone at the same rate; it includes the CPU time the
+communication takes from compute on shared cores (the ``concurrent`` bound shows how much). ``waited`` (fused and
+slicing) is the time the compute thread was blocked on ring steps (``commfuse_dp.step_stats``), medians of the
+slowest rank. The overlap limit is max(compute alone, communication alone). Needs root (network namespaces); every run is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -98,21 +100,23 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
             exposed = max(step - compute, 0.0) if compute else None
         rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
-                     "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"]})
+                     "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"],
+                     "waited_s": v.get("waited_s")})
     return rows
 
 
 def print_table(records: list[dict], balanced: float) -> None:
-    print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'tokens/s':>9} {'peak MiB':>9} "
-          f"{'x limit':>7}")
+    print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
+          f"{'peak MiB':>9} {'x limit':>7}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
         mark = "  <- balanced" if rate == balanced else ""
         for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: (VARIANTS + EXTRA_VARIANTS).index(r["schedule"])):
             mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] else "-"
             ratio = f"{r['ratio_to_limit']:.2f}" if r["ratio_to_limit"] else "-"
             exposed = f"{r['exposed_s']:.3f}" if r["exposed_s"] is not None else "-"
+            waited = f"{r['waited_s']:.3f}" if r.get("waited_s") is not None else "-"
             note = CPU_NOTES.get(r["schedule"], "")
-            print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {r['tokens_per_s']:>9.0f} "
+            print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
                   f"{mem:>9} {ratio:>7}  {note}{mark}")
             mark = ""
     print(f"\nnote: {SHAPING_NOTE}")

@@ -269,6 +269,7 @@ def main(argv=None) -> int:
     names = [v for v in args.variants.split(",") if v]
     runners = {name: Runner(name, args, rank, world) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
+    waited: dict[str, list[float]] = {name: [] for name in names}  # fused/slicing: time blocked on the rings
     for _ in range(args.warmup):
         for runner in runners.values():
             runner.step()
@@ -279,6 +280,9 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 runner.step()
                 times[name].append(time.perf_counter() - start)
+                engine = getattr(runner.model, "_commfuse_engine", None)
+                if engine is not None:
+                    waited[name].append(engine.stats.current().exposed_comm_s)
     memory = {}
     if args.memory:
         for name, runner in runners.items():
@@ -295,13 +299,15 @@ def main(argv=None) -> int:
                     runners[name].step()
                 timelines[name] = timeline.events
     gathered: list[dict | None] = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "memory": memory, "timelines": timelines})
+    dist.all_gather_object(gathered, {"times": times, "waited": waited, "memory": memory, "timelines": timelines})
     if rank == 0:
         result = {"variants": {}}
         for name in names:
             per_step = [max(g["times"][name][i] for g in gathered) for i in range(len(times[name]))]
             result["variants"][name] = {
                 "step_s": statistics.median(per_step), "steps_s": per_step,
+                "waited_s": statistics.median(max(g["waited"][name][i] for g in gathered)
+                                              for i in range(len(waited[name]))) if waited[name] else None,
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
             }
         result["tokens_per_rank"] = args.batch * args.seq

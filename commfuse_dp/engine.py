@@ -31,6 +31,7 @@ class Ahead(NamedTuple):
     buf: torch.Tensor  # the layer's packed weight shards being sent
     nbuf: torch.Tensor  # receiving the previous rank's shards
     tag: int
+    full: torch.Tensor | None = None  # (N, numel) slots that buf and nbuf are part of, for a layer that keeps them
 
 
 class Engine:
@@ -49,10 +50,12 @@ class Engine:
         self._current: list = []
         self._ahead: dict[tuple[int, str], Ahead] = {}
         self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
+        self._kept: set[int] = set()  # groups of this step whose forward kept the gathered weight (keeps_weight)
         # A fused layer's last reduce-scatter step lands during the next layer's first backward piece instead of
         # during its own last piece (a window of a whole layer, not a piece); the grads are put in place then,
         # or when the backward ends.
         self.defer_last_reduce = self._prefetch
+        self.keep_last_weight = self._prefetch  # see keeps_weight
         self._deferred: list = []
         self._deferred_callback = False
 
@@ -62,6 +65,7 @@ class Engine:
             self.slicing.begin_step()
         if self._current:
             self._order, self._current = self._current, []
+        self._kept.clear()
         for ahead in self._ahead.values():  # started on every rank alike but not used (another path was taken)
             ahead.step.handle.wait()
         self._ahead.clear()
@@ -95,6 +99,17 @@ class Engine:
             self._current.append(state)
             self._needs_dx[id(state)] = needs_dx
 
+    def keeps_weight(self, state) -> bool:
+        """Whether ``state``'s forward keeps every gathered weight shard for its own backward: the last fused group
+        of the forward (the lm_head) when a backward follows. Its backward then sends gradient partials only, like
+        FSDP2's root that is not resharded after forward; it holds the full weight from its forward to its
+        backward (one layer's worth of memory, while the loss is computed)."""
+        return (self.keep_last_weight and bool(self._order) and self._order[-1] is state
+                and self._needs_dx.get(id(state), False))
+
+    def kept(self, state) -> None:
+        self._kept.add(id(state))
+
     def take_ahead(self, state, phase: str) -> Ahead | None:
         return self._ahead.pop((id(state), phase), None) if self._prefetch else None
 
@@ -125,17 +140,22 @@ class Engine:
         for following in order[at + 1:]:
             if wanted == 0:
                 break
-            if phase == "backward" and not self._needs_dx.get(id(following), False):
+            if phase == "backward" and (not self._needs_dx.get(id(following), False) or id(following) in self._kept):
                 continue  # its backward sends no weight shards: nothing to start early
             wanted -= 1
             key = (id(following), phase)
             if key in self._ahead:
                 continue
             params = following.local_params()
-            buf = following.layout.pack(following.pairs(params), self.compute_dtype(params[0].dtype))
-            nbuf = torch.empty_like(buf)
+            cdt = self.compute_dtype(params[0].dtype)
+            full = None
+            if phase == "forward" and self.keeps_weight(following):
+                full = torch.empty(self.ring.size, following.layout.numel, dtype=cdt, device=params[0].device)
+            buf = following.layout.pack(following.pairs(params), cdt,
+                                        out=full[self.ring.rank] if full is not None else None)
+            nbuf = full[self.ring.shard_held(1)] if full is not None else torch.empty_like(buf)
             tag = self.ring.next_tag()
-            self._ahead[key] = Ahead(self.start([buf], [nbuf], tag, phase, 0), buf, nbuf, tag)
+            self._ahead[key] = Ahead(self.start([buf], [nbuf], tag, phase, 0), buf, nbuf, tag, full)
 
     # -- ring steps, timed -------------------------------------------------------------------------------
 

@@ -57,15 +57,15 @@ def test_last_gradient_step_lands_during_the_next_layer():
 def test_next_layer_ring_starts_during_the_last_piece():
     # From the second step on, the order is known: the next layer's step 0 starts (S0) before this layer's last
     # piece (C2), and the next layer then begins with a piece (C0), its step 0 already in flight. The last forward
-    # layer's last piece starts the backward's first two layers' step 0 (depth 2): both backward rings begin with
-    # their first piece.
+    # layer keeps its gathered weight shards for its backward, which then sends gradient partials only (no S0; S1
+    # and S2 carry the partials); its last forward piece starts the step 0 of the backward's next layer.
     events = run_ranks(_fused_worker, 3, (2,))[0]
     assert _sequence(events, "forward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S0", "C2",
                                             "C0", "W0", "S1", "C1", "W1", "C2"]
     in_order = [(e[1], e[2]) for e in events if e[0] in ("start", "compute")]
     last_forward_piece = in_order.index(("forward", 2), in_order.index(("forward", 2)) + 1)
-    assert in_order[last_forward_piece - 2:last_forward_piece] == [("backward", 0), ("backward", 0)]
-    assert _sequence(events, "backward") == ["S0", "S0", "C0", "W0", "S1", "C1", "W1", "S2", "C2",
+    assert in_order[last_forward_piece - 1] == ("backward", 0)
+    assert _sequence(events, "backward") == ["S0", "C0", "S1", "C1", "W1", "S2", "C2",
                                              "C0", "W2", "W0", "S1", "C1", "W1", "S2", "C2", "W2"]
 
 

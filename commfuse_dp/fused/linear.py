@@ -58,7 +58,7 @@ class FusedRingLinearFn(torch.autograd.Function):
         cdt, x2, outs = prepare_forward(state, x, params)
         state.engine.entered(state, x.requires_grad)
         with record_function("commfuse::fused_forward"):
-            forward_ring(state, params, cdt, x2, outs)
+            ctx.full = forward_ring(state, params, cdt, x2, outs)
         return finish_forward(ctx, state, x, x2, params, outs)
 
     @staticmethod
@@ -67,7 +67,8 @@ class FusedRingLinearFn(torch.autograd.Function):
         state = ctx.state
         with record_function("commfuse::fused_backward"):
             dx, grads = backward_ring(state, x2, params, grad_outs, ctx.needs_input_grad[0],
-                                      ctx.needs_input_grad[2:])
+                                      ctx.needs_input_grad[2:], ctx.full)
+        ctx.full = None
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, *grads)
@@ -92,18 +93,25 @@ def finish_forward(ctx, state: FusedGroupState, x: torch.Tensor, x2: torch.Tenso
 
 
 def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
-                 op: str = "forward") -> None:
-    """Run the forward ring over this rank's packed shards, writing every member's output columns."""
+                 op: str = "forward") -> torch.Tensor | None:
+    """Run the forward ring over this rank's packed shards, writing every member's output columns. Returns the
+    ``(N, numel)`` gathered shards (slot j: rank j's) when the group keeps them for its backward
+    (``Engine.keeps_weight``), else None."""
     engine, layout = state.engine, state.layout
     ring, world = engine.ring, engine.ring.size
     ahead = engine.take_ahead(state, op)
     if ahead is not None:  # step 0 started during the previous layer
-        buf, nbuf, tag, first = ahead.buf, ahead.nbuf, ahead.tag, ahead.step
+        buf, nbuf, tag, first, full = ahead.buf, ahead.nbuf, ahead.tag, ahead.step, ahead.full
     else:
-        buf = layout.pack(state.pairs(params), cdt)
-        nbuf = torch.empty_like(buf) if world > 1 else None
+        full = None
+        if world > 1 and op == "forward" and engine.keeps_weight(state):
+            full = torch.empty(world, layout.numel, dtype=cdt, device=x2.device)
+        buf = layout.pack(state.pairs(params), cdt, out=full[ring.rank] if full is not None else None)
+        nbuf = None if world == 1 else full[ring.shard_held(1)] if full is not None else torch.empty_like(buf)
         tag = ring.next_tag() if world > 1 else 0
         first = None
+    if full is not None:
+        engine.kept(state)
     for k in range(world):
         step = None
         if k < world - 1:
@@ -117,7 +125,11 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
             transport.notify("compute", op, k)
         if step is not None:
             engine.wait(step)
-            buf, nbuf = nbuf, buf
+            if full is not None:  # every shard stays in its slot; the next one is received into its own
+                buf, nbuf = nbuf, (full[ring.shard_held(k + 2)] if k + 2 < world else None)
+            else:
+                buf, nbuf = nbuf, buf
+    return full
 
 
 def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
@@ -135,7 +147,9 @@ def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, out
 
 def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
                   grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool,
-                  params_need_grad: tuple[bool, ...]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+                  params_need_grad: tuple[bool, ...], full: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """``full``: the weight shards the forward kept (slot j: rank j's); then no weight shard travels."""
     engine, layout = state.engine, state.layout
     ring, world = engine.ring, engine.ring.size
     cdt = x2.dtype
@@ -148,12 +162,13 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     rdt = engine.reduce_dtype(cdt)
     pairs = state.pairs(params)
 
-    ahead = engine.take_ahead(state, "backward") if need_dx else None
+    gather = need_dx and full is None  # the weight shards travel the ring again
+    ahead = engine.take_ahead(state, "backward") if gather else None
     if ahead is not None:  # step 0 (weight shards only) started during the previous layer's backward
         wbuf, nwbuf, first = ahead.buf, ahead.nbuf, ahead.step
     else:
-        wbuf = layout.pack(pairs, cdt) if need_dx else None
-        nwbuf = torch.empty_like(wbuf) if need_dx and world > 1 else None
+        wbuf = layout.pack(pairs, cdt) if gather else None
+        nwbuf = torch.empty_like(wbuf) if gather and world > 1 else None
         first = None
     dx = x2.new_zeros(x2.shape) if need_dx else None
     # Every element of the gradient buffers is written before it is sent, except padding rows (out_features not
@@ -163,13 +178,13 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     parts = [alloc(layout.numel, dtype=rdt) for _ in range(2)] if train_any else None
     racc = x2.new_empty(layout.numel, dtype=rdt) if train_any and sync and world > 1 else None
     pending = state.take_unsynced() if train_any and sync else None  # partials kept by no-sync backwards
-    communicates = world > 1 and (need_dx or (train_any and sync))
+    communicates = world > 1 and (gather or (train_any and sync))
     tag = ahead.tag if ahead is not None else ring.next_tag() if communicates else 0
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
 
     for k in range(world):
         sends, recvs = [], []
-        if need_dx and k < world - 1:
+        if gather and k < world - 1:
             sends.append(wbuf)
             recvs.append(nwbuf)
         if train_any and sync and k > 0:
@@ -185,10 +200,11 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
             transport.notify("compute_begin", "backward", k)
         if need_dx:
             s = ring.shard_held(k)
+            held = full[s] if full is not None else wbuf
             for m, dy in zip(members, dys):
                 lo, hi = m.rows(s)
                 if dy is not None and hi > lo:
-                    dx.addmm_(dy[:, lo:hi], m.weight(wbuf, hi - lo))
+                    dx.addmm_(dy[:, lo:hi], m.weight(held, hi - lo))
         if train_any:
             t = ring.shard_reduced(k)
             part = parts[k % 2]
@@ -207,7 +223,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         last_deferred = step is not None and k == world - 1 and engine.defer_last_reduce
         if step is not None and not last_deferred:
             engine.wait(step)
-            if need_dx and k < world - 1:
+            if gather and k < world - 1:
                 wbuf, nwbuf = nwbuf, wbuf
         if train_any and sync and k > 0 and not last_deferred:
             part.add_(racc)
