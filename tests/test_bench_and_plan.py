@@ -37,6 +37,20 @@ def test_planner_bounds():
     assert plan.simulate(units, single, "no_overlap")["step_s"] == pytest.approx(compute, rel=1e-9)
 
 
+def test_planner_ring_embedding_moves_the_smaller_of_rows_and_table():
+    vocab, hidden = 128256, 4096
+    units = plan.units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=4096, seq=4096)
+    embedding = units[0]
+    assert embedding.table == (vocab, hidden)
+    assert embedding.ring_step_numel(8) == 4096 * hidden  # 4096 tokens < 16032 rows per shard: rows travel
+    assert embedding.ring_step_numel(64) == -(-vocab // 64) * hidden  # 2004 rows per shard < 4096 tokens: the table
+    # Where rows travel, a slower link costs the fused schedule less than if the whole table had to travel.
+    cl = _cluster(ranks=8, gbps=5.0)
+    table_units = [plan.Unit("embedding", 0, vocab * hidden, 0.0)] + units[1:]
+    assert plan.simulate(units, cl, "fused")["step_s"] < plan.simulate(table_units, cl, "fused")["step_s"]
+    assert plan.simulate(units, cl, "slicing")["step_s"] < plan.simulate(table_units, cl, "slicing")["step_s"]
+
+
 def test_balanced_rate_fits_a_fixed_part():
     # 0.1 s fixed + 600 s*Mbit/s: 0.7 s at 1000, 0.4 s at 2000; compute 0.5 s -> 600 / 0.4 = 1500 Mbit/s.
     assert balanced_rate(1000.0, 0.5, 0.7, 0.4) == 1500.0
