@@ -12,6 +12,9 @@
    tokens_per_s, peak_mem_mb, ratio_to_limit), a PNG of the sweep, and a timeline of one fused and one slicing step
    at the balanced rate (PNG and a Chrome/Perfetto trace).
 
+Peak memory per rank (at the balanced rate, in a run of its own): what the variant holds between steps (parameter
+shards, optimizer state) plus the peak of the process's resident size during a step above its size before it.
+
 Exposed communication is a schedule's step time minus compute alone at the same rate; it includes the CPU time the
 communication takes from compute on shared cores (the ``concurrent`` bound shows how much). ``waited`` (fused and
 slicing) is the time the compute thread was blocked on ring steps (``commfuse_dp.step_stats``), medians of the
@@ -29,7 +32,7 @@ import tempfile
 import time
 
 from .cluster import EmulatedCluster
-from .worker import EXTRA_VARIANTS, VARIANTS
+from .worker import EXTRA_VARIANTS, MMAP_ENV, VARIANTS
 
 CPU_NOTES = {
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
@@ -45,21 +48,26 @@ SHAPING_NOTE = ("tbf token buckets (1 MB) refill while a link is idle, so schedu
 
 def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *, memory=False,
              timeline: str | None = None) -> dict:
-    """One set of ranks at ``rate``: every variant, interleaved. Returns the worker's result (rank 0's JSON)."""
+    """One set of ranks at ``rate``: every variant, interleaved. Returns the worker's result (rank 0's JSON).
+    ``memory``: instead of timing, measure each variant's peak memory (a run of its own, with large allocations
+    mapped so that the resident size follows the live tensors; see ``worker.peak_step_bytes``)."""
     cluster.set_rate(rate)
     with tempfile.TemporaryDirectory(prefix="commfuse-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
         port = 29500 + int(rate) % 400 + int(time.time()) % 50
+        rounds, warmup = (0, 2) if memory else (args.rounds, args.warmup)
         argv = [sys.executable, "-m", "commfuse_dp.benchmarks.worker", "--world-size", str(cluster.world_size),
                 "--master", f"{cluster.address(0)}:{port}", "--variants", ",".join(variants),
-                "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(warmup),
                 "--out", out, *args.model_args]
+        env = None
         if memory:
             argv.append("--memory")
+            env = {**os.environ, **MMAP_ENV}
         if timeline:
             argv += ["--timeline", timeline]
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(cluster.world_size)]
-        procs = [cluster.popen(r, [*argv, "--rank", str(r)], stdout=logs[r], stderr=subprocess.STDOUT)
+        procs = [cluster.popen(r, [*argv, "--rank", str(r)], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
                  for r in range(cluster.world_size)]
         deadline = time.monotonic() + args.timeout
         try:
@@ -176,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         for rate in rates:
             at_balance = rate == balanced
             print(f"running {len(variants)} variants at {rate:g} Mbit/s ...", flush=True)
-            result = run_rate(cluster, rate, variants, args, memory=at_balance,
-                              timeline=timeline_path if at_balance else None)
+            result = run_rate(cluster, rate, variants, args, timeline=timeline_path if at_balance else None)
+            if at_balance:
+                print(f"measuring peak memory at {rate:g} Mbit/s ...", flush=True)
+                peaks = run_rate(cluster, rate, variants, args, memory=True)["variants"]
+                for name, v in result["variants"].items():
+                    v["peak_mem_mb"] = peaks[name]["peak_mem_mb"]
             records += records_from(result, rate, args.world_size)
             if at_balance and result.get("timelines"):
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)

@@ -207,20 +207,42 @@ class Runner:
             self.model.zero_grad(set_to_none=True)
 
 
-def peak_bytes(fn) -> int:
-    """Upper bound of the CPU memory allocated while ``fn`` runs (profiler per-op allocations; an op's release
-    counts from its end), added to what the variant holds before it runs."""
-    from torch.profiler import ProfilerActivity, profile
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+def peak_step_bytes(fn) -> int:
+    """Peak resident memory of this process while ``fn`` runs, above what it held just before.
+
+    Needs the allocator settings of ``MMAP_ENV`` at process start (``--memory`` runs are started with them): every
+    allocation of 64 KiB or more is then its own mapping and goes back to the system when freed, on whichever thread
+    frees it, so the resident size follows the live tensors. (The profiler's per-op allocation events miss frees
+    made on gloo's threads, and overstated the schedules that keep ring steps in flight.) Sampled every 0.2 ms."""
+    import gc
+    import threading
+
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    gc.collect()
+    base = resident()
+    peak, done = [base], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], resident())
+            done.wait(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
         fn()
-    timeline = [((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end), e.self_cpu_memory_usage)
-                for e in prof.events() if e.self_cpu_memory_usage]
-    current = peak = 0
-    for _, change in sorted(timeline):
-        current += change
-        peak = max(peak, current)
-    return peak
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], resident()) - base
 
 
 def resident_bytes(runner: Runner) -> int:
@@ -251,7 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--memory", action="store_true", help="also measure peak memory per variant")
+    parser.add_argument("--memory", action="store_true",
+                        help="also measure peak memory per variant (start the process with MMAP_ENV)")
     parser.add_argument("--timeline", help="write fused/slicing ring timelines of one step to this JSON file")
     parser.add_argument("--out", required=True)
     for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("vocab", 4096),
@@ -285,9 +308,13 @@ def main(argv=None) -> int:
                     waited[name].append(engine.stats.current().exposed_comm_s)
     memory = {}
     if args.memory:
+        missing = {k: v for k, v in MMAP_ENV.items() if os.environ.get(k) != v}
+        if missing:
+            raise SystemExit(f"worker --memory: start the process with {missing} in its environment "
+                             f"(bench.py does); without them freed memory stays resident and peaks are wrong")
         for name, runner in runners.items():
             dist.barrier()
-            memory[name] = resident_bytes(runner) + peak_bytes(runner.step)
+            memory[name] = resident_bytes(runner) + peak_step_bytes(runner.step)
     timelines = {}
     if args.timeline:
         from commfuse_dp.stats import record_timeline
@@ -305,7 +332,7 @@ def main(argv=None) -> int:
         for name in names:
             per_step = [max(g["times"][name][i] for g in gathered) for i in range(len(times[name]))]
             result["variants"][name] = {
-                "step_s": statistics.median(per_step), "steps_s": per_step,
+                "step_s": statistics.median(per_step) if per_step else None, "steps_s": per_step,
                 "waited_s": statistics.median(max(g["waited"][name][i] for g in gathered)
                                               for i in range(len(waited[name]))) if waited[name] else None,
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
