@@ -90,3 +90,17 @@ def test_which_embeddings_are_converted():
     assert converted["llama"] == ["model.embed_tokens"]
     assert converted["bert"] == ["bert.embeddings.position_embeddings", "bert.embeddings.token_type_embeddings"]
     assert converted["llama/off"] == []
+
+
+def _out_of_range_worker(rank, world_size):
+    model = _build(50, 8, None)
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    ids = torch.tensor([1, 2, 50 if rank == world_size - 1 else 3])
+    with pytest.raises(IndexError, match=rf"out of range \[0, 50\) on rank\(s\) \[{world_size - 1}\]"):
+        model(ids)
+    return float(model(torch.tensor([1, 2, 3])).sum())  # the ring is still usable afterwards
+
+
+def test_out_of_range_ids_raise_on_every_rank():
+    sums = run_ranks(_out_of_range_worker, 3, timeout=120)
+    assert all(s == sums[0] for s in sums)

@@ -57,8 +57,14 @@ class RingEmbeddingFn(torch.autograd.Function):
         cdt = engine.compute_dtype(weight.dtype)
         flat = ids.reshape(-1).to(torch.int64)
         with record_function("commfuse::embedding_forward"):
-            counts = _gather(engine, flat.new_tensor([flat.numel()]), "embedding_count")
-            most = int(counts.max())
+            bad = bool(flat.numel()) and bool((flat.min() < 0) | (flat.max() >= state.num_embeddings))
+            counts = _gather(engine, flat.new_tensor([flat.numel(), int(bad)]), "embedding_count")
+            if counts[:, 1].any():  # every rank raises, not only the one with the bad ids (no rank is left waiting)
+                ranks = counts[:, 1].nonzero().flatten().tolist()
+                raise IndexError(f"embedding: token ids out of range [0, {state.num_embeddings}) on rank(s) {ranks} "
+                                 f"(group ranks); check the tokenizer's vocabulary against the model's "
+                                 f"{state.num_embeddings} embedding rows")
+            most = int(counts[:, 0].max())
             ctx.state, ctx.count, ctx.shape, ctx.most = state, flat.numel(), ids.shape, most
             if most <= state.chunk:
                 padded = flat.new_full((most,), -1)
