@@ -107,8 +107,8 @@ class Runner:
         # The per-rank work of a sharded rank: forward and backward of the whole model on this rank's batch, and the
         # optimizer step on this rank's 1/N of every parameter (views into the parameters and their grads).
         self.model = build_model(self.args)
-        self._owned = [(p, p.detach().view(-1).chunk(self.world)[self.rank]) for p in self.model.parameters()
-                       if self.rank < len(p.detach().view(-1).chunk(self.world))]
+        chunks = [(p, p.detach().view(-1).chunk(self.world)) for p in self.model.parameters()]
+        self._owned = [(p, c[self.rank]) for p, c in chunks if self.rank < len(c)]
         self.opt = self._optimizer([view for _, view in self._owned])
 
     def _build_deepspeed_zero3(self):

@@ -147,15 +147,20 @@ class Engine:
             if key in self._ahead:
                 continue
             params = following.local_params()
-            cdt = self.compute_dtype(params[0].dtype)
-            full = None
-            if phase == "forward" and self.keeps_weight(following):
-                full = torch.empty(self.ring.size, following.layout.numel, dtype=cdt, device=params[0].device)
-            buf = following.layout.pack(following.pairs(params), cdt,
-                                        out=full[self.ring.rank] if full is not None else None)
-            nbuf = full[self.ring.shard_held(1)] if full is not None else torch.empty_like(buf)
+            keep = phase == "forward" and self.keeps_weight(following)
+            buf, nbuf, full = self.first_buffers(following, params, self.compute_dtype(params[0].dtype), keep)
             tag = self.ring.next_tag()
             self._ahead[key] = Ahead(self.start([buf], [nbuf], tag, phase, 0), buf, nbuf, tag, full)
+
+    def first_buffers(self, state, params, cdt: torch.dtype, keep: bool):
+        """(buf, nbuf, full) for a group's weight ring: its packed shards and the buffer that receives the previous
+        rank's; with ``keep`` both are slots of ``full`` (N, numel), where every shard stays (``keeps_weight``)."""
+        layout, ring = state.layout, self.ring
+        if keep:
+            full = torch.empty(ring.size, layout.numel, dtype=cdt, device=params[0].device)
+            return layout.pack(state.pairs(params), cdt, out=full[ring.rank]), full[ring.shard_held(1)], full
+        buf = layout.pack(state.pairs(params), cdt)
+        return buf, (torch.empty_like(buf) if ring.size > 1 else None), None
 
     # -- ring steps, timed -------------------------------------------------------------------------------
 

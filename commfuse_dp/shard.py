@@ -121,10 +121,7 @@ def _conv1d_class() -> type | None:
 
 def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int) -> list[tuple[str, nn.Module, bool]]:
     conv1d = _conv1d_class()
-    owners: Counter[int] = Counter()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] += 1
+    owners = _param_owners(model)
     fused, small, tied, other = [], 0, 0, Counter()
     for name, module in model.named_modules():
         kind = type(module)
@@ -150,8 +147,13 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int) -> li
     return fused
 
 
+def _param_owners(model: nn.Module) -> Counter[int]:
+    """How many modules hold each parameter (more than one: tied weights)."""
+    return Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+
+
 def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int) -> list[nn.Embedding]:
-    owners: Counter[int] = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    owners = _param_owners(model)
     chosen = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Embedding):

@@ -38,7 +38,7 @@ class EmbeddingState:
     """What the ring embedding's Function needs: the engine, the table's row count and this rank's row range."""
 
     def __init__(self, engine: Engine, module: nn.Embedding, num_embeddings: int) -> None:
-        self.engine, self.module = engine, module
+        self.engine = engine
         world, rank = engine.ring.size, engine.ring.rank
         self.num_embeddings = num_embeddings
         self.chunk = -(-num_embeddings // world)  # rows per shard (torch.chunk)
@@ -65,7 +65,7 @@ class RingEmbeddingFn(torch.autograd.Function):
                                  f"(group ranks); check the tokenizer's vocabulary against the model's "
                                  f"{state.num_embeddings} embedding rows")
             most = int(counts[:, 0].max())
-            ctx.state, ctx.count, ctx.shape, ctx.most = state, flat.numel(), ids.shape, most
+            ctx.state, ctx.most = state, most
             if most <= state.chunk:
                 padded = flat.new_full((most,), -1)
                 padded[:flat.numel()] = flat

@@ -28,7 +28,9 @@ Across layers (``prefetch_next``): step 0 of the next ``prefetch_depth`` layers 
 piece, and in backward the last step (gradient partials only) is waited after the next layer's first piece rather
 than beside this layer's last one (``DeferredReduce``), so it has a whole piece more to land.
 
-Only two weight-shard buffers are live (never the full W), plus two gradient-shard buffers. The reduction order is
+Only two weight-shard buffers are live (never the full W), plus two gradient-shard buffers; the one exception is
+the last layer of the forward (the lm_head), which keeps all N shards from its forward for its backward
+(``Engine.keeps_weight``), so that its backward sends gradient partials only. The reduction order is
 fixed by the ring, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
 steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
 each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
@@ -103,11 +105,8 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
     if ahead is not None:  # step 0 started during the previous layer
         buf, nbuf, tag, first, full = ahead.buf, ahead.nbuf, ahead.tag, ahead.step, ahead.full
     else:
-        full = None
-        if world > 1 and op == "forward" and engine.keeps_weight(state):
-            full = torch.empty(world, layout.numel, dtype=cdt, device=x2.device)
-        buf = layout.pack(state.pairs(params), cdt, out=full[ring.rank] if full is not None else None)
-        nbuf = None if world == 1 else full[ring.shard_held(1)] if full is not None else torch.empty_like(buf)
+        keep = world > 1 and op == "forward" and engine.keeps_weight(state)
+        buf, nbuf, full = engine.first_buffers(state, params, cdt, keep)
         tag = ring.next_tag() if world > 1 else 0
         first = None
     if full is not None:
@@ -160,15 +159,13 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     train_any = any(train)
     sync = engine.requires_grad_sync
     rdt = engine.reduce_dtype(cdt)
-    pairs = state.pairs(params)
 
     gather = need_dx and full is None  # the weight shards travel the ring again
     ahead = engine.take_ahead(state, "backward") if gather else None
     if ahead is not None:  # step 0 (weight shards only) started during the previous layer's backward
         wbuf, nwbuf, first = ahead.buf, ahead.nbuf, ahead.step
     else:
-        wbuf = layout.pack(pairs, cdt) if gather else None
-        nwbuf = torch.empty_like(wbuf) if gather and world > 1 else None
+        wbuf, nwbuf, _ = engine.first_buffers(state, params, cdt, False) if gather else (None, None, None)
         first = None
     dx = x2.new_zeros(x2.shape) if need_dx else None
     # Every element of the gradient buffers is written before it is sent, except padding rows (out_features not
