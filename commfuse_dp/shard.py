@@ -33,6 +33,7 @@ from .config import CommFuseConfig
 from .engine import Engine
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
+from .fused.step import StepState
 from .ring.fsdp_comm import use_ring_collectives
 from .ring.topology import get_ring
 from .stats import StepStats
@@ -70,16 +71,18 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     group = mesh.get_group()
     _check_same_group(group)
     engine = Engine(get_ring(group, op="shard"), mesh, config)
+    steps = StepState(engine)
+    names = {id(m): name or "(root)" for name, m in model.named_modules()}
 
     fused = _fusable_linears(model, config, engine.ring.size)
     fused_params: set[nn.Parameter] = set()
     for _, module, transposed in fused:
         fused_params.update(convert_linear(module, engine, transposed))
     for members in _shared_input_groups(fused):
-        attach_group(engine, members)
+        attach_group(steps, members, [names[id(m)] for m in members])
     if config.ring_embeddings:
         for module in _ring_embeddings(model, config, engine.ring.size):
-            fused_params.add(convert_embedding(module, engine))
+            fused_params.add(convert_embedding(module, steps, names[id(module)]))
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units)
@@ -93,7 +96,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         use_ring_collectives(model, config, recorder=engine.stats)
-    _install(model, engine, [m for _, m, _ in fused])
+    _install(model, steps)
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule), %d FSDP2 units + root, %d ranks",
                 len(fused), config.schedule, len(unit_modules), engine.ring.size)
     return model
@@ -257,14 +260,28 @@ def _check_same_group(group: dist.ProcessGroup) -> None:
 
 # ---- what the model gains ---------------------------------------------------------------------------------
 
-def _install(model: nn.Module, engine: Engine, fused_modules: list[nn.Module]) -> None:
-    groups = {id(m._cf_group): m._cf_group for m in fused_modules}.values()
-    fsdp_set_sync = model.set_requires_gradient_sync if isinstance(model, FSDPModule) else None
+def _install(model: nn.Module, steps: StepState) -> None:
+    engine = steps.engine
+    fsdp_root = model if isinstance(model, FSDPModule) else None
+    fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
+    fsdp_reset = fsdp_root.reset_iter_state if fsdp_root is not None else None
 
-    def begin_step(module, args):
-        engine.begin_step()
-        for group in groups:
-            group.reset()
+    @torch.compiler.disable
+    def begin_step(module, args) -> None:
+        if steps.begin_step() and fsdp_reset is not None:  # the previous step raised: FSDP2's part too
+            fsdp_reset()
+
+    @torch.compiler.disable
+    def end_forward(module, args, output) -> None:
+        steps.end_forward()
+
+    def reset_iter_state() -> None:
+        """After an exception aborted a forward or backward: drop the step's in-flight ring steps, deferred
+        gradients, prefetched weights and no-sync partials (and FSDP2's iteration state), so that the next step
+        starts clean. The next forward does this by itself when it finds the previous step unfinished."""
+        steps.reset()
+        if fsdp_reset is not None:
+            fsdp_reset()
 
     def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Gradient sync on/off for the fused layers and every FSDP2 unit (off: accumulate locally)."""
@@ -282,6 +299,10 @@ def _install(model: nn.Module, engine: Engine, fused_modules: list[nn.Module]) -
             set_requires_gradient_sync(True)
 
     model.register_forward_pre_hook(begin_step, prepend=True)
+    model.register_forward_hook(end_forward)
     model.set_requires_gradient_sync = set_requires_gradient_sync
     model.no_sync = no_sync
+    model.reset_iter_state = reset_iter_state
+    model.__deepcopy__ = engine.__deepcopy__  # before FSDP2's own refusal, which does not say what to do
     model._commfuse_engine = engine
+    model._commfuse_steps = steps

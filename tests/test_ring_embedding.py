@@ -52,17 +52,17 @@ def _worker(rank, world_size):
             if padding_idx is not None:
                 assert torch.count_nonzero(grad[padding_idx]) == 0
         if world_size > 1:  # (one rank starts no ring steps)
-            rows = "embedding_ids" in ops
+            rows = "embedding ids" in ops
             assert rows == (tokens + 1 <= chunk), (vocab, tokens, ops)
             seen.append("rows" if rows else "table")
-            assert "embedding_backward" in ops
+            assert "embedding backward" in ops
         with torch.no_grad():  # evaluation: forward only, same values
             torch.testing.assert_close(model(all_ids[rank]), ref(all_ids[rank]), rtol=1e-6, atol=1e-6)
         model[0].weight.requires_grad_(False)  # a frozen table: no gradient exchange, no grad
         ops.clear()
         with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
             model(all_ids[rank]).sum().backward()
-        assert "embedding_backward" not in ops and model[0].weight.grad is not None  # the old grad is kept
+        assert "embedding backward" not in ops and model[0].weight.grad is not None  # the old grad is kept
     return seen
 
 

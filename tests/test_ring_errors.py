@@ -107,3 +107,24 @@ def test_faulty_peer_fails_every_rank_in_time(world_size, fault):
             assert res.value["peer"] == victim, res.value
             expected = "timeout" if fault == "stall" else "peer lost"
             assert res.value["reason"] == expected, res.value
+
+
+def _async_fault_worker(rank, world_size):
+    out = torch.empty(world_size * 1000)
+    ring_all_gather(out, torch.ones(1000), timeout_s=TIMEOUT_S)
+    if rank == 1:
+        time.sleep(2 * TIMEOUT_S)  # alive, but never answers
+        os._exit(0)
+    work = ring_all_gather(out, torch.ones(1000), async_op=True, timeout_s=TIMEOUT_S)  # on the ring thread
+    try:
+        work.wait()
+    except RingCommError as err:
+        return err.reason
+    raise AssertionError("wait() on a failed async ring op returned as if it had succeeded")
+
+
+def test_async_ring_op_reraises_its_error_on_wait():
+    # FSDP2 prefetches and the slicing schedule wait on these Works: a failure must surface there, not leave an
+    # output that was never written.
+    results = run_ranks(_async_fault_worker, 2, check=False, timeout=60)
+    assert results[0].ok and results[0].value == "timeout", results[0].describe()

@@ -113,7 +113,7 @@ def _slicing_worker(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     cf.shard(model, cf.CommFuseConfig(schedule="slicing", min_fuse_numel=0))
-    scheduler = model._commfuse_engine.slicing
+    scheduler = model._commfuse_steps.schedule
     counts = []
     for _ in range(3):
         model(torch.randn(4, 16)).sum().backward()

@@ -36,14 +36,16 @@ def _train(model, batches_of_step, steps, accum, lr=1e-3, clip=True):
     return record
 
 
-def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=None):
-    """Sharded run and single-process reference on every rank; returns (ours, reference) summaries."""
+def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=None, compile=None):
+    """Sharded run and single-process reference on every rank; returns (ours, reference) summaries.
+    ``compile``: a wrapper (``torch.compile``) applied to the sharded model, which then trains and evaluates."""
     config = config or cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0)
     model, ref = hf_models.build(kind), hf_models.build(kind)
     if prepare is not None:
         model, ref = prepare(model), prepare(ref)
     cf.shard(model, config)
-    ours = _train(model, lambda s, m: hf_models.batch(rank, s, m), STEPS, accum)
+    runner = compile(model) if compile is not None else model
+    ours = _train(runner, lambda s, m: hf_models.batch(rank, s, m), STEPS, accum)
     theirs = _train(ref, lambda s, m: hf_models.concat([hf_models.batch(r, s, m) for r in range(world_size)]),
                     STEPS, accum)
     losses = torch.stack([l for l, _ in ours])
@@ -54,7 +56,7 @@ def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=Non
     ref.eval()
     probe = hf_models.batch(rank, 99)
     with torch.no_grad():
-        logits, ref_logits = model(**probe).logits, ref(**probe).logits
+        logits, ref_logits = runner(**probe).logits, ref(**probe).logits
     return {
         "losses": (losses, torch.stack([l for l, _ in theirs])),
         "norms": (torch.stack([n for _, n in ours]), torch.stack([n for _, n in theirs])),

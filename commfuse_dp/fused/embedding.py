@@ -32,13 +32,17 @@ import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
 from ..engine import Engine
+from .step import StepState
 
 
 class EmbeddingState:
-    """What the ring embedding's Function needs: the engine, the table's row count and this rank's row range."""
+    """What the ring embedding's Function needs: the engine and step state, its ring-op identity, the table's row
+    count and this rank's row range."""
 
-    def __init__(self, engine: Engine, module: nn.Embedding, num_embeddings: int) -> None:
-        self.engine = engine
+    def __init__(self, steps: StepState, module: nn.Embedding, num_embeddings: int, name: str) -> None:
+        engine = self.engine = steps.engine
+        self.steps, self.name = steps, name
+        self.op = steps.register(name)
         world, rank = engine.ring.size, engine.ring.rank
         self.num_embeddings = num_embeddings
         self.chunk = -(-num_embeddings // world)  # rows per shard (torch.chunk)
@@ -58,7 +62,7 @@ class RingEmbeddingFn(torch.autograd.Function):
         flat = ids.reshape(-1).to(torch.int64)
         with record_function("commfuse::embedding_forward"):
             bad = bool(flat.numel()) and bool((flat.min() < 0) | (flat.max() >= state.num_embeddings))
-            counts = _gather(engine, flat.new_tensor([flat.numel(), int(bad)]), "embedding_count")
+            counts = _gather(state, flat.new_tensor([flat.numel(), int(bad)]), "embedding counts")
             if counts[:, 1].any():  # every rank raises, not only the one with the bad ids (no rank is left waiting)
                 ranks = counts[:, 1].nonzero().flatten().tolist()
                 raise IndexError(f"embedding: token ids out of range [0, {state.num_embeddings}) on rank(s) {ranks} "
@@ -69,7 +73,7 @@ class RingEmbeddingFn(torch.autograd.Function):
             if most <= state.chunk:
                 padded = flat.new_full((most,), -1)
                 padded[:flat.numel()] = flat
-                ids_all = _gather(engine, padded, "embedding_ids")
+                ids_all = _gather(state, padded, "embedding ids")
                 out = _rows_forward(state, weight, ids_all, cdt)
                 ctx.save_for_backward(ids_all)
             else:
@@ -112,8 +116,8 @@ def _rows_forward(state: EmbeddingState, weight: torch.Tensor, ids_all: torch.Te
         if pos.numel():
             part.index_copy_(0, pos, weight.index_select(0, rows).to(cdt))
 
-    return _reduce(state.engine, (ids_all.shape[1], weight.shape[1]), cdt, weight.device, lookup,
-                   "embedding_forward", then=_prefetch_layers(state.engine))
+    return _reduce(state, (ids_all.shape[1], weight.shape[1]), cdt, weight.device, lookup,
+                   "embedding forward", then=_prefetch_layers(state))
 
 
 def _rows_backward(state: EmbeddingState, ids_all: torch.Tensor, dy: torch.Tensor, most: int, rdt: torch.dtype,
@@ -134,7 +138,7 @@ def _rows_backward(state: EmbeddingState, ids_all: torch.Tensor, dy: torch.Tenso
         if pos.numel():
             grad.index_add_(0, rows, held[s].index_select(0, pos))
 
-    _gather_into(engine, held, "embedding_backward", add)
+    _gather_into(state, held, "embedding backward", add)
     return grad
 
 
@@ -144,7 +148,7 @@ def _table_forward(state: EmbeddingState, weight: torch.Tensor, flat: torch.Tens
     table = weight.new_empty(world, state.chunk, weight.shape[1], dtype=cdt)
     table[rank, :state.rows].copy_(weight)
     table[rank, state.rows:].zero_()
-    _gather_into(engine, table, "embedding_forward", then=_prefetch_layers(engine))
+    _gather_into(state, table, "embedding forward", then=_prefetch_layers(state))
     full = table.view(world * state.chunk, -1)[:state.num_embeddings]
     return F.embedding(flat, full, state.padding_idx)
 
@@ -165,12 +169,12 @@ def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor,
     def take(t: int, part: torch.Tensor) -> None:
         part.copy_(dense[t])
 
-    return _reduce(state.engine, dense.shape[1:], rdt, dy.device, take, "embedding_backward")[:state.rows]
+    return _reduce(state, dense.shape[1:], rdt, dy.device, take, "embedding backward")[:state.rows]
 
 
-def _prefetch_layers(engine: Engine) -> Callable[[], None]:
+def _prefetch_layers(state: EmbeddingState) -> Callable[[], None]:
     """Queued behind the embedding's last ring step: the first fused layers' first steps (``prefetch_next``)."""
-    return lambda: engine.start_first("forward")
+    return lambda: state.steps.schedule.start_first("forward")
 
 
 def _owned(state: EmbeddingState, ids_all: torch.Tensor, *, skip_padding: bool) -> list:
@@ -188,25 +192,27 @@ def _owned(state: EmbeddingState, ids_all: torch.Tensor, *, skip_padding: bool) 
 
 # ---- ring loops driven by the engine (timed, observed, with the ring's timeout) ---------------------------
 
-def _gather(engine: Engine, mine: torch.Tensor, op: str) -> torch.Tensor:
+def _gather(state: EmbeddingState, mine: torch.Tensor, phase: str) -> torch.Tensor:
     """All-gather a same-shape tensor from every rank: ``out[j]`` is rank j's."""
-    out = mine.new_empty(engine.ring.size, *mine.shape)
-    out[engine.ring.rank].copy_(mine)
-    _gather_into(engine, out, op)
+    ring = state.engine.ring
+    out = mine.new_empty(ring.size, *mine.shape)
+    out[ring.rank].copy_(mine)
+    _gather_into(state, out, phase)
     return out
 
 
-def _gather_into(engine: Engine, out: torch.Tensor, op: str, piece: Callable[[int], None] | None = None,
+def _gather_into(state: EmbeddingState, out: torch.Tensor, phase: str, piece: Callable[[int], None] | None = None,
                  then: Callable[[], None] | None = None) -> None:
     """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring); ``piece(s)`` runs on each rank's
     slot as soon as it is held, beside the ring step that brings the next one; ``then()`` right after the last
     step started."""
+    engine = state.engine
     ring = engine.ring
     world = ring.size
-    tag = ring.next_tag() if world > 1 else 0
+    op = state.steps.ring_op(state.op, phase) if world > 1 else None
     for k in range(world):
         s = ring.shard_held(k)
-        step = engine.start([out[s]], [out[(s - 1) % world]], tag, op, k) if k < world - 1 else None
+        step = engine.start([out[s]], [out[(s - 1) % world]], op, k) if k < world - 1 else None
         if then is not None and k == max(world - 2, 0):
             then()
         if piece is not None:
@@ -215,19 +221,20 @@ def _gather_into(engine: Engine, out: torch.Tensor, op: str, piece: Callable[[in
             engine.wait(step)
 
 
-def _reduce(engine: Engine, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-            piece: Callable[[int, torch.Tensor], None], op: str, then: Callable[[], None] | None = None
+def _reduce(state: EmbeddingState, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+            piece: Callable[[int, torch.Tensor], None], phase: str, then: Callable[[], None] | None = None
             ) -> torch.Tensor:
     """Reduce-scatter ring: ``piece(t, part)`` writes this rank's contribution for rank t into ``part`` beside the
     step that brings the partial sum for t; returns the complete sum for this rank. ``then()`` runs right after
     the last step started."""
+    engine = state.engine
     ring = engine.ring
     world = ring.size
     parts = [torch.empty(shape, dtype=dtype, device=device) for _ in range(min(world, 2))]
     racc = torch.empty(shape, dtype=dtype, device=device) if world > 1 else None
-    tag = ring.next_tag() if world > 1 else 0
+    op = state.steps.ring_op(state.op, phase) if world > 1 else None
     for k in range(world):
-        step = engine.start([parts[(k - 1) % 2]], [racc], tag, op, k) if k > 0 else None
+        step = engine.start([parts[(k - 1) % 2]], [racc], op, k) if k > 0 else None
         if then is not None and k == world - 1:
             then()
         part = parts[k % 2]
@@ -240,6 +247,7 @@ def _reduce(engine: Engine, shape: tuple[int, ...], dtype: torch.dtype, device: 
 
 # ---- the module ------------------------------------------------------------------------------------------
 
+@torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly
 def _ring_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     state = self._cf_embedding
     if state.engine.stats.enabled:
@@ -253,6 +261,9 @@ class RingEmbedding(nn.Embedding):
 
     forward = _ring_embedding_forward
 
+    def __deepcopy__(self, memo) -> None:
+        self._cf_embedding.engine.__deepcopy__(memo)  # raises, saying why and what to do instead
+
 
 def embedding_eligible(module: nn.Module) -> str | None:
     """Why ``module`` cannot be a ring embedding, or None if it can."""
@@ -265,12 +276,12 @@ def embedding_eligible(module: nn.Module) -> str | None:
     return None
 
 
-def convert_embedding(module: nn.Embedding, engine: Engine) -> nn.Parameter:
+def convert_embedding(module: nn.Embedding, steps: StepState, name: str) -> nn.Parameter:
     """Shard ``module``'s table by rows onto the engine's mesh and swap its class; returns the new parameter."""
     from .modules import shard_parameter
 
     num_embeddings = module.weight.shape[0]
-    param = shard_parameter(module, "weight", 0, engine)
-    module._cf_embedding = EmbeddingState(engine, module, num_embeddings)
+    param = shard_parameter(module, "weight", 0, steps.engine)
+    module._cf_embedding = EmbeddingState(steps, module, num_embeddings, name)
     module.__class__ = RingEmbedding
     return param

@@ -30,7 +30,7 @@ than beside this layer's last one (``DeferredReduce``), so it has a whole piece 
 
 Only two weight-shard buffers are live (never the full W), plus two gradient-shard buffers; the one exception is
 the last layer of the forward (the lm_head), which keeps all N shards from its forward for its backward
-(``Engine.keeps_weight``), so that its backward sends gradient partials only. The reduction order is
+(``FusedSchedule.keeps_weight``), so that its backward sends gradient partials only. The reduction order is
 fixed by the ring, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
 steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
 each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
@@ -51,72 +51,105 @@ if TYPE_CHECKING:
     from .modules import FusedGroupState
 
 
+class Call(NamedTuple):
+    """How one call of a fused group computes (decided in ``modules._apply``, outside the autograd Function)."""
+
+    cdt: torch.dtype  # compute dtype: autocast's when autocast is on, else ``param_dtype`` or the params' own
+    rdt: torch.dtype  # dtype of the gradient ring (``reduce_dtype``; under autocast the params' own, as AMP does)
+    grad_nodes: tuple  # the parameters' AccumulateGrad nodes (None where a parameter needs no grad)
+
+
+PARAMS_AT = 3  # FusedRingLinearFn.apply(x, state, call, *params): where the parameters begin
+
+
 class FusedRingLinearFn(torch.autograd.Function):
-    """``outputs = FusedRingLinearFn.apply(x, state, *local_params)``; one output per member of the group.
+    """``outputs = FusedRingLinearFn.apply(x, state, call, *local_params)``; one output per member of the group.
     ``local_params`` are each member's local weight shard and, if it has one, local bias shard."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, state: FusedGroupState, *params: torch.Tensor):
-        cdt, x2, outs = prepare_forward(state, x, params)
-        state.engine.entered(state, x.requires_grad)
+    def forward(ctx, x: torch.Tensor, state: FusedGroupState, call: Call, *params: torch.Tensor):
+        x2, outs, outs2 = prepare_forward(state, x, call.cdt)
+        # A forward recomputed inside the backward (activation checkpointing) is no part of the layer order.
+        recompute = torch._C._current_graph_task_id() != -1
+        if not recompute:
+            state.steps.schedule.entered(state, x.requires_grad)
         with record_function("commfuse::fused_forward"):
-            ctx.full = forward_ring(state, params, cdt, x2, outs)
-        return finish_forward(ctx, state, x, x2, params, outs)
+            ctx.full = forward_ring(state, params, call.cdt, x2, outs2, recompute=recompute)
+        return finish_forward(ctx, state, call, x, x2, params, outs)
 
     @staticmethod
     def backward(ctx, *grad_outs: torch.Tensor):
         x2, *params = ctx.saved_tensors
         state = ctx.state
+        state.steps.backward_begins()
         with record_function("commfuse::fused_backward"):
             dx, grads = backward_ring(state, x2, params, grad_outs, ctx.needs_input_grad[0],
-                                      ctx.needs_input_grad[2:], ctx.full)
+                                      ctx.needs_input_grad[PARAMS_AT:], ctx.call, ctx.full)
         ctx.full = None
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        return (dx, None, *grads)
+        return (dx, None, None, *grads)
 
 
-def prepare_forward(state: FusedGroupState, x: torch.Tensor, params) -> tuple[torch.dtype, torch.Tensor, list]:
-    """The compute dtype, the input as a contiguous ``(tokens, in)`` matrix in it, and one empty output per member."""
+def prepare_forward(state: FusedGroupState, x: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, list, list]:
+    """The input as a contiguous ``(tokens, in)`` matrix in the compute dtype, one empty output per member in the
+    input's leading shape (what the Function returns: not views, so that callers may write into them in place, as
+    into nn.Linear's), and the same outputs as ``(tokens, out)`` matrices (what the pieces write)."""
     layout = state.layout
-    cdt = state.engine.compute_dtype(params[0].dtype)
     x2 = x.reshape(-1, layout.in_features)
     x2 = x2.to(cdt) if x2.dtype != cdt else x2
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
-    return cdt, x2, [x2.new_empty(x2.shape[0], m.out_features) for m in layout.members]
-
-
-def finish_forward(ctx, state: FusedGroupState, x: torch.Tensor, x2: torch.Tensor, params, outs) -> tuple:
-    """Save what the backward needs and return the outputs in the input's leading shape."""
-    ctx.state, ctx.x_shape, ctx.x_dtype = state, x.shape, x.dtype
-    ctx.save_for_backward(x2, *params)
     lead = tuple(x.shape[:-1])
-    return tuple(y.view(*lead, m.out_features) for y, m in zip(outs, state.layout.members))
+    outs = [x2.new_empty(*lead, m.out_features) for m in layout.members]
+    return x2, outs, [y.view(-1, y.shape[-1]) for y in outs]
+
+
+def finish_forward(ctx, state: FusedGroupState, call: Call, x: torch.Tensor, x2: torch.Tensor, params,
+                   outs) -> tuple:
+    """Save what the backward needs and return the outputs (in the input's leading shape)."""
+    ctx.state, ctx.call, ctx.x_shape, ctx.x_dtype = state, call, x.shape, x.dtype
+    ctx.save_for_backward(x2, *params)
+    return tuple(outs)
+
+
+def accumulates(state: FusedGroupState, call: Call) -> bool:
+    """Whether this backward's gradients may be put into the parameters' ``.grad`` later, by us (a deferred hop,
+    the slicing schedule's background reduce-scatter), instead of being returned through autograd now. Only under
+    ``loss.backward()`` (not ``torch.autograd.grad`` or ``backward(inputs=...)`` without them: nothing is
+    accumulated there) and only while no parameter of the group has a tensor hook (``register_hook``: autograd
+    would call it at once, with no gradient). Post-accumulate-grad hooks are run by ``accumulate_grad``."""
+    if any(p._backward_hooks for p in state.params()):
+        return False
+    try:
+        return all(n is None or torch._C._will_engine_execute_node(n) for n in call.grad_nodes)
+    except RuntimeError:  # autograd refuses the question for leaves under torch.autograd.grad: nothing accumulates
+        return False
 
 
 def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
-                 op: str = "forward") -> torch.Tensor | None:
+                 op: str = "forward", recompute: bool = False) -> torch.Tensor | None:
     """Run the forward ring over this rank's packed shards, writing every member's output columns. Returns the
     ``(N, numel)`` gathered shards (slot j: rank j's) when the group keeps them for its backward
-    (``Engine.keeps_weight``), else None."""
-    engine, layout = state.engine, state.layout
+    (``FusedSchedule.keeps_weight``), else None. ``recompute``: a forward recomputed during the backward, which
+    neither uses nor starts prefetched steps."""
+    engine, layout, sched = state.engine, state.layout, state.steps.schedule
     ring, world = engine.ring, engine.ring.size
-    ahead = engine.take_ahead(state, op)
+    ahead = sched.take_ahead(state, op) if not recompute else None
     if ahead is not None:  # step 0 started during the previous layer
-        buf, nbuf, tag, first, full = ahead.buf, ahead.nbuf, ahead.tag, ahead.step, ahead.full
+        buf, nbuf, ring_op, first, full = ahead.buf, ahead.nbuf, ahead.op, ahead.step, ahead.full
     else:
-        keep = world > 1 and op == "forward" and engine.keeps_weight(state)
-        buf, nbuf, full = engine.first_buffers(state, params, cdt, keep)
-        tag = ring.next_tag() if world > 1 else 0
+        keep = world > 1 and op == "forward" and not recompute and sched.keeps_weight(state)
+        buf, nbuf, full = sched.first_buffers(state, params, cdt, keep)
+        ring_op = state.steps.ring_op(state.op, op) if world > 1 else None
         first = None
     if full is not None:
-        engine.kept(state)
+        sched.kept(state)
     for k in range(world):
         step = None
         if k < world - 1:
-            step = first if k == 0 and first is not None else engine.start([buf], [nbuf], tag, op, k)
-        else:
-            engine.start_next(state, op)  # the next layer's first ring step, beside this last piece
+            step = first if k == 0 and first is not None else engine.start([buf], [nbuf], ring_op, k)
+        elif not recompute:
+            sched.start_next(state, op)  # the next layer's first ring step, beside this last piece
         if transport._OBSERVERS:
             transport.notify("compute_begin", op, k)
         _forward_piece(layout, buf, x2, outs, ring.shard_held(k))
@@ -133,6 +166,8 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
 
 def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
                    shard: int) -> None:
+    if buf.dtype != x2.dtype:  # prefetched before autocast changed the compute dtype (same on every rank)
+        buf = buf.to(x2.dtype)
     for m, y in zip(layout.members, outs):
         lo, hi = m.rows(shard)
         if hi == lo:
@@ -146,10 +181,10 @@ def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, out
 
 def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
                   grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool,
-                  params_need_grad: tuple[bool, ...], full: torch.Tensor | None = None
+                  params_need_grad: tuple[bool, ...], call: Call, full: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """``full``: the weight shards the forward kept (slot j: rank j's); then no weight shard travels."""
-    engine, layout = state.engine, state.layout
+    engine, layout, sched = state.engine, state.layout, state.steps.schedule
     ring, world = engine.ring, engine.ring.size
     cdt = x2.dtype
     members = layout.members
@@ -158,14 +193,14 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
              for j, dy in enumerate(dys)]
     train_any = any(train)
     sync = engine.requires_grad_sync
-    rdt = engine.reduce_dtype(cdt)
+    rdt = call.rdt
 
     gather = need_dx and full is None  # the weight shards travel the ring again
-    ahead = engine.take_ahead(state, "backward") if gather else None
+    ahead = sched.take_ahead(state, "backward") if gather else None
     if ahead is not None:  # step 0 (weight shards only) started during the previous layer's backward
         wbuf, nwbuf, first = ahead.buf, ahead.nbuf, ahead.step
     else:
-        wbuf, nwbuf, _ = engine.first_buffers(state, params, cdt, False) if gather else (None, None, None)
+        wbuf, nwbuf, _ = sched.first_buffers(state, params, cdt, False) if gather else (None, None, None)
         first = None
     dx = x2.new_zeros(x2.shape) if need_dx else None
     # Every element of the gradient buffers is written before it is sent, except padding rows (out_features not
@@ -176,8 +211,9 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     racc = x2.new_empty(layout.numel, dtype=rdt) if train_any and sync and world > 1 else None
     pending = state.take_unsynced() if train_any and sync else None  # partials kept by no-sync backwards
     communicates = world > 1 and (gather or (train_any and sync))
-    tag = ahead.tag if ahead is not None else ring.next_tag() if communicates else 0
+    ring_op = ahead.op if ahead is not None else state.steps.ring_op(state.op, "backward") if communicates else None
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
+    defer = sched.defer_last_reduce and train_any and sync and accumulates(state, call)
 
     for k in range(world):
         sends, recvs = [], []
@@ -190,14 +226,15 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if k == 0 and first is not None:
             step = first
         else:
-            step = engine.start(sends, recvs, tag, "backward", k) if sends else None
+            step = engine.start(sends, recvs, ring_op, k) if sends else None
         if k == world - 1:
-            engine.start_next(state, "backward")
+            sched.start_next(state, "backward")
         if transport._OBSERVERS:
             transport.notify("compute_begin", "backward", k)
         if need_dx:
             s = ring.shard_held(k)
             held = full[s] if full is not None else wbuf
+            held = held if held.dtype == cdt else held.to(cdt)
             for m, dy in zip(members, dys):
                 lo, hi = m.rows(s)
                 if dy is not None and hi > lo:
@@ -216,8 +253,8 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if transport._OBSERVERS:
             transport.notify("compute", "backward", k)
         if k == 0:
-            engine.finish_deferred()  # the previous layer's last gradient step, which had this piece to land
-        last_deferred = step is not None and k == world - 1 and engine.defer_last_reduce
+            sched.finish_deferred()  # the previous layer's last gradient step, which had this piece to land
+        last_deferred = step is not None and k == world - 1 and defer
         if step is not None and not last_deferred:
             engine.wait(step)
             if gather and k < world - 1:
@@ -228,26 +265,34 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     grads: list[torch.Tensor | None] = [None] * len(params)
     if train_any and sync:
         final = parts[(world - 1) % 2]  # shard t == r
-        if last_deferred:  # completed by engine.finish_deferred, which adds racc and accumulates the grads
-            engine.defer(DeferredReduce(step, state, final, racc, post, tuple(p.dtype for p in params),
-                                        tuple(train)))
+        if last_deferred:  # completed by sched.finish_deferred, which adds racc and accumulates the grads
+            sched.defer(DeferredReduce(step, state, final, racc, post, tuple(p.dtype for p in params),
+                                       tuple(train)))
             return dx, grads
         if post != 1.0:
             final.div_(post)
-        for j, m in enumerate(members):
-            if not train[j]:
-                continue
-            w_idx, *b_idx = state.param_index(j)
-            rows = params[w_idx].shape[1] if m.transposed else params[w_idx].shape[0]
-            unpacked = layout.unpack_grad(final, m, rows, params[w_idx].dtype)
-            for idx, g in zip((w_idx, *b_idx), unpacked):
-                grads[idx] = g if params_need_grad[idx] else None
+        grads = unpack_grads(state, final, params, train, params_need_grad)
     return dx, grads
+
+
+def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.Tensor], train,
+                 params_need_grad) -> list[torch.Tensor | None]:
+    """Each parameter's gradient shard out of this rank's reduced flat buffer, to return through autograd."""
+    grads: list[torch.Tensor | None] = [None] * len(params)
+    for j, m in enumerate(state.layout.members):
+        if not train[j]:
+            continue
+        w_idx, *b_idx = state.param_index(j)
+        rows = params[w_idx].shape[1] if m.transposed else params[w_idx].shape[0]
+        unpacked = state.layout.unpack_grad(flat, m, rows, params[w_idx].dtype)
+        for idx, g in zip((w_idx, *b_idx), unpacked):
+            grads[idx] = g if params_need_grad[idx] else None
+    return grads
 
 
 class DeferredReduce(NamedTuple):
     """A fused layer's last reduce-scatter step, left in flight when its backward returned
-    (``Engine.defer_last_reduce``): it lands during the next layer's first piece, and then
+    (``FusedSchedule.defer_last_reduce``): it lands during the next layer's first piece, and then
     ``complete()`` adds the received partial sum and puts the finished shard into the parameters' grads."""
 
     step: object  # engine.InFlight
@@ -285,9 +330,14 @@ def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor 
 
 
 def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor, dim: int) -> None:
-    """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``."""
+    """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``, then run its
+    post-accumulate-grad hooks, as autograd's AccumulateGrad would (FSDP2 does the same for its sharded
+    parameters). Tensor hooks (``register_hook``) never reach here: ``accumulates`` returns such gradients
+    through autograd."""
     if param.grad is None:
         param.grad = DTensor.from_local(local_grad, param.device_mesh, [Shard(dim)], run_check=False,
                                         shape=param.shape, stride=param.stride())
     else:
         param.grad.to_local().add_(local_grad)
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)

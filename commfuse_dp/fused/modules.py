@@ -20,16 +20,21 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..engine import Engine
 from .layout import GroupLayout
-from .linear import FusedRingLinearFn, accumulate_grad
-from .sliced import SlicedLinearFn
+from .linear import Call, FusedRingLinearFn, accumulate_grad
+from .sliced import SlicedLinearFn, SlicingScheduler
+from .step import StepState
 
 
 class FusedGroupState:
-    """What the fused Function needs about one group: engine, layout, where each member's params sit in the
-    Function's inputs, and the gradient partials kept while gradient sync is off."""
+    """What the fused Function needs about one group: engine, step state, layout, its ring-op identity (``op``),
+    where each member's params sit in the Function's inputs, and the gradient partials kept while gradient sync
+    is off."""
 
-    def __init__(self, engine: Engine, layout: GroupLayout, modules: list[nn.Module]) -> None:
-        self.engine, self.layout, self.modules = engine, layout, modules
+    def __init__(self, steps: StepState, layout: GroupLayout, modules: list[nn.Module], name: str) -> None:
+        self.engine, self.steps, self.layout, self.modules = steps.engine, steps, layout, modules
+        self.name = name
+        self.op = steps.register(name)
+        steps.states.append(self)
         self._index: list[tuple[int, ...]] = []
         i = 0
         for m in modules:
@@ -75,19 +80,20 @@ class FusedGroupState:
 
 
 class FusedGroup:
-    def __init__(self, engine: Engine, modules: list[nn.Module]) -> None:
-        self.engine = engine
-        self.modules = modules
-        self.state = self._state(modules)
+    def __init__(self, steps: StepState, modules: list[nn.Module], names: list[str]) -> None:
+        self.steps = steps
+        self.modules, self.names = modules, names
+        self.state = self._state(modules, "+".join(names))
         self._solo: dict[int, FusedGroupState] = {}
         self._key: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
+        steps.groups.append(self)
 
-    def _state(self, modules: list[nn.Module]) -> FusedGroupState:
+    def _state(self, modules: list[nn.Module], name: str) -> FusedGroupState:
         shapes = [(m.weight.shape[1] if m._cf_transposed else m.weight.shape[0],
                    m.weight.shape[0] if m._cf_transposed else m.weight.shape[1],
                    m._cf_transposed, m.bias is not None) for m in modules]
-        return FusedGroupState(self.engine, GroupLayout.build(shapes, self.engine.ring.size), modules)
+        return FusedGroupState(self.steps, GroupLayout.build(shapes, self.steps.engine.ring.size), modules, name)
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
@@ -101,7 +107,7 @@ class FusedGroup:
             # Another input than the group's (cross-attention): this member runs a ring of its own. The first
             # member (index 0) always starts a new round, dropping outputs nobody asked for.
             if index not in self._solo:
-                self._solo[index] = self._state([self.modules[index]])
+                self._solo[index] = self._state([self.modules[index]], f"{self.names[index]} (own input)")
             return _apply(self._solo[index], x)[0]
         outs = _apply(self.state, x)
         self._key = x
@@ -114,21 +120,39 @@ class FusedGroup:
 
 def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     params = [p.to_local() for p in state.params()]  # autograd-aware: grads flow back into the DTensor params
-    engine = state.engine
+    engine, schedule = state.engine, state.steps.schedule
     if engine.stats.enabled:
         engine.stats.mark()
-    fn = SlicedLinearFn if engine.slicing is not None else FusedRingLinearFn
-    return fn.apply(x, state, *params)
+    fn = SlicedLinearFn if isinstance(schedule, SlicingScheduler) else FusedRingLinearFn
+    grad_nodes = tuple(p.grad_fn.next_functions[0][0] if p.grad_fn is not None else None for p in params)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # As nn.Linear under autocast: compute in autocast's dtype and return it; the gradients travel and sum in
+        # the parameters' own dtype unless reduce_dtype says otherwise (AMP's fp32 master gradients).
+        cdt = torch.get_autocast_dtype(device)
+        call = Call(cdt, engine.config.reduce_dtype or params[0].dtype, grad_nodes)
+        schedule.dtype_hint = cdt
+        with torch.autocast(device, enabled=False):
+            return fn.apply(x, state, call, *params)
+    cdt = engine.compute_dtype(params[0].dtype)
+    schedule.dtype_hint = None
+    return fn.apply(x, state, Call(cdt, engine.reduce_dtype(cdt), grad_nodes), *params)
 
 
+@torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly
 def _ring_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self._cf_group(self._cf_index, x)
+
+
+def _refuse_deepcopy(self: nn.Module, memo) -> None:
+    self._cf_group.steps.engine.__deepcopy__(memo)  # raises, saying why and what to do instead
 
 
 @functools.cache
 def ring_class(cls: type) -> type:
     """``Ring<cls>``: ``cls`` with the fused forward (one class per original class, like FSDP2's)."""
-    return type(f"Ring{cls.__name__}", (cls,), {"forward": _ring_forward, "_cf_fused": True})
+    return type(f"Ring{cls.__name__}", (cls,), {"forward": _ring_forward, "_cf_fused": True,
+                                                "__deepcopy__": _refuse_deepcopy})
 
 
 def shard_parameter(module: nn.Module, name: str, dim: int, engine: Engine) -> nn.Parameter:
@@ -155,8 +179,8 @@ def convert_linear(module: nn.Module, engine: Engine, transposed: bool) -> list[
     return new_params
 
 
-def attach_group(engine: Engine, modules: list[nn.Module]) -> FusedGroup:
-    group = FusedGroup(engine, modules)
+def attach_group(steps: StepState, modules: list[nn.Module], names: list[str]) -> FusedGroup:
+    group = FusedGroup(steps, modules, names)
     for i, m in enumerate(modules):
         m._cf_group, m._cf_index = group, i
     return group

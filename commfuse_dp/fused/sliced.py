@@ -25,11 +25,14 @@ from torch.autograd.profiler import record_function
 
 from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
-from .linear import _forward_piece, _grad_piece, accumulate_grad, finish_forward, prepare_forward
+from ..ring.transport import RingCommError
+from .linear import (PARAMS_AT, Call, _forward_piece, _grad_piece, accumulates, finish_forward, prepare_forward,
+                     unpack_grads)
 
 if TYPE_CHECKING:
     from ..engine import Engine
     from .modules import FusedGroupState
+    from .step import StepState
 
 
 class Gathered(NamedTuple):
@@ -48,13 +51,13 @@ class Reducing(NamedTuple):
 
 
 class SlicingScheduler:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, steps: StepState) -> None:
+        self.engine, self.steps = engine, steps
+        self.dtype_hint: torch.dtype | None = None  # compute dtype under autocast, for the prefetched gathers
         self._order: list[FusedGroupState] = []  # forward order of the previous step
         self._current: list[FusedGroupState] = []
         self._prefetched: dict[tuple[int, str], tuple[Gathered, list[torch.Tensor]]] = {}
         self._reducing: list[Reducing] = []
-        self._callback_queued = False
         self.prefetch_hits = 0  # gathers that were already in flight when their layer asked for them
         self.gathers = 0  # gathers started
         self._backward_gathers: dict[int, bool] = {}  # per group: does its backward need the weight (dx)?
@@ -62,23 +65,36 @@ class SlicingScheduler:
     def begin_step(self) -> None:
         if self._current:
             self._order, self._current = self._current, []
+        self._prefetched.clear()  # started on every rank alike but not used: the ring thread finishes them
+
+    def start_first(self, phase: str) -> None:
+        """(Fused schedule only: here each layer's gather prefetches the next one's.)"""
+
+    def reset(self) -> None:
+        """Drop everything of an aborted step: in-flight gathers and reduce-scatters are waited for (every rank
+        started them alike) and their results dropped; the layer order is forgotten."""
+        works = [g.work for g, _ in self._prefetched.values()] + [r.work for r in self._reducing]
         self._prefetched.clear()
-        if self._reducing or self._callback_queued:
-            # A backward that raised before autograd finished it: its reduce-scatters ran on every rank alike;
-            # wait for them and drop their gradients, so that the next backward queues its callback again.
-            for red in self._reducing:
-                if red.work is not None:
-                    red.work.wait()
-            self._reducing, self._callback_queued = [], False
+        self._reducing = []
+        for work in works:
+            if work is not None:
+                try:
+                    work.wait()
+                except RingCommError:  # a broken ring has said so already, where it broke
+                    pass
+        self._order, self._current = [], []
+        self._backward_gathers.clear()
 
     # -- all-gather with prefetch ----------------------------------------------------------------------
 
-    def _start_gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype) -> Gathered:
+    def _start_gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype,
+                      phase: str) -> Gathered:
         ring = self.engine.ring
         self.gathers += 1
         packed = state.layout.pack(state.pairs(params), dtype)
         flat = packed.new_empty(ring.size, state.layout.numel)
-        work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True,
+        op = self.steps.ring_op(state.op, phase)
+        work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True, tag=op.tag, label=op,
                                bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
         return Gathered(work, flat, time.perf_counter())
 
@@ -94,20 +110,21 @@ class SlicingScheduler:
         """Every rank's shards of ``state``'s group; prefetched if the previous step's order predicted it, and
         the next group's gather of this phase started before returning. ``backward_gathers`` (forward only):
         whether this group's backward will need its weight again (it does not when its input needs no grad)."""
-        if phase == "forward":
+        recompute = phase == "forward" and torch._C._current_graph_task_id() != -1  # checkpointing, in backward
+        if phase == "forward" and not recompute:
             self._current.append(state)
             self._backward_gathers[id(state)] = backward_gathers
         got = self._prefetched.pop((id(state), phase), None)
         self.prefetch_hits += got is not None
-        gathered = got[0] if got is not None else self._start_gather(state, params, dtype)
-        following = self._following(state, phase)
+        gathered = got[0] if got is not None else self._start_gather(state, params, dtype, phase)
+        following = self._following(state, phase) if not recompute else None
         if following is not None and (id(following[0]), phase) not in self._prefetched:
             nxt_state, nxt_params = following
-            nxt_dtype = self.engine.compute_dtype(nxt_params[0].dtype)  # its own, as its layer will ask
+            nxt_dtype = self.dtype_hint or self.engine.compute_dtype(nxt_params[0].dtype)  # as its layer will ask
             self._prefetched[(id(nxt_state), phase)] = (
-                self._start_gather(nxt_state, nxt_params, nxt_dtype), nxt_params)
+                self._start_gather(nxt_state, nxt_params, nxt_dtype, phase), nxt_params)
         self._wait(gathered.started, gathered.work)
-        if phase == "forward" and backward_gathers and self._order and state is self._order[-1]:
+        if phase == "forward" and backward_gathers and self._order and state is self._order[-1] and not recompute:
             self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat, time.perf_counter()), params)
         return gathered.flat
 
@@ -127,15 +144,27 @@ class SlicingScheduler:
                        train: tuple[bool, ...]) -> None:
         ring = self.engine.ring
         shard = parts.new_empty(state.layout.numel)
+        op = self.steps.ring_op(state.op, "backward")
         work = ring_reduce_scatter(shard, parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
-                                   bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
+                                   tag=op.tag, label=op, bucket_mb=self.engine.config.bucket_mb,
+                                   timeout_s=self.engine.config.timeout_s)
         self._reducing.append(Reducing(work, shard, state, grad_dtypes, train, time.perf_counter()))
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def finish_backward(self) -> None:
-        self._callback_queued = False
+    def reduce_scatter_now(self, state: FusedGroupState, parts: torch.Tensor) -> torch.Tensor:
+        """The same reduce-scatter, waited for at once (the gradients must be returned through autograd)."""
+        shard = parts.new_empty(state.layout.numel)
+        op = self.steps.ring_op(state.op, "backward")
+        began = time.perf_counter()
+        ring_reduce_scatter(shard, parts.view(-1), self.engine.ring.group, dist.ReduceOp.SUM, tag=op.tag, label=op,
+                            bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
+        if self.engine.stats.enabled:
+            self.engine.stats.blocking(began, time.perf_counter())
+        _, post = self.engine.divide_factors()
+        return shard.div_(post) if post != 1.0 else shard
+
+    def end_backward(self) -> None:
+        """At the end of the backward (``StepState``'s callback): wait for the reduce-scatters and put the
+        gradients in place."""
         _, post = self.engine.divide_factors()
         pending, self._reducing = self._reducing, []
         for red in pending:
@@ -146,46 +175,50 @@ class SlicingScheduler:
 
 
 class SlicedLinearFn(torch.autograd.Function):
-    """Same contract as ``FusedRingLinearFn``; gradients of the weights arrive when the backward finishes."""
+    """Same contract as ``FusedRingLinearFn``. Under ``loss.backward()`` the gradients of the weights arrive when the
+    backward finishes; under ``torch.autograd.grad`` they are reduce-scattered at once and returned."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, state: FusedGroupState, *params: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, state: FusedGroupState, call: Call, *params: torch.Tensor):
         layout, engine = state.layout, state.engine
-        cdt, x2, outs = prepare_forward(state, x, params)
+        x2, outs, outs2 = prepare_forward(state, x, call.cdt)
         with record_function("commfuse::sliced_forward"):
-            flat = engine.slicing.gather(state, list(params), cdt, "forward", backward_gathers=x.requires_grad)
+            flat = state.steps.schedule.gather(state, list(params), call.cdt, "forward",
+                                               backward_gathers=x.requires_grad)
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "forward", 0)
             for s in range(engine.ring.size):
-                _forward_piece(layout, flat[s], x2, outs, s)
+                _forward_piece(layout, flat[s], x2, outs2, s)
             if transport._OBSERVERS:
                 transport.notify("compute", "forward", 0)
-        return finish_forward(ctx, state, x, x2, params, outs)
+        return finish_forward(ctx, state, call, x, x2, params, outs)
 
     @staticmethod
     def backward(ctx, *grad_outs: torch.Tensor):
         x2, *params = ctx.saved_tensors
         state = ctx.state
-        layout, engine = state.layout, state.engine
+        state.steps.backward_begins()
+        layout, engine, sched = state.layout, state.engine, state.steps.schedule
         world, cdt = engine.ring.size, x2.dtype
         members = layout.members
         dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, members)]
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[PARAMS_AT:]
         train = tuple(dy is not None and any(needs[i] for i in state.param_index(j)) for j, dy in enumerate(dys))
-        dx = None
+        dx, grads = None, [None] * len(params)
         with record_function("commfuse::sliced_backward"):
-            flat = engine.slicing.gather(state, params, cdt, "backward") if ctx.needs_input_grad[0] else None
+            flat = sched.gather(state, params, cdt, "backward") if ctx.needs_input_grad[0] else None
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "backward", 0)
             if flat is not None:
                 dx = x2.new_zeros(x2.shape)
                 for s in range(world):
+                    held = flat[s] if flat.dtype == cdt else flat[s].to(cdt)
                     for m, dy in zip(members, dys):
                         lo, hi = m.rows(s)
                         if dy is not None and hi > lo:
-                            dx.addmm_(dy[:, lo:hi], m.weight(flat[s], hi - lo))
+                            dx.addmm_(dy[:, lo:hi], m.weight(held, hi - lo))
             if any(train):
-                parts = x2.new_zeros(world, layout.numel, dtype=engine.reduce_dtype(cdt))
+                parts = x2.new_zeros(world, layout.numel, dtype=ctx.call.rdt)
                 for t in range(world):
                     _grad_piece(layout, parts[t], dys, list(train), x2, t)
                 if not engine.requires_grad_sync:
@@ -198,9 +231,12 @@ class SlicedLinearFn(torch.autograd.Function):
                     pre, _ = engine.divide_factors()
                     if pre != 1.0:
                         parts.div_(pre)
-                    engine.slicing.reduce_scatter(state, parts, tuple(p.dtype for p in params), train)
+                    if accumulates(state, ctx.call):
+                        sched.reduce_scatter(state, parts, tuple(p.dtype for p in params), train)
+                    else:
+                        grads = unpack_grads(state, sched.reduce_scatter_now(state, parts), params, train, needs)
             if transport._OBSERVERS:
                 transport.notify("compute", "backward", 0)
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-        return (dx, None, *([None] * len(params)))
+        return (dx, None, None, *grads)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from .topology import Ring, get_ring
 from .transport import start_step
@@ -39,21 +40,24 @@ _SUM_OPS = {"sum": False, "avg": True}
 
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Work | None:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
+                    label: object = None) -> dist.Work | None:
     """All-gather ``input`` from every rank of ``group`` into ``output`` (rank-major), through the ring.
 
     Same contract as ``dist.all_gather_into_tensor``: ``output`` has ``world_size * input.numel()`` elements,
     both contiguous, same dtype and device. ``input`` may be a view of ``output`` at ``rank * input.numel()``
     (FSDP2 passes it so). With ``async_op=True`` a ``Work`` is returned (CPU: the ring runs on the group's ring
-    thread); on CUDA the ring runs on the ring's stream and the current stream waits for it.
+    thread); on CUDA the ring runs on the ring's stream and the current stream waits for it. ``tag`` and
+    ``label`` are for the fused layers (an identity tag, and what to name in an error); by default the next tag
+    of the group's counter.
     """
     ring = get_ring(group, op="ring_all_gather")
     _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
-    tag = ring.next_tag()  # on the issuing thread: ops pair up between ranks in issue order
+    tag = ring.next_tag() if tag is None else tag  # on the issuing thread: ops pair up in issue order
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_all_gather")
 
     def run() -> None:
-        _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s)
+        _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label)
 
     return _dispatch(ring, run, output.device, async_op)
 
@@ -61,18 +65,20 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                         op: dist.ReduceOp | dist.ReduceOp.RedOpType | str = dist.ReduceOp.SUM, *,
                         async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
-                        timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Work | None:
+                        timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
+                        label: object = None) -> dist.Work | None:
     """Sum (``op=SUM``) or average (``op=AVG``) ``input`` (``world_size`` rank-major shards) over the ranks of
-    ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``."""
+    ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``. ``tag`` and
+    ``label``: as for ``ring_all_gather``."""
     ring = get_ring(group, op="ring_reduce_scatter")
     _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,
                 input_numel=ring.size * output.numel())
     average = _average(op, output.dtype, "ring_reduce_scatter")
-    tag = ring.next_tag()
+    tag = ring.next_tag() if tag is None else tag
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
 
     def run() -> None:
-        _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average)
+        _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label)
 
     return _dispatch(ring, run, output.device, async_op)
 
@@ -124,7 +130,7 @@ def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Seque
 # ---- the rings --------------------------------------------------------------------------------------------
 
 def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
-                     timeout_s: float) -> None:
+                     timeout_s: float, label: object = None) -> None:
     n, world, rank = inp.numel(), ring.size, ring.rank
     own = out[rank * n:(rank + 1) * n]
     if own.data_ptr() != inp.data_ptr() and n:
@@ -141,11 +147,11 @@ def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int,
             sends.append(out[held * n + lo:held * n + hi])
             recvs.append(out[incoming * n + lo:incoming * n + hi])
         start_step(ring, sends, recvs, tag=tag, op="all_gather", step=tick, steps=ticks,
-                   timeout_s=timeout_s).wait()
+                   timeout_s=timeout_s, label=label).wait()
 
 
 def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
-                         timeout_s: float, average: bool) -> None:
+                         timeout_s: float, average: bool, label: object = None) -> None:
     n, world, rank = out.numel(), ring.size, ring.rank
     if world == 1:
         if out.data_ptr() != inp.data_ptr() and n:
@@ -177,7 +183,7 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
             recvs.append(incoming)
         if sends:
             start_step(ring, sends, recvs, tag=tag, op="reduce_scatter", step=tick, steps=ticks - 1,
-                       timeout_s=timeout_s).wait()
+                       timeout_s=timeout_s, label=label).wait()
     if average:
         out.div_(world)
 
@@ -196,18 +202,24 @@ def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_o
     if not async_op or ring.size == 1:
         run()
         return None
-    future: torch.futures.Future = torch.futures.Future()
+    return RingWork(ring.executor.submit(run))
 
-    def job() -> None:
-        try:
-            run()
-        except BaseException as err:  # handed to whoever waits on the Work
-            future.set_exception(err)
-        else:
-            future.set_result(None)
 
-    ring.executor.submit(job)
-    return _create_work_from_future(future)
+class RingWork(dist.Work):
+    """An async ring op running on the group's ring thread. ``wait()`` blocks until it ran and re-raises its
+    error (``RingCommError`` and all): a ``Work`` made from a torch future by ``_create_work_from_future`` returns
+    from ``wait()`` as if it had succeeded, and its output would be read as if it held the bytes."""
+
+    def __init__(self, future: Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._future.result()  # the op's own deadline (timeout_s per ring step) bounds this
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
 
 # ---- checks and helpers -----------------------------------------------------------------------------------

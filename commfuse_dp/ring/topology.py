@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-_TAG_SPACE = 1 << 30  # gloo tags are 32-bit; one tag per ring operation, recycled far apart
+_TAG_SPACE = 1 << 29  # one tag per ring operation, recycled far apart; tags from 2**29 up carry an op identity
 
 
 class Ring:

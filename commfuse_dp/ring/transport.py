@@ -58,12 +58,12 @@ class RingCommError(RuntimeError):
 class StepHandle:
     """The in-flight part of one ring step: the works of its sends and receives."""
 
-    __slots__ = ("ring", "sends", "recvs", "op", "step", "steps", "deadline", "timeout_s", "cuda")
+    __slots__ = ("ring", "sends", "recvs", "op", "step", "steps", "deadline", "timeout_s", "cuda", "label")
 
     def __init__(self, ring: Ring, sends: list, recvs: list, op: str, step: int, steps: int,
-                 timeout_s: float, cuda: bool) -> None:
+                 timeout_s: float, cuda: bool, label: object = None) -> None:
         self.ring, self.sends, self.recvs = ring, sends, recvs
-        self.op, self.step, self.steps = op, step, steps
+        self.op, self.step, self.steps, self.label = op, step, steps, label
         self.timeout_s, self.cuda = timeout_s, cuda
         self.deadline = time.monotonic() + timeout_s
 
@@ -84,11 +84,13 @@ class StepHandle:
 
     def _wait_host(self) -> None:
         ring = self.ring
+        # The last tenth of the timeout (at most 10 s) is kept for asking the peers where they are (_where_peers).
+        until = self.deadline - min(0.1 * self.timeout_s, 10.0)
         # Receives first: they are what the next piece of compute needs; a send completes when the peer
         # has posted the matching receive.
         for works, peer, direction in ((self.recvs, ring.prev, "receive from"), (self.sends, ring.next, "send to")):
             for work in works:
-                remaining = self.deadline - time.monotonic()
+                remaining = until - time.monotonic()
                 try:
                     work.wait(timedelta(seconds=max(remaining, 1e-3)))
                 except RuntimeError as err:
@@ -106,19 +108,27 @@ class StepHandle:
         else:
             reason = "error"
             what = f"failed: {text.splitlines()[0] if text else type(err).__name__}"
+        here = self.ring.peer_name(self.ring.rank)
         message = (f"commfuse ring {self.op}: step {self.step + 1} of {self.steps}, {direction} "
-                   f"{self.ring.peer_name(peer)}: {what}. This rank is {self.ring.peer_name(self.ring.rank)}; "
-                   f"check that peer's log. The process group cannot be used after this error.")
+                   f"{self.ring.peer_name(peer)}: {what}. This rank is {here}")
+        if self.ring.broken is None:  # the first failure: say where this rank is and ask where the peers are
+            where = str(self.label) if self.label is not None else f"a bucketed ring {self.op} (FSDP2 unit)"
+            message += f", in {where}"
+            if reason in ("timeout", "peer lost"):  # a peer that raised first has said where it was, then left
+                patience = self.deadline - time.monotonic() if reason == "timeout" else 1.0
+                message += _where_peers(self.ring, where, (peer,), patience)
+        message += ("; check that peer's log. The process group cannot be used after this error.")
         self.ring.broken = message
         return RingCommError(message, op=self.op, step=self.step,
                              peer=dist.get_global_rank(self.ring.group, peer), reason=reason)
 
 
 def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], *,
-               tag: int, op: str, step: int, steps: int, timeout_s: float) -> StepHandle:
+               tag: int, op: str, step: int, steps: int, timeout_s: float, label: object = None) -> StepHandle:
     """Start one ring step: every tensor in ``sends`` goes to ``ring.next``, every tensor in ``recvs`` is
     filled from ``ring.prev``. Tensors must be contiguous and stay untouched until ``wait()`` returns.
-    On CUDA the caller must be inside ``torch.cuda.stream(ring.comm_stream(device))``."""
+    On CUDA the caller must be inside ``torch.cuda.stream(ring.comm_stream(device))``. ``label``: what this
+    step belongs to (a fused layer's ``RingOp``), named in errors."""
     if ring.broken is not None:
         raise RingCommError(f"commfuse ring {op}: the ring broke earlier and cannot be used: {ring.broken}",
                             op=op, step=step, peer=None, reason="broken")
@@ -129,8 +139,8 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
         p2p = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=ring.next) for t in sends]
         p2p += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=ring.prev) for t in recvs]
         works = dist.batch_isend_irecv(p2p)
-        return StepHandle(ring, works[:len(sends)], works[len(sends):], op, step, steps, timeout_s, True)
-    pg, handle = ring.group, StepHandle(ring, [], [], op, step, steps, timeout_s, False)
+        return StepHandle(ring, works[:len(sends)], works[len(sends):], op, step, steps, timeout_s, True, label)
+    pg, handle = ring.group, StepHandle(ring, [], [], op, step, steps, timeout_s, False, label)
     # Receives first: a gloo send moves its bytes once the receiver has posted the receive, and the notice that
     # it has then leaves ahead of this rank's own outgoing bytes instead of queueing behind them.
     try:  # gloo raises here already when the peer's connection is gone
@@ -144,3 +154,29 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
     except RuntimeError as err:
         raise handle._failure(err, ring.next, "send to") from err
     return handle
+
+
+def _where_peers(ring: Ring, where: str, peers: tuple[int, ...], patience_s: float) -> str:
+    """After a timeout: publish where this rank is in the default store and read where ``peers`` said they were
+    when they timed out too (ranks that call different fused layers time out within moments of each other).
+    Waits up to ``patience_s`` (what is left of the step's timeout) for them; returns a sentence for the error
+    message."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"commfuse/where/{getattr(ring.group, 'group_name', 'group')}/"
+        store.set(prefix + str(ring.rank), where)
+        patience = timedelta(seconds=max(patience_s, 0.05))
+        said = []
+        for peer in peers:
+            name = ring.peer_name(peer)
+            try:
+                store.wait([prefix + str(peer)], patience)
+                said.append(f"{name} was in {store.get(prefix + str(peer)).decode()}")
+            except RuntimeError:
+                said.append(f"{name} did not say where it was within {patience.total_seconds():g}s (it may be "
+                            f"dead, or blocked outside the rings)")
+    except Exception as err:  # the store is only a help for the message; never hide the real failure
+        return f" (could not ask the peers where they were: {type(err).__name__})"
+    lockstep = ("; ranks that run different layers at the same point (a data-dependent module, a config or model "
+                "that differs between ranks) break the lockstep the rings need")
+    return "; " + "; ".join(said) + lockstep

@@ -1,0 +1,112 @@
+"""``StepState``: everything a step of a sharded model leaves between its phases, with one ``reset()``.
+
+A *step* runs from one forward of the sharded root module to the next. Within it the fused layers and ring
+embeddings carry state from one call to another:
+- the schedule's (``FusedSchedule``: layer order, prefetched first ring steps, the kept lm_head weight, deferred
+  last gradient hops; ``SlicingScheduler``: prefetched gathers, background reduce-scatters);
+- each shared-input group's outputs waiting for their module's call (q/k/v);
+- each fused group's gradient partials kept while gradient sync is off (accumulation micro-batches);
+- the identity of every ring operation: which module, which phase, which call of it in this step (``ring_op``),
+  carried in the message tag so that ranks calling different layers never pair up their bytes.
+
+A step that raises (in the forward, in the backward, or in a ring) leaves some of this behind. ``reset()`` drops
+all of it: in-flight steps are waited for (every rank started them alike) and their bytes discarded, the no-sync
+partials too (the accumulation window is lost, as with FSDP2's ``reset_iter_state``, to which ``shard()`` chains
+it). ``begin_step`` calls it by itself when the previous step did not finish its forward or its backward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..engine import Engine, RingOp
+from .schedule import FusedSchedule
+
+logger = logging.getLogger("commfuse_dp")
+
+PHASES = ("forward", "backward", "embedding counts", "embedding ids", "embedding forward", "embedding backward")
+_PHASE = {name: i for i, name in enumerate(PHASES)}
+
+# A ring op's tag: bit 29 set (the ring collectives' counter tags stay below it), then the step (10 bits), the
+# call of this module in this phase in this step (6 bits), the phase (3 bits) and the module's index (10 bits).
+# Fields wrap; two ops get the same tag only if they agree in all of them modulo these sizes.
+_IDENTIFIED = 1 << 29
+
+
+class StepState:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        if engine.config.schedule == "slicing":
+            from .sliced import SlicingScheduler
+
+            self.schedule: FusedSchedule | SlicingScheduler = SlicingScheduler(engine, self)
+        else:
+            self.schedule = FusedSchedule(engine, self)
+        self.names: list[str] = []  # ring-op owners (fused groups, ring embeddings) by index
+        self.groups: list = []  # FusedGroup: pending shared-input outputs
+        self.states: list = []  # FusedGroupState: no-sync partials
+        self.step = -1
+        self._calls: dict[int, int] = {}
+        self.forward_open = False  # a forward of the root began and has not returned
+        self.backward_open = False  # a backward reached a fused layer and has not finished
+
+    # -- identity of ring operations -------------------------------------------------------------------------
+
+    def register(self, name: str) -> int:
+        """A new owner of ring operations (called in the same order on every rank: at ``shard()`` time, or on a
+        shared-input group's first call with another input)."""
+        self.names.append(name)
+        return len(self.names) - 1
+
+    def ring_op(self, owner: int, phase: str) -> RingOp:
+        """The next ring operation of ``owner`` in ``phase`` in this step, with its tag."""
+        p = _PHASE[phase]
+        key = owner << 3 | p
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        tag = (_IDENTIFIED | (self.step & 0x3FF) << 19 | (call & 0x3F) << 13 | p << 10 | (owner & 0x3FF))
+        return RingOp(tag, self.names[owner], phase, call, self.step)
+
+    # -- the step's life ---------------------------------------------------------------------------------------
+
+    def begin_step(self) -> bool:
+        """The root module's forward begins. Returns True if the previous step was left unfinished (and reset)."""
+        aborted = self.forward_open or self.backward_open
+        if aborted:
+            logger.warning("commfuse_dp: the previous %s did not finish (an exception?); its in-flight ring steps, "
+                           "deferred gradients and no-sync partials were dropped",
+                           "forward" if self.forward_open else "backward")
+            self.reset()
+        self.engine.stats.begin_step()
+        self.step += 1
+        self._calls.clear()
+        self.forward_open = True
+        self.schedule.begin_step()
+        for group in self.groups:
+            group.reset()
+        return aborted
+
+    def end_forward(self) -> None:
+        self.forward_open = False
+
+    def backward_begins(self) -> None:
+        """A fused backward runs: make sure the end of this backward is seen (``_end_of_backward``)."""
+        if not self.backward_open:
+            self.backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.schedule.end_backward()  # the last deferred hop / background reduce-scatters
+        self.backward_open = False
+
+    def reset(self) -> None:
+        """Drop all per-step state (after a step that raised); the next step starts as a first step."""
+        self.schedule.reset()
+        for group in self.groups:
+            group.reset()
+        for state in self.states:
+            state.take_unsynced()
+        self._calls.clear()
+        self.forward_open = self.backward_open = False
