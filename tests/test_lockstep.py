@@ -293,6 +293,17 @@ def test_data_dependent_modules_of_hf_moe_models():
                                                                                "model.encoder.layers.1"}
 
 
+def test_exclusions_cover_what_is_inside_an_excluded_module():
+    model = MoECausalLM()
+    excluded = lockstep.exclusions(model, ("layers.1", "lm_*"), {}, exclude_data_dependent=True)
+    assert excluded.reasons == {"layers.1": "exclude pattern 'layers.1'", "lm_head": "exclude pattern 'lm_*'"}
+    assert excluded.why("layers.1.moe.experts.0.up") == "exclude pattern 'layers.1'"
+    assert excluded.why("layers.10") is None and excluded.why("layers.0.mix") is None and excluded.why("") is None
+    found = lockstep.data_dependent_modules(model)
+    assert not lockstep.exclusions(model, (), found, exclude_data_dependent=False)
+    assert lockstep.exclusions(model, (), found, True).why("layers.0.moe.experts.2.down") == "MoE expert of layers.0.moe"
+
+
 def _exclusion_worker(rank, world_size):
     import hf_models
 
