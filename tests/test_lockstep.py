@@ -301,7 +301,8 @@ def test_exclusions_cover_what_is_inside_an_excluded_module():
     assert excluded.why("layers.10") is None and excluded.why("layers.0.mix") is None and excluded.why("") is None
     found = lockstep.data_dependent_modules(model)
     assert not lockstep.exclusions(model, (), found, exclude_data_dependent=False)
-    assert lockstep.exclusions(model, (), found, True).why("layers.0.moe.experts.2.down") == "MoE expert of layers.0.moe"
+    excluded = lockstep.exclusions(model, (), found, exclude_data_dependent=True)
+    assert excluded.why("layers.0.moe.experts.2.down") == "MoE expert of layers.0.moe"
 
 
 def _exclusion_worker(rank, world_size):
