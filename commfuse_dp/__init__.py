@@ -2,10 +2,11 @@
 
 Public names (DESIGN.md §4): ``CommFuseConfig``; the ring layer in ``commfuse_dp.ring``; the integrations in
 ``commfuse_dp.integrations`` (``fsdp.use_ring_collectives`` today); ``shard(model, config)`` and
-``step_stats(model)`` for the fused engine.
+``step_stats(model)`` for the fused engine; ``describe(model)`` for what ``shard()`` fused and what each part moves.
 """
 
 from .config import CommFuseConfig
+from .describe import ShardReport, describe
 from .shard import shard, step_stats
 from .stats import StepStats
 from .ring import (
@@ -21,6 +22,6 @@ from .ring import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "CommFuseConfig", "StepStats", "shard", "step_stats", "RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
+    "CommFuseConfig", "ShardReport", "StepStats", "describe", "shard", "step_stats", "RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
     "ring_all_gather_coalesced", "ring_reduce_scatter", "ring_reduce_scatter_coalesced",
 ]

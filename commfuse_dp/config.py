@@ -10,6 +10,7 @@ the workers of ``accelerate launch``). Every field is checked in ``__post_init__
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,6 +22,10 @@ ENV_PREFIX = "COMMFUSE_"
 
 SCHEDULES = ("fused", "slicing")
 GRAD_DIVIDES = ("post", "pre", "split")
+
+# ``COMMFUSE_*`` variables that are not config fields: read by the integrations (``COMMFUSE_ENABLE`` turns them on,
+# ``COMMFUSE_CONFIG`` names a YAML file). ``from_env`` accepts and ignores them; any other unknown one is a typo.
+ENV_RESERVED = ("COMMFUSE_ENABLE", "COMMFUSE_CONFIG")
 
 # Names a user may write for a dtype (YAML, environment, CLI), and the torch dtype each means.
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -83,6 +88,18 @@ class CommFuseConfig:
     stats: bool = True
     """Record per-step compute / communication / exposed-communication times (``commfuse_dp.step_stats``)."""
 
+    exclude: tuple[str, ...] = ()
+    """``fnmatch`` patterns of module names (``model.named_modules()``) kept out of the fused path, e.g.
+    ``("*.experts.*", "lm_head")``: a linear or embedding whose name, or the name of a module that contains it,
+    matches one is neither fused nor a ring embedding; FSDP2 shards it with its unit. In YAML a list or a
+    comma-separated string; in the environment a comma-separated string (``COMMFUSE_EXCLUDE=*.experts.*,lm_head``)."""
+
+    exclude_data_dependent: bool = True
+    """Keep modules that the model calls data-dependently out of the fused path (``commfuse_dp/lockstep.py``: MoE
+    experts, which run only when tokens are routed to them, and LayerDrop layers, skipped at random per rank).
+    Every rank must enter the same fused ring steps in the same order; FSDP2 gathers such a module's whole unit
+    on every rank instead. Off: they are fused anyway, and a step in which the ranks diverge fails with an error."""
+
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"CommFuseConfig.schedule={self.schedule!r}: allowed values are {SCHEDULES}")
@@ -106,6 +123,7 @@ class CommFuseConfig:
                 raise ValueError(f"CommFuseConfig.{name}={getattr(self, name)!r}: must be true or false")
         self.param_dtype = _dtype("param_dtype", self.param_dtype)
         self.reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
+        self.exclude = _patterns("exclude", self.exclude)
 
     @property
     def bucket_bytes(self) -> int:
@@ -145,9 +163,21 @@ class CommFuseConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CommFuseConfig:
         """Read ``COMMFUSE_<FIELD>`` variables (e.g. ``COMMFUSE_BUCKET_MB=50``); keyword overrides win.
 
-        ``COMMFUSE_ENABLE`` and other variables that are not fields are left for the integrations to read.
+        The variables of ``ENV_RESERVED`` (``COMMFUSE_ENABLE``, ``COMMFUSE_CONFIG``) are left for the integrations
+        to read. Any other ``COMMFUSE_*`` variable that names no field is an error (``COMMFUSE_SCHEDUL=fused``
+        must not silently leave the default schedule in place).
         """
         environ = os.environ if environ is None else environ
+        known = {ENV_PREFIX + f.name.upper() for f in fields(cls)}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known and k not in ENV_RESERVED)
+        if unknown:
+            var = unknown[0]
+            close = difflib.get_close_matches(var, sorted(known | set(ENV_RESERVED)), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            others = f" (and {len(unknown) - 1} more: {unknown[1:]})" if len(unknown) > 1 else ""
+            raise ValueError(f"{var}{others}: unknown commfuse_dp environment variable; {hint}known variables are "
+                             f"{sorted(known)} and, read by the integrations, {list(ENV_RESERVED)}. Unset or "
+                             f"rename it")
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
@@ -161,13 +191,13 @@ class CommFuseConfig:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+            out[f.name] = (str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
+                           else list(v) if isinstance(v, tuple) else v)
         return out
 
     def to_env(self) -> dict[str, str]:
         """The ``COMMFUSE_*`` variables that ``from_env`` reads back into an equal config."""
-        return {ENV_PREFIX + k.upper(): ("none" if v is None else str(v).lower() if isinstance(v, bool) else str(v))
-                for k, v in self.to_dict().items()}
+        return {ENV_PREFIX + k.upper(): _env_text(v) for k, v in self.to_dict().items()}
 
     def replace(self, **changes: Any) -> CommFuseConfig:
         return dataclasses.replace(self, **changes)
@@ -195,7 +225,32 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings")
+_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent")
+
+
+def _patterns(name: str, value: Any) -> tuple[str, ...]:
+    """A tuple of module-name patterns from a tuple/list of strings or one comma-separated string."""
+    if isinstance(value, str):
+        value = [part for part in (p.strip() for p in value.split(",")) if part]
+    if not isinstance(value, (tuple, list)) or not all(isinstance(p, str) for p in value):
+        raise ValueError(f"CommFuseConfig.{name}={value!r}: must be a list of module-name patterns (strings, "
+                         f"fnmatch style, e.g. ['*.experts.*', 'lm_head']) or one comma-separated string")
+    patterns = tuple(p.strip() for p in value)
+    bad = [p for p in patterns if not p or "," in p]
+    if bad:
+        raise ValueError(f"CommFuseConfig.{name}: patterns {bad!r} are empty or contain a comma; module names have "
+                         f"neither, and a comma separates patterns in the environment")
+    return patterns
+
+
+def _env_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(value)
+    return str(value)
 
 
 def _parse_env(name: str, raw: str) -> Any:

@@ -11,7 +11,13 @@
    ``fully_shard``, unit by unit (the model's ``_no_split_modules`` classes, else the entries of its layer list),
    with the fused parameters passed as ``ignored_params``, and its collectives switched to the bucketed rings.
 4. The model gains ``set_requires_gradient_sync(flag)`` / ``no_sync()`` covering both parts (gradient accumulation),
-   and ``commfuse_dp.step_stats(model)`` reports the last step's timing.
+   and ``commfuse_dp.step_stats(model)`` reports the last step's timing; ``commfuse_dp.describe(model)`` what was
+   fused and what each part moves.
+
+Before anything is converted the ranks check that they pass the same group, config and model (``checks.py``).
+Modules named by ``CommFuseConfig.exclude`` and modules the model calls data-dependently (MoE experts, LayerDrop
+layers: ``lockstep.py``) stay out of the fused path and out of FSDP2 units of their own, so that every rank enters
+the same ring steps in the same order.
 
 Any torch optimizer built afterwards on ``model.parameters()`` keeps sharded state (ZeRO-3 memory).
 """
@@ -29,7 +35,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from . import lockstep
+from .checks import check_ranks_agree
 from .config import CommFuseConfig
+from .describe import warn_if_little_fused
 from .engine import Engine
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
@@ -69,23 +78,25 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
                          f"move the model to the mesh's device first")
     group = mesh.get_group()
-    _check_same_group(group)
+    check_ranks_agree(group, config, model)  # same group, config and parameters on every rank (checks.py)
     engine = Engine(get_ring(group, op="shard"), mesh, config)
     steps = StepState(engine)
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
 
-    fused = _fusable_linears(model, config, engine.ring.size)
+    data_dependent = lockstep.data_dependent_modules(model)
+    excluded = lockstep.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
+    fused = _fusable_linears(model, config, engine.ring.size, excluded)
     fused_params: set[nn.Parameter] = set()
     for _, module, transposed in fused:
         fused_params.update(convert_linear(module, engine, transposed))
     for members in _shared_input_groups(fused):
         attach_group(steps, members, [names[id(m)] for m in members])
     if config.ring_embeddings:
-        for module in _ring_embeddings(model, config, engine.ring.size):
+        for module in _ring_embeddings(model, config, engine.ring.size, excluded):
             fused_params.add(convert_embedding(module, steps, names[id(module)]))
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    unit_modules = _units(model, units)
+    unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
     if units is None:
         unit_modules = [u for u in unit_modules
                         if _unfused_numel(u, fused_params) // engine.ring.size >= max(config.min_fuse_numel, 1)]
@@ -96,9 +107,13 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         use_ring_collectives(model, config, recorder=engine.stats)
+    lockstep.reduce_unused_params(model, data_dependent)
+    lockstep.mark_fsdp_managed(model)
     _install(model, steps)
+    model._commfuse_excluded = dict(excluded.reasons)
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule), %d FSDP2 units + root, %d ranks",
                 len(fused), config.schedule, len(unit_modules), engine.ring.size)
+    warn_if_little_fused(model, config)
     return model
 
 
@@ -122,11 +137,14 @@ def _conv1d_class() -> type | None:
     return Conv1D
 
 
-def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int) -> list[tuple[str, nn.Module, bool]]:
+def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int,
+                     excluded: lockstep.Exclusions) -> list[tuple[str, nn.Module, bool]]:
     conv1d = _conv1d_class()
     owners = _param_owners(model)
     fused, small, tied, other = [], 0, 0, Counter()
     for name, module in model.named_modules():
+        if excluded.why(name):
+            continue  # logged by lockstep.exclusions
         kind = type(module)
         if kind is nn.Linear or (conv1d is not None and kind is conv1d):
             if owners[id(module.weight)] > 1 or (module.bias is not None and owners[id(module.bias)] > 1):
@@ -155,11 +173,12 @@ def _param_owners(model: nn.Module) -> Counter[int]:
     return Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
 
 
-def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int) -> list[nn.Embedding]:
+def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int,
+                     excluded: lockstep.Exclusions) -> list[nn.Embedding]:
     owners = _param_owners(model)
     chosen = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Embedding):
+        if not isinstance(module, nn.Embedding) or excluded.why(name):
             continue
         why = embedding_eligible(module)
         if why is None and owners[id(module.weight)] > 1:
@@ -202,16 +221,21 @@ def _unfused_numel(unit: nn.Module, fused_params: set[nn.Parameter]) -> int:
     return sum(p.numel() for p in unit.parameters() if p not in fused_params)
 
 
-def _units(model: nn.Module, units: tuple[type[nn.Module], ...] | None) -> list[nn.Module]:
-    """FSDP2 units, innermost first."""
+def _units(model: nn.Module, units: tuple[type[nn.Module], ...] | None, not_units: set[int]) -> list[nn.Module]:
+    """FSDP2 units, innermost first. A module in ``not_units`` (ids: data-dependently called modules and the
+    modules inside them, ``lockstep.py``) is never one: it joins its parent's unit."""
     if units is not None:
         chosen = [m for m in model.modules() if isinstance(m, units) and m is not model]
     else:
         names = set(getattr(model, "_no_split_modules", None) or ())
         chosen = [m for m in model.modules() if type(m).__name__ in names and m is not model]
         if not chosen:
-            lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+            lists = [m for m in model.modules()
+                     if isinstance(m, nn.ModuleList) and not any(id(c) in not_units for c in m)]
             chosen = list(max(lists, key=len)) if lists else []
+    lockstep_safe = [m for m in chosen if id(m) not in not_units]
+    lockstep.log_dropped_units(chosen, lockstep_safe)
+    chosen = lockstep_safe
     # A unit that shares a parameter with a module outside it (a tied embedding) cannot be an FSDP2 unit of its
     # own: both uses must sit in one unit, so it is left to its parent.
     owners: dict[int, set[int]] = defaultdict(set)
@@ -246,16 +270,6 @@ def _single_device(model: nn.Module) -> torch.device:
         raise ValueError("shard: the model is on the meta device; materialise it (to_empty + init, or load the "
                          "weights) before sharding")
     return device
-
-
-def _check_same_group(group: dist.ProcessGroup) -> None:
-    mine = dist.get_process_group_ranks(group)
-    everyone: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if any(other != everyone[0] for other in everyone):
-        detail = "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(everyone))
-        raise ValueError(f"shard: the ranks passed different data-parallel groups ({detail}); every rank must "
-                         f"pass the same mesh / process group")
 
 
 # ---- what the model gains ---------------------------------------------------------------------------------

@@ -69,3 +69,44 @@ def test_env_bad_values_name_the_variable():
         CommFuseConfig.from_env({"COMMFUSE_STATS": "maybe"})
     with pytest.raises(ValueError, match="CommFuseConfig.schedule='ring'"):
         CommFuseConfig.from_env({"COMMFUSE_SCHEDULE": "ring"})
+
+
+def test_exclude_patterns():
+    cfg = CommFuseConfig(exclude=["*.experts.*", "lm_head"])
+    assert cfg.exclude == ("*.experts.*", "lm_head") and cfg.exclude_data_dependent is True
+    assert CommFuseConfig.from_dict({"exclude": " *.mlp.* , lm_head "}).exclude == ("*.mlp.*", "lm_head")
+    assert CommFuseConfig().exclude == () and CommFuseConfig().to_dict()["exclude"] == []
+    for bad, fragment in ((3, "list of module-name patterns"), ([1], "list of module-name patterns"),
+                          (("a", ""), "empty or contain a comma"), (("a,b",), "empty or contain a comma")):
+        with pytest.raises(ValueError, match=fragment):
+            CommFuseConfig(exclude=bad)
+    with pytest.raises(ValueError, match="CommFuseConfig.exclude_data_dependent"):
+        CommFuseConfig(exclude_data_dependent="no")
+
+
+def test_exclude_yaml_and_env_round_trip(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("commfuse:\n  exclude: ['*.experts.*', lm_head]\n  exclude_data_dependent: false\n")
+    cfg = CommFuseConfig.from_yaml(path)
+    assert cfg == CommFuseConfig(exclude=("*.experts.*", "lm_head"), exclude_data_dependent=False)
+    env = cfg.to_env()
+    assert env["COMMFUSE_EXCLUDE"] == "*.experts.*,lm_head" and env["COMMFUSE_EXCLUDE_DATA_DEPENDENT"] == "false"
+    assert CommFuseConfig.from_env(env) == cfg
+    assert CommFuseConfig.from_env(CommFuseConfig().to_env()) == CommFuseConfig()
+    assert CommFuseConfig.from_env({"COMMFUSE_EXCLUDE": "lm_head"}).exclude == ("lm_head",)
+    path.write_text("exclude: '*.mlp.*,lm_head'\n")
+    assert CommFuseConfig.from_yaml(path).exclude == ("*.mlp.*", "lm_head")
+
+
+def test_env_rejects_unknown_variables():
+    with pytest.raises(ValueError) as info:
+        CommFuseConfig.from_env({"COMMFUSE_SCHEDUL": "fused", "PATH": "/bin"})
+    message = str(info.value)
+    assert message.startswith("COMMFUSE_SCHEDUL: unknown commfuse_dp environment variable")
+    assert "did you mean COMMFUSE_SCHEDULE?" in message
+    assert "'COMMFUSE_BUCKET_MB'" in message and "'COMMFUSE_ENABLE'" in message
+    with pytest.raises(ValueError, match=r"COMMFUSE_BUCKETMB \(and 1 more: \['COMMFUSE_ZZZ'\]\).*COMMFUSE_BUCKET_MB"):
+        CommFuseConfig.from_env({"COMMFUSE_BUCKETMB": "3", "COMMFUSE_ZZZ": "1"})
+    # Reserved for the integrations: accepted and ignored.
+    cfg = CommFuseConfig.from_env({"COMMFUSE_ENABLE": "1", "COMMFUSE_CONFIG": "/tmp/c.yaml", "COMMFUSE_STATS": "0"})
+    assert cfg == CommFuseConfig(stats=False)

@@ -1,0 +1,121 @@
+"""Ranks checked at ``shard()``: same data-parallel group, same config, same model, before anything is converted.
+
+Ranks that disagree on any of these would not fail at once: they would enter ring steps of different sizes, or
+in a different order, and hang or silently compute wrong gradients, far from the cause. So ``shard()`` starts
+with one ``all_gather_object`` over the world of, per rank:
+
+- the ranks of the data-parallel group it was given,
+- its ``CommFuseConfig.to_dict()``,
+- a digest of the ``(name, shape, dtype, requires_grad)`` of every parameter of the model it is about to shard.
+
+Every rank gets the same answers and so raises the same ``ValueError`` on a mismatch, naming what differs: the
+config fields (``schedule: rank 0 has 'fused', rank 1 has 'slicing'``), or, after a second gather of the full
+parameter lists (only when the digests differ), the first few parameters whose shape, dtype or ``requires_grad``
+differ and the counts of missing and extra ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .config import CommFuseConfig
+
+_SHOWN = 3  # differing parameters named per rank
+
+ParamInfo = tuple[str, tuple[int, ...], str, bool]
+
+
+def check_ranks_agree(group: dist.ProcessGroup, config: CommFuseConfig, model: nn.Module) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks passed the same group, the same config and a model with
+    the same parameters (names, shapes, dtypes, ``requires_grad``). Collective over the world."""
+    params = parameter_list(model)
+    mine = (dist.get_process_group_ranks(group), config.to_dict(), _digest(params))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    groups = [g for g, _, _ in everyone]
+    if any(g != groups[0] for g in groups):
+        detail = "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(groups))
+        raise ValueError(f"shard: the ranks passed different data-parallel groups ({detail}); every rank must "
+                         f"pass the same mesh / process group")
+    members = [r for r in groups[0] if r < len(everyone)]
+    configs = {r: everyone[r][1] for r in members}
+    differing = config_differences(configs)
+    if differing:
+        raise ValueError(f"shard: the ranks passed different CommFuseConfigs: {'; '.join(differing)}. Pass the same "
+                         f"config on every rank (build it from the same YAML file, the same COMMFUSE_* environment "
+                         f"or the same arguments everywhere)")
+    if len({everyone[r][2] for r in members}) > 1:
+        lists: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(lists, params)  # every rank saw the same digests, so every rank gathers again
+        raise ValueError(f"shard: the ranks are sharding different models: "
+                         f"{'; '.join(model_differences({r: lists[r] for r in members}))}. Build the same model on "
+                         f"every rank (same architecture config, same checkpoint, same adapters and frozen "
+                         f"parameters) before shard()")
+
+
+def parameter_list(model: nn.Module) -> list[ParamInfo]:
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad))
+            for name, p in model.named_parameters()]
+
+
+def _digest(params: list[ParamInfo]) -> str:
+    return hashlib.sha256(repr(params).encode()).hexdigest()
+
+
+def config_differences(configs: dict[int, dict[str, Any]]) -> list[str]:
+    """``"field: rank 0 has X, rank 1 has Y"`` for every field whose value is not the same on all ranks."""
+    out = []
+    fields = list(next(iter(configs.values())))
+    for field in fields:
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for rank, values in configs.items():
+            by_value[repr(values.get(field))].append(rank)
+        if len(by_value) > 1:
+            out.append(f"{field}: " + ", ".join(f"{_ranks(ranks)} {value}" for value, ranks in by_value.items()))
+    return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+
+
+def model_differences(lists: dict[int, list[ParamInfo]]) -> list[str]:
+    """Per rank whose parameters differ from the first rank's: the first few differing parameters (shape, dtype,
+    requires_grad) and the counts of missing and extra ones."""
+    ranks = list(lists)
+    ref_rank = ranks[0]
+    ref = {name: info for name, *info in lists[ref_rank]}
+    out = []
+    for rank in ranks[1:]:
+        theirs = {name: info for name, *info in lists[rank]}
+        if lists[rank] == lists[ref_rank]:
+            continue
+        changed = [n for n in ref if n in theirs and theirs[n] != ref[n]]
+        missing = [n for n in ref if n not in theirs]
+        extra = [n for n in theirs if n not in ref]
+        parts = []
+        if changed:
+            shown = ", ".join(f"{n} (rank {ref_rank} has {_info(ref[n])}, rank {rank} has {_info(theirs[n])})"
+                              for n in changed[:_SHOWN])
+            more = f" and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
+            parts.append(f"{len(changed)} parameters differ: {shown}{more}")
+        for what, names in (("missing", missing), ("extra", extra)):
+            if names:
+                more = ", ..." if len(names) > _SHOWN else ""
+                parts.append(f"{len(names)} {what} on rank {rank} ({', '.join(names[:_SHOWN])}{more})")
+        if not parts:
+            at = next(i for i, (a, b) in enumerate(zip(lists[ref_rank], lists[rank])) if a != b)
+            parts.append(f"the same parameters in another order (position {at}: rank {ref_rank} has "
+                         f"{lists[ref_rank][at][0]}, rank {rank} has {lists[rank][at][0]})")
+        out.append(f"rank {rank} differs from rank {ref_rank}: " + ", ".join(parts))
+    return out
+
+
+def _info(info: list) -> str:
+    shape, dtype, requires_grad = info
+    return f"shape {tuple(shape)} {dtype}" + ("" if requires_grad else " frozen")

@@ -1,0 +1,311 @@
+"""``describe(model)``: what ``shard()`` fused, what it left to FSDP2, what it excluded, and what each part moves.
+
+    report = commfuse_dp.describe(model)
+    print(report)                 # a table
+    json.dumps(report.as_dict())  # the same, as plain values
+
+The report is read off the sharded model itself: fused linears carry ``_cf_group`` / ``_cf_index``
+(``fused/modules.py``), ring embeddings ``_cf_embedding``, FSDP2 units are ``FSDPModule`` s, the world size is
+that of ``model._commfuse_engine.ring`` and the excluded modules are ``model._commfuse_excluded``.
+
+Bytes are those one rank *sends* in one training step (forward + backward, gradient sync on); it receives as many.
+With N ranks, for
+
+- a fused linear group of ``s`` elements per rank (its packed weight and bias shards, rows padded to
+  ``ceil(out / N)``): forward all-gather ``(N-1)·s``, backward all-gather ``(N-1)·s`` (to form the input gradient),
+  reduce-scatter ``(N-1)·s`` gradient elements. The last fused group of the forward (usually the lm_head) keeps its
+  gathered weight for its backward (``slicing``; ``fused`` with ``prefetch_next``), from the second step on: its
+  backward all-gather is 0. Which group is last is taken from module order here.
+- an FSDP2 unit (its own parameters, without fused ones or nested units', each padded to a multiple of N rows):
+  all-gather forward and backward and reduce-scatter, ``(N-1)/N`` of the unit's padded bytes each. The root is
+  not resharded after forward (FSDP2's default), so it gathers once.
+- a ring embedding: it depends on the tokens. The figures are those of its *table* path (all-gather the table
+  shards, reduce-scatter the table gradient), an upper bound: with ``T`` tokens per rank, fewer than the rows of a
+  shard, the *rows* path moves ``(N-1)·T·H`` elements each way instead.
+
+Gathers move the compute dtype (``param_dtype``, else the parameter's), reduce-scatters ``reduce_dtype`` (else the
+compute dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from .config import CommFuseConfig
+
+logger = logging.getLogger("commfuse_dp")
+
+FUSED_FRACTION_WARNING = 0.5  # shard() warns when fewer of the parameter bytes than this are fused
+
+
+@dataclass
+class FusedGroupInfo:
+    modules: list[str]
+    weight_shapes: list[tuple[int, ...]]
+    shard_numel: int  # elements per rank in the group's ring buffer (weights and biases, padded rows)
+    forward_gather_bytes: int
+    backward_gather_bytes: int
+    reduce_scatter_bytes: int
+    note: str = ""
+
+
+@dataclass
+class EmbeddingInfo:
+    module: str
+    shape: tuple[int, ...]
+    shard_numel: int
+    forward_gather_bytes: int  # table path: an upper bound
+    backward_gather_bytes: int
+    reduce_scatter_bytes: int
+    note: str = "upper bound (table path); the rows path moves (N-1)*T*H elements each way when T <= rows per shard"
+
+
+@dataclass
+class UnitInfo:
+    module: str
+    params: int  # parameter tensors this unit shards itself
+    numel: int  # their elements (full, unsharded)
+    forward_gather_bytes: int
+    backward_gather_bytes: int
+    reduce_scatter_bytes: int
+    note: str = ""
+
+
+@dataclass
+class ShardReport:
+    """What ``shard()`` made of a model (``describe``). ``str()`` is a table, ``as_dict()`` plain values."""
+
+    world: int
+    schedule: str
+    fused_groups: list[FusedGroupInfo] = field(default_factory=list)
+    ring_embeddings: list[EmbeddingInfo] = field(default_factory=list)
+    fsdp_units: list[UnitInfo] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+    fused_param_bytes: int = 0  # full bytes of the parameters in fused linears and ring embeddings
+    total_param_bytes: int = 0
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Bytes this rank sends per training step, per part and in all."""
+        parts = {"fused_linears": self.fused_groups, "ring_embeddings": self.ring_embeddings,
+                 "fsdp_units": self.fsdp_units}
+        out = {name: sum(i.forward_gather_bytes + i.backward_gather_bytes + i.reduce_scatter_bytes for i in items)
+               for name, items in parts.items()}
+        out["total"] = sum(out.values())
+        return out
+
+    @property
+    def fused_fraction(self) -> float:
+        return self.fused_param_bytes / self.total_param_bytes if self.total_param_bytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["bytes_per_step"] = self.bytes_per_step()
+        out["fused_fraction"] = self.fused_fraction
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"commfuse_dp: {self.world} ranks, {self.schedule} schedule; {_size(self.fused_param_bytes)} of "
+                 f"{_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
+                 f"embeddings; bytes sent per rank per training step"]
+        head = ("fwd gather", "bwd gather", "reduce-scatter")
+        rows = [(_group_name(g.modules), " ".join("x".join(map(str, s)) for s in g.weight_shapes), str(g.shard_numel),
+                 *_moves(g), g.note) for g in self.fused_groups]
+        lines += _table(f"fused linear groups ({len(rows)})", ("modules", "weight shapes", "shard elems", *head, ""),
+                        rows)
+        rows = [(e.module, "x".join(map(str, e.shape)), str(e.shard_numel), *_moves(e), e.note)
+                for e in self.ring_embeddings]
+        lines += _table(f"ring embeddings ({len(rows)})", ("module", "table", "shard elems", *head, ""), rows)
+        rows = [(u.module or "(root)", str(u.params), str(u.numel), *_moves(u), u.note) for u in self.fsdp_units]
+        lines += _table(f"FSDP2 units ({len(rows)})", ("module", "params", "elements", *head, ""), rows)
+        rows = [(name, reason) for name, reason in self.excluded.items()]
+        lines += _table(f"excluded from the fused path ({len(rows)})", ("module", "why"), rows)
+        totals = self.bytes_per_step()
+        lines.append("total sent per rank per step: " + ", ".join(
+            f"{name.replace('_', ' ')} {_size(b)}" for name, b in totals.items()))
+        return "\n".join(lines)
+
+
+def describe(model: nn.Module) -> ShardReport:
+    """The report of a model sharded by ``commfuse_dp.shard()`` (see the module docstring for the byte counts)."""
+    engine = getattr(model, "_commfuse_engine", None)
+    if engine is None:
+        raise ValueError("describe: this model was not sharded with commfuse_dp.shard(); call shard(model, config) "
+                         "first")
+    config: CommFuseConfig = engine.config
+    world = engine.ring.size
+    report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})))
+    named = list(model.named_modules())
+    fused_params: set[int] = set()
+    groups: dict[int, list[tuple[int, str, nn.Module]]] = {}
+    for name, m in named:
+        group = m.__dict__.get("_cf_group")
+        if group is not None:
+            groups.setdefault(id(group), []).append((m._cf_index, name, m))
+            fused_params.update(id(p) for p in m.parameters(recurse=False))
+        elif m.__dict__.get("_cf_embedding") is not None:
+            fused_params.update(id(p) for p in m.parameters(recurse=False))
+            report.ring_embeddings.append(_embedding_info(name, m, world, config))
+    keeps_last = world > 1 and (config.schedule == "slicing" or config.prefetch_next)
+    for i, members in enumerate(groups.values()):
+        members.sort(key=lambda t: t[0])
+        report.fused_groups.append(_group_info(members, world, config, keeps_last and i == len(groups) - 1))
+    for name, m in named:
+        if isinstance(m, FSDPModule):
+            report.fsdp_units.append(_unit_info(name, m, model, fused_params, world, config))
+    params = list(model.parameters())
+    report.total_param_bytes = sum(_bytes(p) for p in params)
+    report.fused_param_bytes = sum(_bytes(p) for p in params if id(p) in fused_params)
+    return report
+
+
+def warn_if_little_fused(model: nn.Module, config: CommFuseConfig) -> None:
+    """On rank 0 of the group: a WARNING when fewer than half of the parameter bytes were fused, with the figures
+    and the ``min_fuse_numel`` that would fuse the linears it left out for being small."""
+    engine = model._commfuse_engine
+    if engine.ring.rank != 0:
+        return
+    report = describe(model)
+    if report.total_param_bytes == 0 or report.fused_fraction >= FUSED_FRACTION_WARNING:
+        return
+    small = _small_linears(model, engine.ring.size, config)
+    hints = []
+    if small:
+        hints.append(f"{len(small)} linears were left out for weight shards below min_fuse_numel="
+                     f"{config.min_fuse_numel} elements (largest {max(small)}, smallest {min(small)}); "
+                     f"CommFuseConfig(min_fuse_numel={min(small)}) would fuse them all")
+    if report.excluded:
+        hints.append(f"{len(report.excluded)} modules are excluded (CommFuseConfig.exclude / exclude_data_dependent; "
+                     f"the INFO log of commfuse_dp says why)")
+    hint = "; ".join(hints) or "no linear was left out for its size or excluded (the INFO log of commfuse_dp says why)"
+    logger.warning("commfuse_dp.shard: only %s of %s parameter bytes (%.0f%%) are in fused linears and ring "
+                   "embeddings (%d fused groups, %d ring embeddings); the rest goes through FSDP2 with the "
+                   "bucketed rings, so CommFuse hides little communication. %s. commfuse_dp.describe(model) "
+                   "lists every part", _size(report.fused_param_bytes), _size(report.total_param_bytes),
+                   100 * report.fused_fraction, len(report.fused_groups), len(report.ring_embeddings), hint)
+
+
+# ---- the parts -------------------------------------------------------------------------------------------
+
+def _group_info(members: list[tuple[int, str, nn.Module]], world: int, config: CommFuseConfig,
+                keeps: bool) -> FusedGroupInfo:
+    numel, shapes, trainable = 0, [], False
+    for _, _, m in members:
+        shape = tuple(m.weight.shape)
+        out_f, in_f = (shape[1], shape[0]) if m._cf_transposed else shape
+        chunk = -(-out_f // world)
+        numel += chunk * in_f + (chunk if m.bias is not None else 0)
+        shapes.append(shape)
+        trainable |= any(p.requires_grad for p in m.parameters(recurse=False))
+    weight = members[0][2].weight
+    gather = (world - 1) * numel * _compute(config, weight.dtype).itemsize
+    reduce = (world - 1) * numel * _reduce(config, weight.dtype).itemsize if trainable else 0
+    notes = []
+    if keeps:
+        notes.append("last fused group of the forward (by module order): keeps its weight for its backward")
+    if not trainable:
+        notes.append("frozen: no gradient")
+    return FusedGroupInfo([n for _, n, _ in members], shapes, numel, gather, 0 if keeps else gather, reduce,
+                          "; ".join(notes))
+
+
+def _embedding_info(name: str, m: nn.Module, world: int, config: CommFuseConfig) -> EmbeddingInfo:
+    rows, hidden = m.weight.shape
+    shard = -(-rows // world) * hidden
+    gather = (world - 1) * shard * _compute(config, m.weight.dtype).itemsize
+    reduce = (world - 1) * shard * _reduce(config, m.weight.dtype).itemsize if m.weight.requires_grad else 0
+    return EmbeddingInfo(name, (rows, hidden), shard, gather, 0, reduce)
+
+
+def _unit_info(name: str, unit: nn.Module, model: nn.Module, fused: set[int], world: int,
+               config: CommFuseConfig) -> UnitInfo:
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    own = [p for p in unit.parameters() if id(p) not in fused and id(p) not in nested]
+    gather = reduce = 0
+    for p in own:
+        padded = (world - 1) * _padded_shard(p, world)
+        gather += padded * _compute(config, p.dtype).itemsize
+        reduce += padded * _reduce(config, p.dtype).itemsize if p.requires_grad else 0
+    root = unit is model
+    return UnitInfo(name, len(own), sum(p.numel() for p in own), gather, 0 if root else gather, reduce,
+                    "root: stays gathered from forward to backward" if root else "")
+
+
+def _padded_shard(p: torch.Tensor, world: int) -> int:
+    if p.dim() == 0:
+        return 1
+    rest = p.numel() // p.shape[0] if p.shape[0] else 0
+    return -(-p.shape[0] // world) * rest
+
+
+def _small_linears(model: nn.Module, world: int, config: CommFuseConfig) -> list[int]:
+    """Weight shard sizes of the plain linears that were not fused only for being below ``min_fuse_numel``."""
+    from .shard import _conv1d_class  # not at import time: shard imports this module
+
+    kinds = tuple(k for k in (nn.Linear, _conv1d_class()) if k is not None)
+    excluded = getattr(model, "_commfuse_excluded", {})
+    owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    sizes = []
+    for name, m in model.named_modules():
+        if type(m) not in kinds or "_cf_group" in m.__dict__ or _under(name, excluded):
+            continue
+        if owners[id(m.weight)] == 1 and (m.bias is None or owners[id(m.bias)] == 1):
+            shard = m.weight.numel() // world
+            if shard < config.min_fuse_numel:
+                sizes.append(shard)
+    return sizes
+
+
+def _under(name: str, excluded: dict[str, str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:end]) in excluded for end in range(len(parts), 0, -1))
+
+
+def _compute(config: CommFuseConfig, dtype: torch.dtype) -> torch.dtype:
+    return config.param_dtype or dtype
+
+
+def _reduce(config: CommFuseConfig, dtype: torch.dtype) -> torch.dtype:
+    return config.reduce_dtype or _compute(config, dtype)
+
+
+def _bytes(p: torch.Tensor) -> int:
+    return p.numel() * p.dtype.itemsize
+
+
+# ---- text ----------------------------------------------------------------------------------------------
+
+def _moves(info) -> tuple[str, str, str]:
+    return _size(info.forward_gather_bytes), _size(info.backward_gather_bytes), _size(info.reduce_scatter_bytes)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _group_name(names: list[str]) -> str:
+    """``a.b.{q_proj,k_proj,v_proj}`` for siblings, else the names joined."""
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(names) > 1 and len(parents) == 1:
+        parent = parents.pop()
+        leaves = ",".join(n.rpartition(".")[2] for n in names)
+        return f"{parent}.{{{leaves}}}" if parent else f"{{{leaves}}}"
+    return ", ".join(names)
+
+
+def _table(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    if not rows:
+        return [f"{title}: none"]
+    widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
+    fmt = lambda r: "  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [f"{title}:", fmt(head), *(fmt(r) for r in rows)]

@@ -1,0 +1,104 @@
+"""commfuse_dp.describe(model) and shard()'s warning when little is fused: figures checked by hand on the tiny Llama
+of hf_models (hidden 32, kv heads 2 (k/v 16 rows), intermediate 56, vocab 96, 2 layers, untied lm_head)."""
+
+import json
+
+import pytest
+import torch.nn as nn
+
+import commfuse_dp as cf
+import hf_models
+from harness import run_ranks
+
+
+def _describe_worker(rank, world_size):
+    # Default min_fuse_numel=65536: nothing of this model is big enough; logging left at its defaults (the warning
+    # must reach stderr through logging's last-resort handler).
+    quiet = cf.shard(hf_models.build("llama"))
+    assert cf.describe(quiet).fused_groups == []
+    report = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0)))
+    excluding = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0,
+                                                                                  exclude=("lm_head",))))
+    return report.as_dict(), str(report), excluding.as_dict()
+
+
+def _chunk(rows, world):
+    return -(-rows // world)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_describe_and_little_fused_warning(world_size):
+    results = run_ranks(_describe_worker, world_size, timeout=300, check=False)
+    assert all(r.ok for r in results), "\n".join(r.describe() for r in results if not r.ok)
+    # the warning: once, on rank 0 only
+    warning = "commfuse_dp.shard: only 0 B of 90.6 KiB parameter bytes (0%) are in fused linears and ring embeddings"
+    assert results[0].log.count(warning) == 1, results[0].log
+    assert all(warning not in r.log for r in results[1:])
+    line = next(line for line in results[0].log.splitlines() if warning in line)
+    # 2 layers x (q, k, v, o, gate, up, down) + lm_head; the smallest weight shard is k's / v's: 16 x 32 / N
+    smallest, largest = 16 * 32 // world_size, 96 * 32 // world_size
+    assert (f"15 linears were left out for weight shards below min_fuse_numel=65536 elements (largest {largest}, "
+            f"smallest {smallest}); CommFuseConfig(min_fuse_numel={smallest}) would fuse them all") in line
+    assert results[0].log.count("commfuse_dp.shard: only") == 1, "min_fuse_numel=0 fuses ~99%: no second warning"
+
+    report, text, excluding = results[0].value
+    assert all(r.value[0] == report for r in results), "every rank describes the same model"
+    json.dumps(report)
+    n, f32 = world_size, 4
+    assert report["world"] == n and report["schedule"] == "fused"
+
+    def moved(elems, keeps=False):
+        one = (n - 1) * elems * f32
+        return one, (0 if keeps else one), one
+
+    groups = {tuple(g["modules"]): g for g in report["fused_groups"]}
+    expected = {}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        expected[(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")] = (
+            [(32, 32), (16, 32), (16, 32)], (_chunk(32, n) + 2 * _chunk(16, n)) * 32)
+        expected[(p + "self_attn.o_proj",)] = ([(32, 32)], _chunk(32, n) * 32)
+        expected[(p + "mlp.gate_proj", p + "mlp.up_proj")] = ([(56, 32), (56, 32)], 2 * _chunk(56, n) * 32)
+        expected[(p + "mlp.down_proj",)] = ([(32, 56)], _chunk(32, n) * 56)
+    expected[("lm_head",)] = ([(96, 32)], _chunk(96, n) * 32)
+    assert set(groups) == set(expected)
+    for names, (shapes, elems) in expected.items():
+        g = groups[names]
+        assert [tuple(s) for s in g["weight_shapes"]] == shapes and g["shard_numel"] == elems, names
+        keeps = names == ("lm_head",)  # the last fused group of the forward keeps its weight for its backward
+        assert (g["forward_gather_bytes"], g["backward_gather_bytes"], g["reduce_scatter_bytes"]) == \
+            moved(elems, keeps), names
+        assert ("keeps its weight" in g["note"]) == keeps
+    (emb,) = report["ring_embeddings"]
+    assert emb["module"] == "model.embed_tokens" and emb["shard_numel"] == _chunk(96, n) * 32
+    assert (emb["forward_gather_bytes"], emb["backward_gather_bytes"], emb["reduce_scatter_bytes"]) == \
+        (moved(_chunk(96, n) * 32)[0], 0, moved(_chunk(96, n) * 32)[0])
+    assert "upper bound" in emb["note"]
+    # FSDP2: the root holds the final norm (32), each layer its two norms (2 x 32); rows padded to N
+    units = {u["module"]: u for u in report["fsdp_units"]}
+    assert set(units) == {"", "model.layers.0", "model.layers.1"}
+    assert (units[""]["params"], units[""]["numel"]) == (1, 32)
+    root = (n - 1) * _chunk(32, n) * f32
+    assert (units[""]["forward_gather_bytes"], units[""]["backward_gather_bytes"],
+            units[""]["reduce_scatter_bytes"]) == (root, 0, root)
+    assert units["model.layers.0"]["numel"] == 64 and units["model.layers.0"]["backward_gather_bytes"] == 2 * root
+    linears = sum(sum(moved(e, names == ("lm_head",))) for names, (_, e) in expected.items())
+    assert report["bytes_per_step"] == {"fused_linears": linears, "ring_embeddings": 2 * moved(_chunk(96, n) * 32)[0],
+                                        "fsdp_units": 2 * root + 2 * 3 * 2 * root,
+                                        "total": report["bytes_per_step"]["total"]}
+    assert report["bytes_per_step"]["total"] == sum(v for k, v in report["bytes_per_step"].items() if k != "total")
+    assert report["total_param_bytes"] == 23200 * f32
+    assert report["fused_param_bytes"] == (23200 - 5 * 32) * f32  # all but the five norm weights
+    assert report["excluded"] == {}
+    assert "model.layers.0.self_attn.{q_proj,k_proj,v_proj}  32x32 16x32 16x32" in text
+    assert "FSDP2 units (3):" in text and "(root)" in text and "excluded from the fused path (0): none" in text
+
+    assert excluding["excluded"] == {"lm_head": "exclude pattern 'lm_head'"}
+    assert ["lm_head"] not in [g["modules"] for g in excluding["fused_groups"]]
+    root = next(u for u in excluding["fsdp_units"] if u["module"] == "")
+    assert (root["params"], root["numel"]) == (2, 32 + 96 * 32)
+
+
+def test_describe_needs_a_sharded_model():
+    with pytest.raises(ValueError, match="not sharded with commfuse_dp.shard"):
+        cf.describe(nn.Linear(2, 2))
