@@ -85,15 +85,18 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
 
     data_dependent = lockstep.data_dependent_modules(model)
     excluded = lockstep.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
-    fused = _fusable_linears(model, config, engine.ring.size, excluded)
+    tied = _tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
+    fused = _fusable_linears(model, config, engine.ring.size, excluded, tied)
     fused_params: set[nn.Parameter] = set()
     for _, module, transposed in fused:
         fused_params.update(convert_linear(module, engine, transposed))
     for members in _shared_input_groups(fused):
         attach_group(steps, members, [names[id(m)] for m in members])
     if config.ring_embeddings:
-        for module in _ring_embeddings(model, config, engine.ring.size, excluded):
-            fused_params.add(convert_embedding(module, steps, names[id(module)]))
+        for module in _ring_embeddings(model, config, engine.ring.size, excluded, tied):
+            pair = tied.get(id(module.weight))  # the lm_head that shares this table was sharded above: use its shards
+            fused_params.add(convert_embedding(module, steps, names[id(module)],
+                                               table=pair[1].weight if pair is not None else None))
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
@@ -137,8 +140,8 @@ def _conv1d_class() -> type | None:
     return Conv1D
 
 
-def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int,
-                     excluded: lockstep.Exclusions) -> list[tuple[str, nn.Module, bool]]:
+def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, excluded: lockstep.Exclusions,
+                     tied_tables: dict[int, tuple[nn.Embedding, nn.Linear]]) -> list[tuple[str, nn.Module, bool]]:
     conv1d = _conv1d_class()
     owners = _param_owners(model)
     fused, small, tied, other = [], 0, 0, Counter()
@@ -147,8 +150,10 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int,
             continue  # logged by lockstep.exclusions
         kind = type(module)
         if kind is nn.Linear or (conv1d is not None and kind is conv1d):
-            if owners[id(module.weight)] > 1 or (module.bias is not None and owners[id(module.bias)] > 1):
-                tied += 1  # shared with another module (tied embeddings): FSDP2 keeps both uses in one unit
+            if id(module.weight) in tied_tables:
+                fused.append((name, module, False))  # the lm_head of a tied table (_tied_tables)
+            elif owners[id(module.weight)] > 1 or (module.bias is not None and owners[id(module.bias)] > 1):
+                tied += 1  # shared with another module: FSDP2 keeps both uses in one unit
             elif module.weight.numel() // world < config.min_fuse_numel:
                 small += 1
             else:
@@ -159,8 +164,8 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int,
         logger.info("commfuse_dp: %d linears have weight shards below min_fuse_numel=%d elements and go through "
                     "the bucketed rings instead", small, config.min_fuse_numel)
     if tied:
-        logger.info("commfuse_dp: %d linears share their weight with another module (tied embeddings) and go "
-                    "through the bucketed rings", tied)
+        logger.info("commfuse_dp: %d linears share their weight with another module in a way that is not fused "
+                    "(see _tied_tables) and go through the bucketed rings", tied)
     for kind_name, count in other.items():
         logger.info("commfuse_dp: %d modules of type %s are not fused (only nn.Linear and Conv1D themselves are; "
                     "a subclass may use its weight in its own way); they go through the bucketed rings",
@@ -173,12 +178,47 @@ def _param_owners(model: nn.Module) -> Counter[int]:
     return Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
 
 
-def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int,
-                     excluded: lockstep.Exclusions) -> list[nn.Embedding]:
+def _tied_tables(model: nn.Module, config: CommFuseConfig, world: int,
+                 excluded: lockstep.Exclusions) -> dict[int, tuple[nn.Embedding, nn.Linear]]:
+    """Tied input and output embeddings that are fused together: an ``nn.Embedding`` whose table is the weight of
+    one ``nn.Linear`` (the lm_head of GPT-2, Llama-3.2, Qwen2.5, Gemma) and of nothing else, both eligible on
+    their own. The table is sharded by vocabulary rows once; the fused lm_head and the ring embedding use the
+    same shards, and both gradients sum into its one ``.grad``. Keyed by ``id`` of the shared weight."""
+    if not config.ring_embeddings:
+        return {}
+    holders: dict[int, list[tuple[str, nn.Module]]] = defaultdict(list)
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if p is getattr(module, "weight", None):
+                holders[id(p)].append((name, module))
+    tied = {}
+    for key, users in holders.items():
+        if len(users) != 2:
+            continue
+        (e_name, embedding), (l_name, linear) = sorted(users, key=lambda u: type(u[1]) is not nn.Embedding)
+        if type(embedding) is not nn.Embedding or type(linear) is not nn.Linear:
+            continue
+        rows, cols = embedding.weight.shape
+        why = (embedding_eligible(embedding) or excluded.why(e_name) or excluded.why(l_name)
+               or ("its shard is below min_fuse_numel" if -(-rows // world) * cols < config.min_fuse_numel else None))
+        if why is None:
+            tied[key] = (embedding, linear)
+            logger.info("commfuse_dp: %s and %s share one table: sharded once by vocabulary rows, fused in both",
+                        e_name, l_name)
+        else:
+            logger.info("commfuse_dp: the table %s shares with %s stays in FSDP2: %s", e_name, l_name, why)
+    return tied
+
+
+def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int, excluded: lockstep.Exclusions,
+                     tied: dict[int, tuple[nn.Embedding, nn.Linear]]) -> list[nn.Embedding]:
     owners = _param_owners(model)
     chosen = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Embedding) or excluded.why(name):
+            continue
+        if id(module.weight) in tied:
+            chosen.append(module)
             continue
         why = embedding_eligible(module)
         if why is None and owners[id(module.weight)] > 1:

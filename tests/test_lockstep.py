@@ -379,3 +379,28 @@ def _wav2vec2_worker(rank, world_size):
 
 def test_wav2vec2_layerdrop_layers_unfused_and_run_on_every_rank():
     run_ranks(_wav2vec2_worker, 2, timeout=300)
+
+
+def _experts_fused_anyway_worker(rank, world_size):
+    import time
+
+    model = MoECausalLM()
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, exclude_data_dependent=False, timeout_s=4.0))
+    assert type(model.layers[0].moe.experts[0].up).__name__ == "RingLinear"
+    start = time.monotonic()
+    try:
+        model(**moe_batch(rank, 0, world_size)).loss.backward()
+    except cf.RingCommError as err:
+        return time.monotonic() - start, str(err)
+    raise AssertionError("ranks ran different experts and no error was raised")
+
+
+def test_experts_fused_anyway_fail_loudly_on_every_rank():
+    # With the exclusion off, rank 1 skips the expert it routes no token to while rank 0 runs it: before ring ops
+    # carried their identity this paired different layers' bytes (wrong numbers, then a gloo abort).
+    results = run_ranks(_experts_fused_anyway_worker, 2, timeout=60)
+    for rank, (elapsed, message) in enumerate(results):
+        assert elapsed < 6.0, (elapsed, message)
+        assert f"This rank is rank {rank}, in layers." in message, message
+        assert f"rank {1 - rank} was in " in message, message  # a fused layer, or the next FSDP2 unit's gather
+    assert "moe.experts." in results[0][1], results[0][1]  # rank 0 ran an expert rank 1 had no token for

@@ -276,12 +276,19 @@ def embedding_eligible(module: nn.Module) -> str | None:
     return None
 
 
-def convert_embedding(module: nn.Embedding, steps: StepState, name: str) -> nn.Parameter:
-    """Shard ``module``'s table by rows onto the engine's mesh and swap its class; returns the new parameter."""
+def convert_embedding(module: nn.Embedding, steps: StepState, name: str,
+                      table: nn.Parameter | None = None) -> nn.Parameter:
+    """Shard ``module``'s table by rows onto the engine's mesh and swap its class; returns the new parameter.
+    ``table``: the row-sharded ``Shard(0)`` DTensor parameter of a fused lm_head tied to this table (same rows
+    per rank, as ``torch.chunk`` splits both), used as it is instead of sharding the table a second time."""
     from .modules import shard_parameter
 
     num_embeddings = module.weight.shape[0]
-    param = shard_parameter(module, "weight", 0, steps.engine)
+    if table is not None:
+        assert tuple(table.shape) == tuple(module.weight.shape), "a tied table has one shape"
+        module.weight = param = table
+    else:
+        param = shard_parameter(module, "weight", 0, steps.engine)
     module._cf_embedding = EmbeddingState(steps, module, num_embeddings, name)
     module.__class__ = RingEmbedding
     return param
