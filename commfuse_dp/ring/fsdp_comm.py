@@ -24,9 +24,11 @@ from .collectives import ring_all_gather, ring_reduce_scatter
 
 
 class _RingComm:
-    def __init__(self, config: CommFuseConfig | None = None, recorder: StatsRecorder | None = None) -> None:
+    def __init__(self, config: CommFuseConfig | None = None, recorder: StatsRecorder | None = None,
+                 label: str | None = None) -> None:
         self.config = config if config is not None else CommFuseConfig()
         self.recorder = recorder if recorder is not None and recorder.enabled else None
+        self.label = label  # the unit, named in ring errors
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -38,7 +40,7 @@ class RingAllGather(_RingComm, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         began = time.perf_counter()
-        work = ring_all_gather(output_tensor, input_tensor, group, async_op=async_op,
+        work = ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
                                bucket_mb=self.config.bucket_mb, timeout_s=self.config.timeout_s)
         if self.recorder is not None and work is None:
             self.recorder.blocking(began, time.perf_counter())
@@ -52,7 +54,7 @@ class RingReduceScatter(_RingComm, ReduceScatter):
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
         # Complete on return: FSDP2 ignores the return value of its reduce-scatter.
         began = time.perf_counter()
-        ring_reduce_scatter(output_tensor, input_tensor, group, op,
+        ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label,
                             bucket_mb=self.config.bucket_mb, timeout_s=self.config.timeout_s)
         if self.recorder is not None:
             self.recorder.blocking(began, time.perf_counter())
@@ -78,9 +80,9 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
                 f"{len(param_groups)} parameter groups (per-parameter meshes from shard_placement_fn); FSDP2 can "
                 f"install a custom collective only on a module with one group. Shard that module's parameters on "
                 f"one mesh, or leave it out of fully_shard's shard_placement_fn.")
-    all_gather, reduce_scatter = RingAllGather(config, recorder), RingReduceScatter(config, recorder)
-    for _, module in sharded:
+    for name, module in sharded:
         if module._get_fsdp_state()._fsdp_param_groups:
-            module.set_custom_all_gather(all_gather)
-            module.set_custom_reduce_scatter(reduce_scatter)
+            unit = f"FSDP2 unit {name or '(root)'}"
+            module.set_custom_all_gather(RingAllGather(config, recorder, f"{unit} (all-gather)"))
+            module.set_custom_reduce_scatter(RingReduceScatter(config, recorder, f"{unit} (reduce-scatter)"))
     return model
