@@ -43,7 +43,7 @@ CPU_NOTES = {
     "concurrent": "compute alone and communication alone at once, independent: the CPU-shared limit",
 }
 SHAPING_NOTE = ("tbf token buckets (1 MB) refill while a link is idle, so schedules with compute gaps get some "
-                "bytes above the rate that back-to-back communication alone does not (DESIGN.md §6 shaping)")
+                "bytes above the rate that back-to-back communication alone does not (tbf shaping)")
 
 
 def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *, memory=False,

@@ -1,4 +1,4 @@
-"""The emulated cluster (DESIGN.md §6): N ranks in their own network namespaces, joined by a bridge, each link
+"""The emulated cluster: N ranks in their own network namespaces, joined by a bridge, each link
 shaped with ``tc tbf rate R``.
 
     with EmulatedCluster(world_size=2, rate_mbit=500) as cluster:
@@ -8,7 +8,7 @@ shaped with ``tc tbf rate R``.
 - Rank r lives in namespace ``cf<id>r<r>`` with address 198.18.0.<r+1>/24 (198.18.0.0/15 is reserved for
   benchmarking) on a veth whose other end sits on the bridge ``cf<id>br``. Nothing else is addressed.
 - MTU 65000 on every veth and on the bridge, and a ``tbf`` burst of about 1 MB: with 1500-byte packets the kernel's
-  per-packet work stole the cores from compute (DESIGN.md §6).
+  per-packet work stole the cores from compute.
 - Each rank's egress is shaped to R (both directions of its link: the ring sends to ``next`` and receives from
   ``prev`` at once). ``GLOO_SOCKET_IFNAME=eth0`` makes gloo use the shaped link.
 - Needs root (``ip netns``, ``tc``). Everything is torn down on exit, on an exception, and on SIGINT/SIGTERM.

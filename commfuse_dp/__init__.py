@@ -1,6 +1,6 @@
 """commfuse_dp: sharded data parallelism whose collectives run as peer-to-peer rings fused with compute.
 
-Public names (DESIGN.md §4): ``CommFuseConfig``; the ring layer in ``commfuse_dp.ring``; the integrations in
+Public names: ``CommFuseConfig``; the ring layer in ``commfuse_dp.ring``; the integrations in
 ``commfuse_dp.integrations`` (``fsdp.use_ring_collectives`` today); ``shard(model, config)`` and
 ``step_stats(model)`` for the fused engine; ``describe(model)`` for what ``shard()`` fused and what each part moves.
 """

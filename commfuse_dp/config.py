@@ -66,7 +66,7 @@ class CommFuseConfig:
     ``"split"`` by sqrt(N) on each side (safest against fp16 overflow/underflow)."""
 
     prefetch_next: bool = True
-    """Start the next layer's first ring step during this layer's last compute piece (DESIGN.md §2, "Across
+    """Start the next layer's first ring step during this layer's last compute piece (docs/design.md §7, "Across
     layers"), in forward and backward, using the layer order of the previous step. Off: each layer's ring starts
     with the layer, leaving a small bubble at every layer boundary."""
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from . import lockstep
 from .checks import check_ranks_agree
@@ -92,6 +92,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fused_params.update(convert_linear(module, engine, transposed))
     for members in _shared_input_groups(fused):
         attach_group(steps, members, [names[id(m)] for m in members])
+    for _, lm_head in tied.values():
+        lm_head._cf_group.state.tied = True
     if config.ring_embeddings:
         for module in _ring_embeddings(model, config, engine.ring.size, excluded, tied):
             pair = tied.get(id(module.weight))  # the lm_head that shares this table was sharded above: use its shards
@@ -110,6 +112,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         use_ring_collectives(model, config, recorder=engine.stats)
+    if isinstance(model, FSDPModule) and callable(getattr(model, "generate", None)):
+        # generate() may call submodules directly (T5's encoder): the root's parameters must be gathered for it
+        register_fsdp_forward_method(model, "generate")
     lockstep.reduce_unused_params(model, data_dependent)
     lockstep.mark_fsdp_managed(model)
     _install(model, steps)
@@ -181,8 +186,8 @@ def _param_owners(model: nn.Module) -> Counter[int]:
 def _tied_tables(model: nn.Module, config: CommFuseConfig, world: int,
                  excluded: lockstep.Exclusions) -> dict[int, tuple[nn.Embedding, nn.Linear]]:
     """Tied input and output embeddings that are fused together: an ``nn.Embedding`` whose table is the weight of
-    one ``nn.Linear`` (the lm_head of GPT-2, Llama-3.2, Qwen2.5, Gemma) and of nothing else, both eligible on
-    their own. The table is sharded by vocabulary rows once; the fused lm_head and the ring embedding use the
+    one ``nn.Linear`` (the lm_head of GPT-2, Llama-3.2, Qwen2.5, Gemma) and of nothing else, whose bias (if any)
+    is its own, both eligible on their own. The table is sharded by vocabulary rows once; the fused lm_head and the ring embedding use the
     same shards, and both gradients sum into its one ``.grad``. Keyed by ``id`` of the shared weight."""
     if not config.ring_embeddings:
         return {}
@@ -191,13 +196,16 @@ def _tied_tables(model: nn.Module, config: CommFuseConfig, world: int,
         for p in module.parameters(recurse=False):
             if p is getattr(module, "weight", None):
                 holders[id(p)].append((name, module))
+    owners = _param_owners(model)
     tied = {}
     for key, users in holders.items():
-        if len(users) != 2:
+        if len(users) != 2 or owners[key] != 2:  # held by these two modules, as their weight, and nothing else
             continue
         (e_name, embedding), (l_name, linear) = sorted(users, key=lambda u: type(u[1]) is not nn.Embedding)
         if type(embedding) is not nn.Embedding or type(linear) is not nn.Linear:
             continue
+        if linear.bias is not None and owners[id(linear.bias)] > 1:
+            continue  # a bias shared too (BERT's decoder bias is its parent's): the pair stays with FSDP2
         rows, cols = embedding.weight.shape
         why = (embedding_eligible(embedding) or excluded.why(e_name) or excluded.why(l_name)
                or ("its shard is below min_fuse_numel" if -(-rows // world) * cols < config.min_fuse_numel else None))

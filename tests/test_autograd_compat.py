@@ -163,3 +163,24 @@ def _inplace_worker(rank, world_size):
 
 def test_output_can_be_written_in_place():
     run_ranks(_inplace_worker, 2)
+
+
+def _tied_hook_worker(rank, world_size, schedule):
+    model = hf_models.build("gpt2")  # wte and lm_head share one table, fused in both
+    cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0))
+    table = model.lm_head.weight
+    assert table is model.transformer.wte.weight and type(model.lm_head).__name__ == "RingLinear"
+    calls = []
+    table.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.full_tensor().clone()))
+    for step in range(2):  # step 2: deferral would be on
+        calls.clear()
+        model(**hf_models.batch(rank, step)).loss.backward()
+        assert len(calls) == 1, f"the tied table's hook ran {len(calls)} times in one backward"
+        torch.testing.assert_close(calls[0], table.grad.full_tensor())  # it saw both gradients, summed
+        model.zero_grad(set_to_none=True)
+    return True
+
+
+@pytest.mark.parametrize("schedule", ["fused", "slicing"])
+def test_tied_table_hook_runs_once(schedule):
+    run_ranks(_tied_hook_worker, 2, (schedule,))

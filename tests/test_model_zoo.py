@@ -32,8 +32,8 @@ costs seconds); a parity failure is collected per family and schedule so that on
 ``pytest -s`` prints per case the Ring modules, the share of the tolerance used, the time and the MoE routing.
 
 generate(): greedy ``generate(synced_gpus=True)`` at 2 ranks, a different prompt on each rank and an eos that
-makes one rank stop early, equals one process decoding each prompt: tied Qwen2 passes; T5 is an xfail, as
-shard() leaves ``model.generate`` to call the encoder outside the root FSDP2 unit's all-gather (see T5_GENERATE).
+makes one rank stop early, equals one process decoding each prompt: tied Qwen2, and T5, whose generate() calls
+its encoder directly (shard() registers ``generate`` as an FSDP2 forward method of the root for that).
 """
 
 import time
@@ -400,15 +400,7 @@ def _generate_worker(rank, world_size, name):
     return seen
 
 
-T5_GENERATE = ("shard() leaves T5's shared embedding in the root FSDP2 unit and does not register generate() as "
-               "an FSDP2 forward method; generate() calls model.get_encoder() directly, past the root's all-gather, "
-               "and the embedding raises 'aten.embedding.default got mixed torch.Tensor and DTensor' (stock FSDP2 "
-               "alike; transformers' Trainer calls register_fsdp_forward_method(model, 'generate') for FSDP, and "
-               "with that call after shard() greedy decoding matches one process)")
-
-
-@pytest.mark.parametrize("name", ["qwen2-tied", pytest.param("t5-tied", marks=pytest.mark.xfail(strict=True,
-                                                                                                 reason=T5_GENERATE))])
+@pytest.mark.parametrize("name", ["qwen2-tied", "t5-tied"])  # T5: generate() calls its encoder directly
 def test_generate_greedy_matches_one_process(name):
     """Greedy ``generate(synced_gpus=True)`` of a sharded model at 2 ranks, a different prompt on each rank and an
     eos that one rank produces early (it keeps running forwards until the other is done), equals one process

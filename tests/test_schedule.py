@@ -1,4 +1,4 @@
-"""The order of ring steps and compute pieces (DESIGN.md §2), recorded, not timed."""
+"""The order of ring steps and compute pieces (docs/design.md §3-4, §7), recorded, not timed."""
 
 import torch
 import torch.nn as nn

@@ -1,7 +1,7 @@
 """The ring-fused linear: the all-gather of the weight and the reduce-scatter of its gradient run as ring steps,
 each beside a shard-sized piece of the layer's own GEMM.
 
-[Note: the fused schedule]  (DESIGN.md §2; N ranks, rank r, ``next = r+1``, ``prev = r-1`` mod N)
+[Note: the fused schedule]  (docs/design.md §3-4; N ranks, rank r, ``next = r+1``, ``prev = r-1`` mod N)
 
 Forward, ``y = x Wᵀ + b`` with W row-sharded (rank j owns rows R_j)::
 
@@ -117,9 +117,13 @@ def accumulates(state: FusedGroupState, call: Call) -> bool:
     the slicing schedule's background reduce-scatter), instead of being returned through autograd now. Only under
     ``loss.backward()`` (not ``torch.autograd.grad`` or ``backward(inputs=...)`` without them: nothing is
     accumulated there) and only while no parameter of the group has a tensor hook (``register_hook``: autograd
-    would call it at once, with no gradient). Post-accumulate-grad hooks are run by ``accumulate_grad``."""
-    if any(p._backward_hooks for p in state.params()):
+    would call it at once, with no gradient). Post-accumulate-grad hooks are run by ``accumulate_grad``, except on
+    a tied table, whose other gradient autograd accumulates (the hooks must run once, after both)."""
+    params = state.params()
+    if any(p._backward_hooks for p in params):
         return False
+    if state.tied and any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+        return False  # the ring embedding's gradient reaches the table through autograd: hooks once, after both
     try:
         return all(n is None or torch._C._will_engine_execute_node(n) for n in call.grad_nodes)
     except RuntimeError:  # autograd refuses the question for leaves under torch.autograd.grad: nothing accumulates

@@ -34,6 +34,7 @@ class FusedGroupState:
         self.engine, self.steps, self.layout, self.modules = steps.engine, steps, layout, modules
         self.name = name
         self.op = steps.register(name)
+        self.tied = False  # its weight is a table shared with a ring embedding: gradients arrive from both
         steps.states.append(self)
         self._index: list[tuple[int, ...]] = []
         i = 0
