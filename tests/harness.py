@@ -146,6 +146,19 @@ def _rank_main(rank: int, world_size: int, port: int, worker: Callable[..., Any]
     sys.stderr.flush()
 
 
+def log_messages(name: str = "commfuse_dp", level: int = 20) -> list[str]:
+    """Collect the messages of logger ``name`` at ``level`` (INFO) and above from now on, in a list."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return messages
+
+
 def _write(path: str, payload: tuple) -> None:
     tmp_path = path + ".tmp"
     with open(tmp_path, "wb") as f:

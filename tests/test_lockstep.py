@@ -1,7 +1,6 @@
 """Lockstep by construction: MoE experts and LayerDrop layers stay out of the fused path and out of FSDP2 units of
 their own, and training them matches one process, though the ranks call different modules."""
 
-import logging
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +13,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 import commfuse_dp as cf
 from commfuse_dp import lockstep
-from harness import run_ranks
+from harness import log_messages, run_ranks
 
 VOCAB, HIDDEN, FFN, EXPERTS, SEQ, STEPS = 64, 16, 24, 4, 8, 4
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -308,12 +307,7 @@ def test_exclusions_cover_what_is_inside_an_excluded_module():
 def _exclusion_worker(rank, world_size):
     import hf_models
 
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("commfuse_dp")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    messages = log_messages()
 
     llama = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0, exclude=("*.mlp.*", "lm_head")))
     for layer in llama.model.layers:

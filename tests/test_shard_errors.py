@@ -1,6 +1,5 @@
 """shard() refuses what it cannot serve with a clear error, and says once what it does not fuse."""
 
-import logging
 
 import torch
 import torch.distributed as dist
@@ -8,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import commfuse_dp as cf
-from harness import run_ranks
+from harness import log_messages, run_ranks
 
 
 def test_needs_an_initialised_process_group():
@@ -76,12 +75,7 @@ class _Attention(nn.Module):
 
 
 def _unfusable_worker(rank, world_size):
-    messages = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("commfuse_dp")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    messages = log_messages()
     torch.manual_seed(0)
     model, ref = _Attention(), _Attention()
     ref.load_state_dict(model.state_dict())
