@@ -1,0 +1,108 @@
+"""One rank of a real ``transformers.Trainer`` run, launched by tests/test_trainer_callback.py through torchrun.
+
+    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_JSON {commfuse|ddp}
+
+Same seeds and data in both modes; rank 0 writes the per-step losses, eval_loss and what the model looked like.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# This checkout's commfuse_dp, not the one an editable install points at: `python tests/trainer_worker.py` puts
+# tests/ on sys.path, not the repository root.
+sys.path[:0] = [HERE, ROOT]
+
+import hf_models  # noqa: E402
+
+
+def _this_checkouts_integrations() -> None:
+    """``commfuse_dp.integrations`` lives in ROOT/integrations (pyproject's package-dir mapping); an editable
+    install's finder maps it to the installed checkout. Load this checkout's before anything imports it."""
+    import importlib.util
+
+    init = os.path.join(ROOT, "integrations", "__init__.py")
+    if not os.path.exists(init):
+        return
+    if "commfuse_dp.integrations" in sys.modules:  # imported already (another test): search this checkout first
+        path = sys.modules["commfuse_dp.integrations"].__path__
+        if os.path.dirname(init) not in path:
+            path.insert(0, os.path.dirname(init))
+        return
+    spec = importlib.util.spec_from_file_location("commfuse_dp.integrations", init,
+                                                  submodule_search_locations=[os.path.dirname(init)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+class Synthetic(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def main(out: str, mode: str) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from commfuse_dp import CommFuseConfig
+
+    _this_checkouts_integrations()
+    from commfuse_dp.integrations.transformers import CommFuseCallback
+
+    torch.set_num_threads(1)
+    model = hf_models.build("llama", seed=0)
+    args = TrainingArguments(
+        output_dir=os.path.join(os.path.dirname(out), f"run-{mode}"), use_cpu=True, report_to=[],
+        per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
+        max_grad_norm=1.0, optim="adamw_torch", learning_rate=1e-2, max_steps=6, logging_steps=1,
+        save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        lr_scheduler_type="constant")
+    callbacks = [CommFuseCallback(CommFuseConfig(min_fuse_numel=0))] if mode == "commfuse" else []
+    # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 48 samples for 6 steps.
+    # Eval: 11 samples over 2 ranks x 2 per device, so the last batch is short.
+    trainer = Trainer(model=model, args=args, train_dataset=Synthetic(48, seed=1),
+                      eval_dataset=Synthetic(11, seed=2), callbacks=callbacks)
+    from torch.distributed.tensor import DTensor
+
+    dtensor_params = [isinstance(p, DTensor) for p in trainer.model.parameters()]
+    # Count how often accelerate's no_sync(model) enters the model's own no_sync (the sharded model's, or DDP's).
+    no_sync_calls = [0]
+    target = trainer.model
+    inner = getattr(target, "no_sync", None)
+    if mode == "commfuse" and inner is not None:
+        def counting_no_sync():
+            no_sync_calls[0] += 1
+            return inner()
+        target.no_sync = counting_no_sync
+    trainer.train()
+    metrics = trainer.evaluate()
+    if int(os.environ["RANK"]) == 0:
+        logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
+        with open(out, "w") as f:
+            json.dump({
+                "world_size": trainer.args.world_size,
+                "parallel_mode": str(trainer.args.parallel_mode),
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "model_type": type(trainer.model_wrapped).__name__,
+                "all_dtensor": all(dtensor_params), "any_dtensor": any(dtensor_params),
+                "optimizer_state_dtensor": all(isinstance(v, DTensor) for s in trainer.optimizer.state.values()
+                                               for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")),
+                "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
+                "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
+                "no_sync_calls": no_sync_calls[0],
+            }, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
