@@ -67,7 +67,9 @@ def main(out: str, mode: str) -> None:
         per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
         max_grad_norm=1.0, optim="adamw_torch", learning_rate=1e-2, max_steps=6, logging_steps=1,
         save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        lr_scheduler_type="constant")
+        lr_scheduler_type="constant",
+        # No padding of the last eval batch: rank 1 evaluates a batch of 1 at the end (11 samples, 2 ranks x 2).
+        accelerator_config={"even_batches": False})
     callbacks = [CommFuseCallback(CommFuseConfig(min_fuse_numel=0))] if mode == "commfuse" else []
     # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 48 samples for 6 steps.
     # Eval: 11 samples over 2 ranks x 2 per device, so the last batch is short.
@@ -86,7 +88,13 @@ def main(out: str, mode: str) -> None:
             return inner()
         target.no_sync = counting_no_sync
     trainer.train()
+    eval_sizes = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: eval_sizes.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
     metrics = trainer.evaluate()
+    hook.remove()
+    all_eval_sizes = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(all_eval_sizes, eval_sizes)
     if int(os.environ["RANK"]) == 0:
         logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
         with open(out, "w") as f:
@@ -100,7 +108,7 @@ def main(out: str, mode: str) -> None:
                                                for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")),
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
                 "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
-                "no_sync_calls": no_sync_calls[0],
+                "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes,
             }, f, indent=1)
 
 
