@@ -29,9 +29,13 @@ How it works (transformers 5.23, accelerate 1.15):
   the last micro-batch; the callback does not need to do anything per step.
 * Gradient clipping goes through ``accelerator.clip_grad_norm_`` -> ``torch.nn.utils.clip_grad_norm_`` on the
   DTensor gradients, which reduces the norm over the mesh.
-* ``on_log`` adds ``commfuse/exposed_comm_s``, ``commfuse/comm_s``, ``commfuse/compute_s``, ``commfuse/wall_s``
-  and ``commfuse/ring_steps`` of this rank's last completed forward+backward (one micro-batch, not the whole
-  accumulation window) to each training log. ``Trainer.log`` appends a *copy* of ``logs`` (plus ``step``) to
+* Step figures: commfuse counts a step per forward (:func:`commfuse_dp.step_stats` gives the last *finished*
+  forward+backward, i.e. one micro-batch, and at ``on_log`` that is the window's first one, run under
+  ``no_sync``). So the callback reads the running micro-batch's figures itself after each one's backward
+  (``on_substep_end`` for all but the last micro-batch of the window, ``on_step_end`` for the last) and sums them
+  over the accumulation window. ``on_log`` adds ``commfuse/exposed_comm_s``, ``commfuse/comm_s``,
+  ``commfuse/compute_s``, ``commfuse/wall_s`` and ``commfuse/ring_steps`` of this rank's last optimizer step
+  (all its micro-batches) to each training log. ``Trainer.log`` appends a *copy* of ``logs`` (plus ``step``) to
   ``state.log_history`` before it calls ``on_log``, and the reporting callbacks (``report_to``) come before the
   ones passed as ``callbacks=``; so the callback writes the figures into ``state.log_history[-1]`` and into
   ``logs`` in place, where callbacks after it see them. To have a reporter record them, move it behind:
@@ -48,7 +52,7 @@ from transformers import TrainerCallback
 import torch.distributed as dist
 
 from commfuse_dp.config import CommFuseConfig
-from commfuse_dp.shard import shard, step_stats
+from commfuse_dp.shard import shard
 
 __all__ = ["CommFuseCallback"]
 
@@ -65,6 +69,8 @@ class CommFuseCallback(TrainerCallback):
     def __init__(self, cfg: CommFuseConfig | None = None) -> None:
         self.cfg = cfg if cfg is not None else CommFuseConfig.from_env()
         self.model = None
+        self._window: dict[str, float] = {}   # the accumulation window running now, summed over micro-batches
+        self._last_window: dict[str, float] | None = None   # the last finished optimizer step
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is None:
@@ -87,14 +93,32 @@ class CommFuseCallback(TrainerCallback):
         self.model = model
         return control
 
+    def _add_micro_batch(self, model) -> None:
+        engine = getattr(model if model is not None else self.model, "_commfuse_engine", None)
+        if engine is None or not engine.stats.enabled:
+            return
+        stats = engine.stats.current().as_dict()   # the micro-batch whose backward just finished
+        for key in _STAT_KEYS:
+            self._window[key] = self._window.get(key, 0) + stats[key]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._window = {}
+        return control
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        self._add_micro_batch(model)
+        return control
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._add_micro_batch(model)
+        if self._window:
+            self._last_window, self._window = self._window, {}
+        return control
+
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-        model = model if model is not None else self.model
-        if logs is None or model is None or not self.cfg.stats or "loss" not in logs:
+        if logs is None or "loss" not in logs or self._last_window is None:
             return control
-        if getattr(model, "_commfuse_engine", None) is None:
-            return control
-        stats = step_stats(model).as_dict()
-        figures = {f"commfuse/{key}": stats[key] for key in _STAT_KEYS}
+        figures = {f"commfuse/{key}": self._last_window[key] for key in _STAT_KEYS}
         logs.update(figures)
         # Trainer.log stored {**logs, "step": global_step} in log_history just before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step \
