@@ -27,8 +27,12 @@ How it works (transformers 5.23, accelerate 1.15):
   ``accelerator.no_sync(model)``, which (not FSDP2, not DeepSpeed, distributed) uses ``getattr(model, "no_sync")``
   -- the sharded model's own ``no_sync()``. So gradients are accumulated locally and reduce-scattered once, on
   the last micro-batch; the callback does not need to do anything per step.
-* Gradient clipping goes through ``accelerator.clip_grad_norm_`` -> ``torch.nn.utils.clip_grad_norm_`` on the
-  DTensor gradients, which reduces the norm over the mesh.
+* Gradient clipping: ``Trainer._clip_grad_norm`` -> ``accelerator.clip_grad_norm_`` ->
+  ``Accelerator._clip_grad_norm_dtensor_aware`` on the DTensor gradients, which reduces the norm over the mesh
+  (the Trainer's own mixed-mesh path is not taken: fused shards and FSDP2 units share one mesh).
+* Evaluation runs the sharded forward on every rank, so every rank must run the same number of eval batches.
+  accelerate's default ``even_batches=True`` guarantees that; with ``even_batches=False`` only a last batch that
+  is shorter (not missing) on some ranks is fine.
 * Step figures: commfuse counts a step per forward (:func:`commfuse_dp.step_stats` gives the last *finished*
   forward+backward, i.e. one micro-batch, and at ``on_log`` that is the window's first one, run under
   ``no_sync``). So the callback reads the running micro-batch's figures itself after each one's backward
