@@ -45,8 +45,9 @@ How it works (transformers 5.23, accelerate 1.15):
   ``logs`` in place, where callbacks after it see them. To have a reporter record them, move it behind:
   ``trainer.pop_callback(TensorBoardCallback); trainer.add_callback(TensorBoardCallback)``.
 
-Refused: a run without an initialised ``torch.distributed``, and ``TrainingArguments`` that ask for FSDP or DeepSpeed
-(both would shard the model a second time). Not covered yet: saving / resuming checkpoints of the sharded model.
+Refused: a run without an initialised ``torch.distributed``, ``TrainingArguments`` that ask for FSDP or DeepSpeed
+(both would shard the model a second time), and any ``save_strategy`` but ``"no"``: saving and resuming checkpoints
+of the sharded model are not covered yet, and a save must not silently keep part of the state.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class CommFuseCallback(TrainerCallback):
         if getattr(args, "deepspeed", None):
             raise ValueError("CommFuseCallback shards the model itself: remove `deepspeed` from the "
                              "TrainingArguments, or drop CommFuseCallback to use DeepSpeed")
+        if getattr(args.save_strategy, "value", args.save_strategy) != "no":
+            raise ValueError("CommFuseCallback: saving checkpoints of a commfuse-sharded model through the Trainer "
+                             "is not supported yet (it could keep only part of the sharded model and optimizer "
+                             "state); set save_strategy='no' in the TrainingArguments, and do not call "
+                             "trainer.save_model()")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CommFuseCallback: torch.distributed is not initialised. Launch the script with "
                                "`torchrun --nproc_per_node N` (or `accelerate launch`); on CPU also pass "

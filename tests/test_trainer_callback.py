@@ -105,20 +105,17 @@ def test_logs_carry_commfuse_figures(runs):
 # ---- refusals (in-process, no launch) ----------------------------------------------------------------------
 
 def _integration():
-    sys.path.insert(0, HERE)
-    import trainer_worker
-
-    trainer_worker._this_checkouts_integrations()
     from commfuse_dp.integrations.transformers import CommFuseCallback
 
     return CommFuseCallback
 
 
 def _args(**kw):
-    return types.SimpleNamespace(**{"fsdp": [], "deepspeed": None, **kw})
+    return types.SimpleNamespace(**{"fsdp": [], "deepspeed": None, "save_strategy": "no", **kw})
 
 
-@pytest.mark.parametrize("kw, word", [({"fsdp": ["full_shard"]}, "fsdp"), ({"deepspeed": "ds.json"}, "deepspeed")])
+@pytest.mark.parametrize("kw, word", [({"fsdp": ["full_shard"]}, "fsdp"), ({"deepspeed": "ds.json"}, "deepspeed"),
+                                      ({"save_strategy": "steps"}, "save_strategy='no'")])
 def test_refuses_fsdp_and_deepspeed(kw, word):
     from commfuse_dp import CommFuseConfig
 
@@ -132,8 +129,7 @@ def test_refuses_without_process_group():
 
     from commfuse_dp import CommFuseConfig
 
-    if dist.is_initialized():
-        pytest.skip("a process group is initialised in this process")
+    assert not dist.is_initialized(), "the test process itself must have no process group"
     cb = _integration()(CommFuseConfig())
     with pytest.raises(RuntimeError, match="torchrun"):
         cb.on_init_end(_args(), None, None, model=torch.nn.Linear(2, 2))

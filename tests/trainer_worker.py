@@ -13,31 +13,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# This checkout's commfuse_dp, not the one an editable install points at: `python tests/trainer_worker.py` puts
-# tests/ on sys.path, not the repository root.
+# hf_models from tests/, and this checkout's commfuse_dp (`python tests/trainer_worker.py` puts only tests/ on
+# sys.path).
 sys.path[:0] = [HERE, ROOT]
 
 import hf_models  # noqa: E402
-
-
-def _this_checkouts_integrations() -> None:
-    """``commfuse_dp.integrations`` lives in ROOT/integrations (pyproject's package-dir mapping); an editable
-    install's finder maps it to the installed checkout. Load this checkout's before anything imports it."""
-    import importlib.util
-
-    init = os.path.join(ROOT, "integrations", "__init__.py")
-    if not os.path.exists(init):
-        return
-    if "commfuse_dp.integrations" in sys.modules:  # imported already (another test): search this checkout first
-        path = sys.modules["commfuse_dp.integrations"].__path__
-        if os.path.dirname(init) not in path:
-            path.insert(0, os.path.dirname(init))
-        return
-    spec = importlib.util.spec_from_file_location("commfuse_dp.integrations", init,
-                                                  submodule_search_locations=[os.path.dirname(init)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
 
 
 class Synthetic(torch.utils.data.Dataset):
@@ -57,7 +37,6 @@ def main(out: str, mode: str) -> None:
 
     from commfuse_dp import CommFuseConfig
 
-    _this_checkouts_integrations()
     from commfuse_dp.integrations.transformers import CommFuseCallback
 
     torch.set_num_threads(1)
