@@ -322,7 +322,7 @@ def _exclusion_worker(rank, world_size):
     loss.backward()
 
     messages.clear()
-    moe = cf.shard(MoECausalLM(), cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(MoECausalLM(), cf.CommFuseConfig(min_fuse_numel=0))
     about = [m for m in messages if "MoE experts" in m]
     assert len(about) == 1 and about[0].startswith("commfuse_dp: 8 MoE experts"), messages  # one line, not eight
     assert "MoE expert of layers.0.moe" in about[0]

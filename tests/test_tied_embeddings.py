@@ -1,7 +1,6 @@
 """Tied input and output embeddings: one row-sharded table, used by the ring embedding and the fused lm_head."""
 
 import pytest
-import torch
 from torch.distributed.tensor import DTensor, Shard
 
 import commfuse_dp as cf

@@ -31,7 +31,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
-from ..engine import Engine
 from .step import StepState
 
 
