@@ -214,6 +214,13 @@ class CommFuseCallback(TrainerCallback):
             shard(model, self.cfg)
         if trainer is not None:
             _take_over_checkpoints(trainer)
+            # accelerate's mixed precision (autocast around forward) is applied in prepare_model, which returns a
+            # model flagged as prepared untouched: apply it here, without the DDP wrap (evaluation_mode=True).
+            trainer.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        elif getattr(args, "bf16", False) or getattr(args, "fp16", False):
+            raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer's __init__, so the "
+                             "callback cannot apply the Trainer's bf16/fp16 autocast; pass the callback in "
+                             "Trainer(callbacks=[...])")
         # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).
         model._is_accelerate_prepared = True
         self.model = model

@@ -1,6 +1,6 @@
 """One rank of a real ``transformers.Trainer`` run, launched by tests/test_trainer_callback.py through torchrun.
 
-    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_JSON {commfuse|ddp|resume}
+    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_JSON {commfuse|ddp|resume} [fp32|bf16]
 
 Same seeds and data in every mode; rank 0 writes the per-step losses, eval_loss and what the model looked like.
 commfuse also saves a checkpoint every 3 steps and, at the end, trainer.save_model() into run-commfuse/final plus
@@ -34,7 +34,7 @@ class Synthetic(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-def main(out: str, mode: str) -> None:
+def main(out: str, mode: str, precision: str = "fp32") -> None:
     from transformers import Trainer, TrainingArguments
 
     from commfuse_dp import CommFuseConfig
@@ -43,10 +43,11 @@ def main(out: str, mode: str) -> None:
 
     torch.set_num_threads(1)
     model = hf_models.build("llama", seed=0)
-    run_dir = os.path.join(os.path.dirname(out), "run-commfuse" if mode == "resume" else f"run-{mode}")
+    run_dir = os.path.join(os.path.dirname(out), "run-commfuse" if mode == "resume" else f"run-{mode}"
+                           + ("-bf16" if precision == "bf16" else ""))
     saving = {"save_strategy": "steps", "save_steps": 3} if mode != "ddp" else {"save_strategy": "no"}
     args = TrainingArguments(
-        output_dir=run_dir, use_cpu=True, report_to=[], **saving,
+        output_dir=run_dir, use_cpu=True, report_to=[], bf16=precision == "bf16", **saving,
         per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
         max_grad_norm=1.0, optim="adamw_torch", learning_rate=1e-2, max_steps=6, logging_steps=1,
         seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
@@ -103,4 +104,4 @@ def main(out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
