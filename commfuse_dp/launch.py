@@ -280,8 +280,6 @@ def _launch_cpu(args: argparse.Namespace) -> None:
     run_args = _filter_args(args, distrib_run.get_args_parser(),
                             ["--training_script", args.training_script,
                              "--training_script_args", args.training_script_args])
-    if args.num_machines <= 1 and not getattr(run_args, "standalone", False):
-        run_args.master_addr = "127.0.0.1"
     with _environment(env):
         distrib_run.run(run_args)
 
@@ -323,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     if path.endswith(".json"):
                         json.dump(accel_part, f)
                     else:
-                        yaml.safe_dump(accel_part, f)
+                        yaml.safe_dump(accel_part, f, sort_keys=False)
                 try:
                     from accelerate.commands.config import load_config_from_file
 
