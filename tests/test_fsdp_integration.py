@@ -32,11 +32,21 @@ def _model():
     return nn.Sequential(Block(16, 40), Block(16, 40), Block(16, 40), nn.Linear(16, 7))
 
 
-def _train(rank, rings, mesh):
+def _sharded(mesh, divide_factor=None, rings=False):
     model = _model()
     for block in model[:3]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if divide_factor is not None:
+        for unit in (*model[:3], model):
+            unit.set_gradient_divide_factor(divide_factor)
+            # FSDP2 then reduces with PREMUL_SUM(1 / factor), which gloo refuses: stock sums, then divides
+            unit.set_force_sum_reduction_for_comms(not rings)
+    return model
+
+
+def _train(rank, rings, mesh):
+    model = _sharded(mesh)
     if rings:
         use_ring_collectives(model, CommFuseConfig(bucket_mb=1 / 1024, timeout_s=60))  # several buckets per unit
         for module in (model, model[0]):
@@ -77,6 +87,31 @@ def _parity_worker(rank, world_size):
 def test_ring_collectives_train_like_stock_fsdp2(world_size):
     results = run_ranks(_parity_worker, world_size, timeout=180)
     assert results[0]["moved"] > 1e-3, "training did not move the parameters: the comparison would prove nothing"
+
+
+def _divide_factor_worker(rank, world_size, factor):
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(100 + rank))
+    grads = {}
+    for name, divide, rings in (("plain", None, False), ("stock", factor, False), ("rings", factor, True)):
+        model = _sharded(mesh, divide, rings)
+        events = []
+        if rings:
+            use_ring_collectives(model, CommFuseConfig(timeout_s=60))
+        with observe_ring(lambda event, op, step: events.append(op)):
+            model(x).square().mean().backward()
+        assert bool(events) == rings
+        grads[name] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for n, plain in grads["plain"].items():
+        torch.testing.assert_close(grads["rings"][n], grads["stock"][n], rtol=1e-5, atol=1e-7, msg=n)
+        # plain FSDP2 averages (sum / world_size); with the factor it is sum / factor
+        torch.testing.assert_close(grads["rings"][n], plain * (world_size / factor), rtol=1e-5, atol=1e-7, msg=n)
+    return True
+
+
+def test_gradient_divide_factor_premul_sum():
+    """set_gradient_divide_factor(f) makes FSDP2 pass ReduceOp.PREMUL_SUM(1/f): the ring sums and scales."""
+    run_ranks(_divide_factor_worker, 2, args=(8.0,), timeout=180)
 
 
 def _refusal_worker(rank, world_size):

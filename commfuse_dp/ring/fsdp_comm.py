@@ -6,6 +6,10 @@ FSDP2 calls ``allocate`` for its flat buffers and ``__call__`` with them (``torc
 ``dist.Work``: on CPU an ``async_op=True`` (prefetch) call returns one and the ring runs on the group's ring
 thread meanwhile, which stock FSDP2 cannot do on CPU. The reduce-scatter's return value is ignored, so it is
 complete when it returns (CPU) or ordered on FSDP2's reduce-scatter stream (CUDA).
+
+FSDP2 passes the group of each call: the shard group (the ``fsdp`` dimension of an HSDP mesh; HSDP's all-reduce
+across replicas stays ``dist.all_reduce``), the smaller post-forward group of ``reshard_after_forward=<int>``, or
+the group of ``set_separate_reduce_scatter_group``. Each group has its own ring.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
 from .collectives import ring_all_gather, ring_reduce_scatter
+
+_SHARD_OWNER = "commfuse_dp.shard()"
 
 
 class _RingComm:
@@ -29,6 +36,7 @@ class _RingComm:
         self.config = config if config is not None else CommFuseConfig()
         self.recorder = recorder if recorder is not None and recorder.enabled else None
         self.label = label  # the unit, named in ring errors
+        self.owner: str | None = None  # _SHARD_OWNER when commfuse_dp.shard() installed it
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -48,41 +56,113 @@ class RingAllGather(_RingComm, AllGather):
 
 
 class RingReduceScatter(_RingComm, ReduceScatter):
-    """``fully_shard``'s reduce-scatter as a bucketed ring (``FSDPModule.set_custom_reduce_scatter``)."""
+    """``fully_shard``'s reduce-scatter as a bucketed ring (``FSDPModule.set_custom_reduce_scatter``).
+
+    ``op``: SUM and AVG as FSDP2 passes them, and ``ReduceOp.PREMUL_SUM(f)`` (what FSDP2 passes after
+    ``set_gradient_divide_factor`` for fp32/bf16 reductions): the ring sums and the output is scaled by ``f``.
+    """
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
         # Complete on return: FSDP2 ignores the return value of its reduce-scatter.
         began = time.perf_counter()
+        scale = None
+        if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
+            scale, op = op.factor, dist.ReduceOp.SUM
         ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label,
                             bucket_mb=self.config.bucket_mb, timeout_s=self.config.timeout_s)
+        if scale is not None:
+            output_tensor.mul_(scale)
         if self.recorder is not None:
             self.recorder.blocking(began, time.perf_counter())
         return None
 
 
+def _units(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
+    """``(name, module, FSDP state)`` per FSDP2 unit. ``fully_shard([a, b])`` makes ``a`` and ``b`` one unit (one state,
+    one parameter group), as transformers does for a final norm and lm_head: it is listed once, named
+    ``a+b``."""
+    units: dict[int, tuple[list[str], FSDPModule, object]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            units.setdefault(id(state), ([], module, state))[0].append(name or "(root)")
+    return [("+".join(names), module, state) for names, module, state in units.values()]
+
+
+def _check_replaceable(unit: str, kind: str, comm: object) -> None:
+    if isinstance(comm, _RingComm):
+        if comm.owner == _SHARD_OWNER:
+            raise ValueError(
+                f"use_ring_collectives: FSDP2 unit '{unit}' was sharded by commfuse_dp.shard(), which already runs "
+                f"its collectives on rings, with its config's bucket_mb / timeout_s and step statistics; calling "
+                f"use_ring_collectives again would drop both. Do not call it on a model shard() sharded: pass those "
+                f"settings in the CommFuseConfig given to shard().")
+        return  # ours, from an earlier use_ring_collectives: replaced
+    if type(comm) not in (DefaultAllGather, DefaultReduceScatter):  # FSDP2's own; a subclass is someone's
+        raise ValueError(
+            f"use_ring_collectives: FSDP2 unit '{unit}' already has a custom {kind} ({type(comm).__name__}, from "
+            f"set_custom_{kind.replace('-', '_')}, set_symm_mem_for_comm or "
+            f"set_allocate_memory_from_process_group_for_comm); the rings would replace it. Remove it, or install "
+            f"the rings only on the other units yourself: unit.set_custom_all_gather(RingAllGather(config)) and "
+            f"unit.set_custom_reduce_scatter(RingReduceScatter(config)).")
+
+
 def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None, *,
                          recorder: StatsRecorder | None = None) -> nn.Module:
-    """Install ``RingAllGather`` / ``RingReduceScatter`` on every ``FSDPModule`` inside ``model`` (itself
-    included) and return ``model``. Raises ``ValueError`` if no module was ``fully_shard``-ed, or if a module
-    has several parameter groups (``shard_placement_fn`` with per-parameter meshes), which FSDP2's custom-comm
-    hooks cannot serve; in both cases nothing is changed."""
+    """Install ``RingAllGather`` / ``RingReduceScatter`` on every FSDP2 unit inside ``model`` (itself included)
+    and return ``model``. ``config`` gives ``bucket_mb`` and ``timeout_s`` (default ``CommFuseConfig()``);
+    ``recorder`` is internal (``commfuse_dp.shard()`` passes its statistics). Calling it again replaces the
+    rings it installed before.
+
+    Raises ``ValueError``, changing nothing, when no module was ``fully_shard``-ed; when a unit has several
+    parameter groups (``shard_placement_fn`` with per-parameter meshes), which FSDP2's custom-comm hooks cannot
+    serve; when a unit already has another custom collective; when ``commfuse_dp.shard()`` sharded the model
+    (it installed its own rings). ``TypeError`` when ``model`` is not an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"use_ring_collectives: expected the model (an nn.Module), got {type(model).__name__}; "
+                        f"pass the model that fully_shard / from_pretrained(distributed_config=...) returned")
+    from_shard = recorder is not None  # only commfuse_dp.shard() passes a recorder
+    if not from_shard:
+        for name, module in model.named_modules():
+            if getattr(module, "_commfuse_engine", None) is not None:
+                where = f"submodule '{name}'" if name else "this model"
+                raise ValueError(
+                    f"use_ring_collectives: {where} was sharded by commfuse_dp.shard(), which already runs every "
+                    f"collective of it on rings (fused layers and FSDP2 units alike), with its config's bucket_mb / "
+                    f"timeout_s and step statistics; calling use_ring_collectives again would drop both. Do not "
+                    f"call it on a model shard() sharded: pass those settings in the CommFuseConfig given to "
+                    f"shard().")
     config = config if config is not None else CommFuseConfig()
-    sharded = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        raise ValueError("use_ring_collectives: no module of this model was sharded with fully_shard; call "
-                         "fully_shard(...) on its layers and on the root first, then use_ring_collectives(model)")
-    for name, module in sharded:
-        param_groups = module._get_fsdp_state()._fsdp_param_groups
-        if len(param_groups) > 1:
+    units = _units(model)
+    if not units:
+        raise ValueError(
+            "use_ring_collectives: no module of this model was sharded with fully_shard. Call it after "
+            "fully_shard(...) on the layers and the root, or on the model that "
+            "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N)) returned (with "
+            "dp_replicate_size * fsdp_size > 1; a DistributedConfig with only tp_size applies no FSDP2)")
+    for unit, module, state in units:
+        groups = state._fsdp_param_groups
+        if len(groups) > 1:
             raise ValueError(
-                f"use_ring_collectives: module '{name or '<root>'}' ({type(module).__name__}) has "
-                f"{len(param_groups)} parameter groups (per-parameter meshes from shard_placement_fn); FSDP2 can "
-                f"install a custom collective only on a module with one group. Shard that module's parameters on "
-                f"one mesh, or leave it out of fully_shard's shard_placement_fn.")
-    for name, module in sharded:
-        if module._get_fsdp_state()._fsdp_param_groups:
-            unit = f"FSDP2 unit {name or '(root)'}"
-            module.set_custom_all_gather(RingAllGather(config, recorder, f"{unit} (all-gather)"))
-            module.set_custom_reduce_scatter(RingReduceScatter(config, recorder, f"{unit} (reduce-scatter)"))
+                f"use_ring_collectives: module '{unit}' ({type(module).__name__}) has {len(groups)} parameter "
+                f"groups (per-parameter meshes from shard_placement_fn); FSDP2 can install a custom collective only "
+                f"on a unit with one group. Shard that unit's parameters on one mesh, or leave it out of fully_shard's "
+                f"shard_placement_fn.")
+        for group in groups:
+            if not from_shard:
+                _check_replaceable(unit, "all-gather", group._all_gather_comm)
+                _check_replaceable(unit, "reduce-scatter", group._reduce_scatter_comm)
+            if group.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"use_ring_collectives: FSDP2 unit '{unit}' is on {group.device.type!r}; the "
+                                 f"rings run on cpu (gloo) and cuda (nccl) only")
+    for unit, module, state in units:
+        if not state._fsdp_param_groups:  # a unit whose parameters all went to inner units: nothing to gather
+            continue
+        gather = RingAllGather(config, recorder, f"FSDP2 unit {unit} (all-gather)")
+        scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)")
+        if from_shard:
+            gather.owner = scatter.owner = _SHARD_OWNER
+        module.set_custom_all_gather(gather)
+        module.set_custom_reduce_scatter(scatter)
     return model

@@ -1,0 +1,166 @@
+"""Saving and loading a commfuse-sharded model: every rank's shards, nothing kept from rank 0 alone.
+
+Two kinds of output, both built on ``torch.distributed.checkpoint`` (DCP) and its state-dict helpers, so nothing
+here gathers by hand:
+
+* **Sharded state, to resume** -- :func:`save_sharded` / :func:`load_sharded`: the models' and optimizers' DTensor
+  shards of every rank, written by every rank in parallel into one DCP folder
+  (``get_model_state_dict`` / ``get_optimizer_state_dict`` keyed by parameter names, so optimizer state belongs to a
+  name, not to a position). DCP reshards on load: the folder can be read back by another world size.
+* **A consolidated Hugging Face folder** -- :func:`save_pretrained`: every rank takes part in gathering the full
+  parameters (``StateDictOptions(full_state_dict=True, cpu_offload=True)``: the full copy exists on rank 0 only, in
+  CPU memory), and rank 0 writes it with the model's own ``save_pretrained`` (config, safetensors, tied weights
+  and weight-name conversions handled by transformers), so ``from_pretrained`` loads it in one process.
+  :func:`full_state_dict` is the gather alone (what ``Accelerator.get_state_dict`` returns for such a model), and
+  :func:`load_full_state_dict` the reverse: a full state dict present on every rank, each keeping its own slices.
+
+Every function here is collective: call it on every rank of the model's process group, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = ["is_sharded", "full_state_dict", "load_full_state_dict", "save_pretrained", "save_sharded",
+           "load_sharded", "optimizer_model", "unwrap_optimizer"]
+
+_COMPLETE = "commfuse_complete"
+
+
+def is_sharded(model: Any) -> bool:
+    """True for a model (or a wrapper with ``.module``) that :func:`commfuse_dp.shard` sharded."""
+    return getattr(model, "_commfuse_engine", None) is not None \
+        or getattr(getattr(model, "module", None), "_commfuse_engine", None) is not None
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model if getattr(model, "_commfuse_engine", None) is not None else getattr(model, "module", model)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on rank 0, in CPU memory; ``{}`` on the other ranks. Collective."""
+    return get_model_state_dict(_unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Loads a full state dict that every rank holds (e.g. read from the same safetensors): each rank copies its
+    own slices into its shards. Missing or unexpected keys raise when ``strict``. Collective."""
+    model = _unwrap(model)
+    result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise KeyError(f"state dict does not match the model: missing {result.missing_keys}, "
+                       f"unexpected {result.unexpected_keys}")
+
+
+def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is_main_process: bool | None = None,
+                    **kwargs) -> None:
+    """Writes a consolidated Hugging Face folder of a sharded ``PreTrainedModel`` (config + safetensors), loadable
+    by ``from_pretrained`` in a single process. Every rank must call it; rank 0 (or ``is_main_process``) writes.
+    Extra keyword arguments go to the model's ``save_pretrained`` (``max_shard_size``, ...). Collective."""
+    inner = _unwrap(model)
+    state = full_state_dict(inner)
+    main = _rank() == 0 if is_main_process is None else is_main_process
+    if main:
+        if not hasattr(inner, "save_pretrained"):
+            raise TypeError(f"{type(inner).__name__} has no save_pretrained(); use commfuse_dp.checkpoint."
+                            "full_state_dict(model) on every rank and save rank 0's dict yourself")
+        kwargs.pop("state_dict", None)
+        inner.save_pretrained(os.fspath(output_dir), state_dict=state, is_main_process=True, **kwargs)
+    del state
+    _barrier()
+
+
+def optimizer_model(optimizer: torch.optim.Optimizer, models: Iterable[torch.nn.Module]) -> torch.nn.Module | None:
+    """The model among ``models`` whose parameters ``optimizer`` updates (``None`` when it is none of them).
+    An optimizer spanning two sharded models is refused: its state could not be keyed by one model's names."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owners = [m for m in models if any(id(p) in params for p in _unwrap(m).parameters())]
+    if len(owners) > 1:
+        raise ValueError("one optimizer updates parameters of several commfuse-sharded models; give each model its "
+                         "own optimizer so that each optimizer's sharded state can be saved under that model's "
+                         "parameter names")
+    return owners[0] if owners else None
+
+
+def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]],
+           extra: dict[str, Any] | None) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        state[f"model_{i}"] = get_model_state_dict(_unwrap(model))
+    for i, (model, optimizer) in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer))
+    if extra:
+        state.update(extra)
+    return state
+
+
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    # accelerate's AcceleratedOptimizer wraps the torch optimizer as .optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def save_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
+                 optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = (), *,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Every rank writes its shards of ``models`` and of each ``(model, optimizer)`` pair's state into the DCP
+    folder ``path``. The folder is written beside its final name and renamed once every rank has finished, so an
+    interrupted save never leaves a folder that looks complete. ``extra``: more DCP-serialisable entries
+    (tensors, DTensors, numbers). Collective."""
+    path = os.fspath(path)
+    tmp = path + ".partial"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    dcp.save(_state(list(models), list(optimizers), extra), checkpoint_id=tmp)
+    _barrier()
+    if _rank() == 0:
+        with open(os.path.join(tmp, _COMPLETE), "w") as f:
+            f.write(f"world_size={dist.get_world_size() if dist.is_initialized() else 1}\n")
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier()
+
+
+def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
+                 optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = (), *,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Reads a folder written by :func:`save_sharded` into ``models`` and the optimizers, in place (another world
+    size is fine: DCP reshards). ``extra`` is filled in place. Collective."""
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, _COMPLETE)):
+        raise FileNotFoundError(f"{path} is not a complete commfuse checkpoint (no {_COMPLETE} marker: the save "
+                                "did not finish, or this is not a folder written by commfuse_dp)")
+    models, optimizers = list(models), list(optimizers)
+    state = _state(models, optimizers, extra)
+    dcp.load(state, checkpoint_id=path)
+    for i, model in enumerate(models):
+        set_model_state_dict(_unwrap(model), state[f"model_{i}"])
+    for i, (model, optimizer) in enumerate(optimizers):
+        set_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer), state[f"optimizer_{i}"])
+    if extra:
+        for key in extra:
+            extra[key] = state[key]

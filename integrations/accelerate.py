@@ -1,0 +1,252 @@
+"""accelerate with CommFuse sharding: ``CommFuseAccelerator``, a drop-in ``Accelerator``.
+
+    from commfuse_dp import CommFuseConfig
+    from commfuse_dp.integrations.accelerate import CommFuseAccelerator
+
+    accelerator = CommFuseAccelerator(commfuse=CommFuseConfig(bucket_mb=25), gradient_accumulation_steps=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)          # before or after prepare: both work
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt")                                       # every rank's shards (resume: load_state)
+    accelerator.unwrap_model(model).save_pretrained(                     # one consolidated HF folder
+        "out", state_dict=accelerator.get_state_dict(model), is_main_process=accelerator.is_main_process)
+
+Launch it like any accelerate script (``torchrun --nproc_per_node N``, ``accelerate launch`` on GPUs, or
+``commfuse-dp launch``). The one line that changes is ``Accelerator(...)`` -> ``CommFuseAccelerator(commfuse=...,
+...)``; ``commfuse=None`` reads the config from the ``COMMFUSE_*`` environment (``CommFuseConfig.from_env()``).
+
+What differs from ``Accelerator`` (accelerate 1.15):
+
+* ``prepare`` / ``prepare_model`` shard each model in place with :func:`commfuse_dp.shard` (after moving it to
+  ``accelerator.device``) instead of wrapping it in DDP; mixed precision (autocast) and ``torch.compile`` settings
+  are applied as accelerate applies them. An optimizer passed to the same ``prepare`` call that was built on the
+  full parameters is re-pointed at the sharded ones, by parameter name (as accelerate does for FSDP2); its state
+  -- built at the first ``step`` -- is then sharded too.
+* ``save_state`` / ``load_state``: the sharded models and their optimizers go to ``<dir>/commfuse`` through
+  ``torch.distributed.checkpoint``, every rank writing its own shards (never rank 0's alone); schedulers, RNG
+  states, the data loaders' positions, the step and custom objects go through accelerate's own code.
+* ``get_state_dict(model)`` gathers the full state dict onto rank 0 (CPU memory; ``{}`` on the other ranks), as
+  accelerate does for FSDP2, so ``save_pretrained(state_dict=...)`` and ``save_model`` write consolidated weights.
+  It is collective: call it on every rank.
+* On a machine without CUDA, launched with several processes (``WORLD_SIZE`` > 1), ``cpu=True`` is implied: a
+  plain ``Accelerator`` would otherwise run each rank as a separate single process there.
+* A single process with no ``torch.distributed`` group has nothing to shard: the model is prepared as by
+  ``Accelerator`` (with a warning).
+
+Refused before anything is sharded: an accelerate config that enables DeepSpeed or FSDP (both would shard the model
+a second time; for DeepSpeed on rings see :mod:`commfuse_dp.integrations.deepspeed`, for stock FSDP2
+:mod:`commfuse_dp.integrations.fsdp`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
+from accelerate.utils import DistributedType
+
+from commfuse_dp import checkpoint as ckpt
+from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.shard import shard
+
+__all__ = ["CommFuseAccelerator", "resolve_config"]
+
+logger = logging.getLogger("commfuse_dp")
+
+CHECKPOINT_SUBDIR = "commfuse"
+
+
+def resolve_config(commfuse: CommFuseConfig | Mapping | None) -> CommFuseConfig:
+    """A ``CommFuseConfig`` from what a user passed: a config, a mapping of its fields, or ``None`` (the
+    ``COMMFUSE_*`` environment)."""
+    if commfuse is None:
+        return CommFuseConfig.from_env()
+    if isinstance(commfuse, CommFuseConfig):
+        return commfuse
+    if isinstance(commfuse, Mapping):
+        return CommFuseConfig.from_dict(commfuse)
+    raise TypeError(f"commfuse= takes a CommFuseConfig, a dict of its fields or None, not {type(commfuse).__name__}")
+
+
+_REFUSED = {
+    "deepspeed": "CommFuseAccelerator shards the model itself, and DeepSpeed was asked for too (deepspeed_plugin= or "
+                 "ACCELERATE_USE_DEEPSPEED / a deepspeed_config in the accelerate config), which would partition it "
+                 "again. Remove the DeepSpeed settings, or keep DeepSpeed with a plain Accelerator and route its "
+                 "collectives through rings with commfuse_dp.integrations.deepspeed.enable_ring_collectives",
+    "fsdp": "CommFuseAccelerator shards the model itself, and FSDP was asked for too (fsdp_plugin= or "
+            "ACCELERATE_USE_FSDP / an fsdp_config in the accelerate config), which would shard it again. Remove the "
+            "FSDP settings, or keep FSDP with a plain Accelerator and call "
+            "commfuse_dp.integrations.fsdp.use_ring_collectives(model) after prepare",
+}
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _refuse_other_sharding(kwargs: dict) -> None:
+    # Checked before Accelerator.__init__: on a CPU machine accelerate drops an FSDP plugin silently.
+    if kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") or \
+            _env_true("ACCELERATE_USE_DEEPSPEED"):
+        raise ValueError(_REFUSED["deepspeed"])
+    if kwargs.get("fsdp_plugin") is not None or _env_true("ACCELERATE_USE_FSDP"):
+        raise ValueError(_REFUSED["fsdp"])
+
+
+def _implied_cpu(kwargs: dict) -> None:
+    if "cpu" in kwargs or torch.cuda.is_available():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        kwargs["cpu"] = True
+
+
+class CommFuseAccelerator(Accelerator):
+    """``Accelerator`` whose ``prepare`` shards models with :func:`commfuse_dp.shard` (see the module docs).
+
+    ``commfuse``: a :class:`CommFuseConfig`, a dict of its fields, or ``None`` for ``CommFuseConfig.from_env()``.
+    Every other argument is ``Accelerator``'s.
+    """
+
+    def __init__(self, *args, commfuse: CommFuseConfig | Mapping | None = None, **kwargs) -> None:
+        self.commfuse_config = resolve_config(commfuse)   # a bad config fails before accelerate starts anything
+        _refuse_other_sharding(kwargs)
+        _implied_cpu(kwargs)
+        super().__init__(*args, **kwargs)
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(_REFUSED["deepspeed"])
+        if self.distributed_type == DistributedType.FSDP or self.is_fsdp2:
+            raise ValueError(_REFUSED["fsdp"])
+        self.commfuse_active = dist.is_available() and dist.is_initialized()
+        if not self.commfuse_active:
+            logger.warning("CommFuseAccelerator: no torch.distributed process group (a single process): models are "
+                           "prepared as by Accelerator, unsharded. Launch with torchrun, accelerate launch or "
+                           "commfuse-dp launch to shard them.")
+
+    # ---- preparing ------------------------------------------------------------------------------------------
+
+    def _shard(self, model: torch.nn.Module, device_placement: bool | None) -> None:
+        if ckpt.is_sharded(model) or getattr(model, "_is_accelerate_prepared", False):
+            return
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("CommFuseAccelerator.prepare got a DistributedDataParallel model; pass the plain module")
+        place = self.device_placement if device_placement is None else device_placement
+        if place and not self.verify_device_map(model):
+            model.to(self.device)
+        shard(model, self.commfuse_config)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        if not self.commfuse_active or evaluation_mode or getattr(model, "_is_accelerate_prepared", False):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._shard(model, device_placement)
+        # evaluation_mode=True: accelerate's mixed precision and compile wrappers, without the DDP wrap.
+        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def prepare(self, *args, device_placement=None):
+        if not self.commfuse_active:
+            return super().prepare(*args, device_placement=device_placement)
+        places = device_placement if device_placement is not None else [None] * len(args)
+        models = [(obj, place) for obj, place in zip(args, places) if isinstance(obj, torch.nn.Module)
+                  and not ckpt.is_sharded(obj) and not getattr(obj, "_is_accelerate_prepared", False)]
+        optimizers = [obj for obj in args if isinstance(obj, torch.optim.Optimizer)]
+        # Names of the full parameters, before shard() replaces them with DTensor shards.
+        before = {id(p): (p, model, name) for model, _ in models
+                  for name, p in model.named_parameters(remove_duplicate=False)}
+        for model, place in models:
+            self._shard(model, place)
+        self._repoint(optimizers, before)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _repoint(self, optimizers: list[torch.optim.Optimizer], before: dict) -> None:
+        after = {id(model): dict(model.named_parameters(remove_duplicate=False)) for _, model, _ in before.values()}
+        for optimizer in optimizers:
+            optimizer = ckpt.unwrap_optimizer(optimizer)
+            for group in optimizer.param_groups:
+                new_params = []
+                for p in group["params"]:
+                    entry = before.get(id(p))
+                    if entry is not None and entry[0] is p:
+                        if optimizer.state.get(p):
+                            raise ValueError("CommFuseAccelerator.prepare: the optimizer already holds state for the "
+                                             "full parameters (it has stepped); create it, or reload its state, "
+                                             "after prepare so that the state is sharded")
+                        new_params.append(after[id(entry[1])][entry[2]])
+                    else:
+                        new_params.append(p)
+                group["params"] = new_params
+            sharded = {id(p) for m in self._commfuse_models() for p in m.parameters()}
+            stray = [p for g in optimizer.param_groups for p in g["params"]
+                     if id(p) not in sharded and not isinstance(p, DTensor)]
+            if stray and sharded:
+                raise ValueError(
+                    f"CommFuseAccelerator.prepare: the optimizer holds {len(stray)} parameter(s) that are not the "
+                    "sharded model's (probably the model was prepared in an earlier prepare() call, so its full "
+                    "parameters were replaced). Pass the model and its optimizer to the same prepare() call, or "
+                    "create the optimizer from model.parameters() after prepare(model)")
+
+    def _commfuse_models(self) -> list[torch.nn.Module]:
+        return [m for m in self._models if ckpt.is_sharded(m)]
+
+    # ---- state dicts and checkpoints ------------------------------------------------------------------------
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        if ckpt.is_sharded(model):
+            return ckpt.full_state_dict(model)
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    def _split(self):
+        """The sharded models, and (model, optimizer) pairs for the optimizers that update them."""
+        models = self._commfuse_models()
+        pairs = []
+        for optimizer in self._optimizers:
+            owner = ckpt.optimizer_model(optimizer, models)
+            if owner is not None:
+                pairs.append((owner, optimizer))
+        return models, pairs
+
+    @contextlib.contextmanager
+    def _hidden(self, models, pairs):
+        """accelerate's save_state/load_state skip what commfuse checkpoints itself (models, optimizers)."""
+        saved_models, saved_optimizers = self._models, self._optimizers
+        hidden_opts = {id(opt) for _, opt in pairs}
+        self._models = [m for m in saved_models if all(m is not c for c in models)]
+        self._optimizers = [o for o in saved_optimizers if id(o) not in hidden_opts]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = saved_models, saved_optimizers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+        models, pairs = self._split()
+        if not models:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        with self._hidden(models, pairs):
+            location = super().save_state(output_dir, safe_serialization=safe_serialization,
+                                          **save_model_func_kwargs)
+        ckpt.save_sharded(os.path.join(location, CHECKPOINT_SUBDIR), models, pairs)
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        models, pairs = self._split()
+        if not models:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        resolved = []
+        handle = self.register_load_state_pre_hook(lambda _models, path: resolved.append(path))
+        try:
+            with self._hidden(models, pairs):
+                result = super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        finally:
+            handle.remove()
+        ckpt.load_sharded(os.path.join(resolved[0], CHECKPOINT_SUBDIR), models, pairs)
+        return result
