@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["is_sharded", "full_state_dict", "load_full_state_dict", "save_pretrained", "save_sharded",
-           "load_sharded", "optimizer_model", "unwrap_optimizer"]
+__all__ = ["is_sharded", "is_complete", "full_state_dict", "load_full_state_dict", "load_pretrained_weights",
+           "save_pretrained", "save_sharded", "load_sharded", "optimizer_model", "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
 
@@ -66,12 +66,41 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Loads a full state dict that every rank holds (e.g. read from the same safetensors): each rank copies its
-    own slices into its shards. Missing or unexpected keys raise when ``strict``. Collective."""
+    own slices into its shards. With ``strict``, an unexpected key, or a missing one that is not a tied copy of a
+    loaded parameter (``save_pretrained`` drops those), raises ``KeyError``. Collective."""
     model = _unwrap(model)
-    result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
-    if strict and (result.missing_keys or result.unexpected_keys):
-        raise KeyError(f"state dict does not match the model: missing {result.missing_keys}, "
-                       f"unexpected {result.unexpected_keys}")
+    result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
+    if not strict:
+        return
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    loaded = {id(tensors[k]) for k in state_dict if k in tensors}
+    missing = [k for k in result.missing_keys if k not in tensors or id(tensors[k]) not in loaded]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"the weights do not match the model: missing {missing}, unexpected "
+                       f"{list(result.unexpected_keys)}")
+
+
+def load_pretrained_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict: bool = True) -> None:
+    """Loads the safetensors weights of a Hugging Face folder (one file or an index of several) into a sharded
+    model: every rank reads the files and keeps its own slices. The names must be the model's own (true of a
+    folder written by :func:`save_pretrained` for models without weight-name conversions). Collective."""
+    from safetensors.torch import load_file
+
+    folder = os.fspath(folder)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        import json
+
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name)))
+    load_full_state_dict(model, state, strict=strict)
 
 
 def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is_main_process: bool | None = None,
@@ -90,6 +119,11 @@ def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is
         inner.save_pretrained(os.fspath(output_dir), state_dict=state, is_main_process=True, **kwargs)
     del state
     _barrier()
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """True for a folder that :func:`save_sharded` finished writing."""
+    return os.path.isfile(os.path.join(os.fspath(path), _COMPLETE))
 
 
 def optimizer_model(optimizer: torch.optim.Optimizer, models: Iterable[torch.nn.Module]) -> torch.nn.Module | None:
@@ -151,7 +185,7 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     """Reads a folder written by :func:`save_sharded` into ``models`` and the optimizers, in place (another world
     size is fine: DCP reshards). ``extra`` is filled in place. Collective."""
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, _COMPLETE)):
+    if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete commfuse checkpoint (no {_COMPLETE} marker: the save "
                                 "did not finish, or this is not a folder written by commfuse_dp)")
     models, optimizers = list(models), list(optimizers)

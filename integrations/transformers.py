@@ -45,23 +45,136 @@ How it works (transformers 5.23, accelerate 1.15):
   ``logs`` in place, where callbacks after it see them. To have a reporter record them, move it behind:
   ``trainer.pop_callback(TensorBoardCallback); trainer.add_callback(TensorBoardCallback)``.
 
-Refused: a run without an initialised ``torch.distributed``, ``TrainingArguments`` that ask for FSDP or DeepSpeed
-(both would shard the model a second time), and any ``save_strategy`` but ``"no"``: saving and resuming checkpoints
-of the sharded model are not covered yet, and a save must not silently keep part of the state.
+* Checkpoints: the Trainer saves the model on rank 0 alone and the optimizer as one ``optimizer.pt`` of rank 0's
+  state, which for a sharded model would keep rank 0's shards only. A callback is handed no reference to its
+  Trainer, so at ``on_init_end`` the callback finds the Trainer whose ``__init__`` is calling it (up the call stack)
+  and replaces, on that one instance, the five methods that write and read checkpoints:
+
+  - ``_save`` (``save_model()`` and every checkpoint): every rank joins the gather of the full weights
+    (:func:`commfuse_dp.checkpoint.full_state_dict`, rank 0 only holds them, in CPU memory), then the Trainer's own
+    ``_save`` writes them on rank 0 with ``save_pretrained``: an ordinary consolidated Hugging Face folder.
+  - ``_save_optimizer_and_scheduler``: every rank writes its model and optimizer shards into
+    ``checkpoint-N/commfuse`` (``torch.distributed.checkpoint``, keyed by parameter names; renamed into place once
+    every rank has finished); the scheduler goes to ``scheduler.pt`` as before. RNG states (one file per rank),
+    ``trainer_state.json`` and the data position are the Trainer's own.
+  - ``_load_from_checkpoint`` / ``_load_best_model``: the shards from ``checkpoint-N/commfuse`` (or, for a
+    ``save_only_model`` checkpoint, the consolidated safetensors, each rank keeping its slices).
+  - ``_load_optimizer_and_scheduler``: the optimizer shards and the scheduler. A checkpoint holding a single
+    ``optimizer.pt`` (written without commfuse) is refused rather than half-loaded.
+
+  ``save_model()`` is collective like everything else here: call it on every rank (the Trainer's own checkpoints
+  do), not inside ``if trainer.is_world_process_zero()``. A subclass that overrides one of these methods gets a
+  warning: for this trainer, commfuse's version runs instead.
+
+Refused: a run without an initialised ``torch.distributed``, and ``TrainingArguments`` that ask for FSDP or DeepSpeed
+(both would shard the model a second time).
 """
 
 from __future__ import annotations
 
-from transformers import TrainerCallback
+import inspect
+import logging
+import os
+import types
 
+import torch
 import torch.distributed as dist
+from transformers import Trainer, TrainerCallback
 
+from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.shard import shard
 
 __all__ = ["CommFuseCallback"]
 
 _STAT_KEYS = ("exposed_comm_s", "comm_s", "compute_s", "wall_s", "ring_steps")
+
+logger = logging.getLogger("commfuse_dp")
+
+CHECKPOINT_SUBDIR = "commfuse"     # checkpoint-N/commfuse: every rank's model and optimizer shards (DCP)
+SCHEDULER_NAME = "scheduler.pt"    # as the Trainer names it (transformers/trainer.py)
+OPTIMIZER_NAME = "optimizer.pt"
+
+
+def _find_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The Trainer whose ``__init__`` is calling ``on_init_end`` on ``callback`` (found up the call stack: the
+    one place a callback can meet its Trainer; transformers passes callbacks no reference to it)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer) and \
+                    callback in getattr(getattr(candidate, "callback_handler", None), "callbacks", ()):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+# ---- the Trainer's checkpoint methods, for a commfuse-sharded model (bound to one Trainer instance) -----------
+
+def _save(self: Trainer, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    # Every rank gathers (the full copy lands on rank 0, in CPU memory); Trainer._save then writes it on rank 0
+    # with save_pretrained, plus the tokenizer and training_args.bin, exactly as for an unsharded model.
+    if state_dict is None:
+        state_dict = ckpt.full_state_dict(self.model)
+    Trainer._save(self, output_dir, state_dict=state_dict)
+    del state_dict
+    dist.barrier()
+
+
+def _save_optimizer_and_scheduler(self: Trainer, output_dir: str) -> None:
+    # Every rank writes its own model and optimizer shards (DCP); no optimizer.pt of rank 0's shard alone.
+    ckpt.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), [self.model], [(self.model, self.optimizer)])
+    if self.args.should_save and self.lr_scheduler is not None:
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def _load_from_checkpoint(self: Trainer, resume_from_checkpoint: str, model=None) -> None:
+    folder = os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)
+    if ckpt.is_complete(folder):
+        ckpt.load_sharded(folder, [self.model])       # exact: the shards as they were, under the model's own names
+    else:                                             # a save_only_model checkpoint, or a consolidated folder
+        ckpt.load_pretrained_weights(self.model, resume_from_checkpoint)
+
+
+def _load_optimizer_and_scheduler(self: Trainer, checkpoint: str | None) -> None:
+    if checkpoint is None:
+        return
+    folder = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+    if not ckpt.is_complete(folder):
+        if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+            raise ValueError(f"{checkpoint} holds a single {OPTIMIZER_NAME} written without commfuse (or by an "
+                             "older run); its optimizer state cannot be split into this run's shards. Resume it "
+                             "without CommFuseCallback, or start from its weights alone (a fresh run with "
+                             "model=from_pretrained(checkpoint))")
+        logger.warning("CommFuseCallback: %s has no optimizer state (saved with save_only_model=True?): the "
+                       "optimizer and scheduler start fresh", checkpoint)
+        return
+    ckpt.load_sharded(folder, [], [(self.model, self.optimizer)])
+    scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+    if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _load_best_model(self: Trainer) -> None:
+    logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
+    _load_from_checkpoint(self, self.state.best_model_checkpoint)
+
+
+_CHECKPOINT_METHODS = {"_save": _save, "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+                       "_load_from_checkpoint": _load_from_checkpoint,
+                       "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+                       "_load_best_model": _load_best_model}
+
+
+def _take_over_checkpoints(trainer: Trainer) -> None:
+    for name, method in _CHECKPOINT_METHODS.items():
+        if getattr(type(trainer), name) is not getattr(Trainer, name):
+            logger.warning("CommFuseCallback: %s overrides Trainer.%s; this trainer now uses commfuse's sharded "
+                           "version instead", type(trainer).__name__, name)
+        setattr(trainer, name, types.MethodType(method, trainer))
 
 
 class CommFuseCallback(TrainerCallback):
@@ -87,17 +200,20 @@ class CommFuseCallback(TrainerCallback):
         if getattr(args, "deepspeed", None):
             raise ValueError("CommFuseCallback shards the model itself: remove `deepspeed` from the "
                              "TrainingArguments, or drop CommFuseCallback to use DeepSpeed")
-        if getattr(args.save_strategy, "value", args.save_strategy) != "no":
-            raise ValueError("CommFuseCallback: saving checkpoints of a commfuse-sharded model through the Trainer "
-                             "is not supported yet (it could keep only part of the sharded model and optimizer "
-                             "state); set save_strategy='no' in the TrainingArguments, and do not call "
-                             "trainer.save_model()")
+        trainer = _find_trainer(self)
+        saves = getattr(args.save_strategy, "value", args.save_strategy) != "no"
+        if trainer is None and saves:
+            raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer's __init__, so the "
+                             "callback cannot make the Trainer save every rank's shards; pass the callback in "
+                             "Trainer(callbacks=[...]) or set save_strategy='no'")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CommFuseCallback: torch.distributed is not initialised. Launch the script with "
                                "`torchrun --nproc_per_node N` (or `accelerate launch`); on CPU also pass "
                                "use_cpu=True to TrainingArguments (or set ACCELERATE_USE_CPU=true)")
         if getattr(model, "_commfuse_engine", None) is None:
             shard(model, self.cfg)
+        if trainer is not None:
+            _take_over_checkpoints(trainer)
         # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).
         model._is_accelerate_prepared = True
         self.model = model

@@ -1,6 +1,9 @@
-"""CommFuseCallback in a real ``transformers.Trainer``: two torchrun launches (2 CPU ranks, gloo) of
-tests/trainer_worker.py, one sharded by the callback and one plain (the Trainer wraps the model in DDP), with the
-same seeds and data; their per-step losses, gradient norms and eval_loss must agree.
+"""CommFuseCallback in a real ``transformers.Trainer``: three torchrun launches (2 CPU ranks, gloo) of
+tests/trainer_worker.py on a Llama-style decoder -- one sharded by the callback (checkpoints every 3 steps,
+save_model at the end), one plain (the Trainer wraps the model in DDP), and one sharded run resumed from the first
+one's step-3 checkpoint -- with the same seeds and data. Per-step losses, gradient norms and eval_loss must agree
+with DDP; the resumed run's steps 4..6 must equal the uninterrupted run's (same arithmetic, state read back bit for
+bit); the saved model must reload with from_pretrained in this (fresh, single) process with equal logits.
 
 Tolerance: on this setup the two runs differ by at most ~1e-7 relative (loss, eval_loss; ~3e-7 for grad_norm),
 i.e. one or two fp32 ulps from the ring reduce-scatter summing in ring order rather than DDP's all-reduce order.
@@ -20,6 +23,9 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_models  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -48,11 +54,13 @@ def _launch(tmp_path, mode: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("trainer")
-    return {mode: _launch(tmp_path, mode) for mode in ("commfuse", "ddp")}
+    result = {mode: _launch(tmp_path, mode) for mode in ("commfuse", "ddp", "resume")}
+    result["dir"] = tmp_path
+    return result
 
 
 def test_trainer_sees_two_cpu_processes(runs):
-    for run in runs.values():
+    for run in (runs["commfuse"], runs["ddp"], runs["resume"]):
         assert run["world_size"] == 2
         assert run["distributed_type"] == "DistributedType.MULTI_CPU"
         assert run["parallel_mode"] == "ParallelMode.DISTRIBUTED"
@@ -87,7 +95,7 @@ def test_losses_match_ddp(runs):
 def test_eval_loss_matches_ddp_with_short_last_batch(runs):
     # even_batches=False: accelerate does not pad rank 1's last batch, so the ranks run forwards of different
     # sizes (the sharded model's collectives must not care) -- but the same number of them.
-    for run in runs.values():
+    for run in (runs["commfuse"], runs["ddp"]):
         assert run["eval_batch_sizes"] == [[2, 2, 2], [2, 2, 1]]
     torch.testing.assert_close(torch.tensor(runs["commfuse"]["eval_loss"]), torch.tensor(runs["ddp"]["eval_loss"]),
                                rtol=1e-5, atol=0)
@@ -100,6 +108,45 @@ def test_logs_carry_commfuse_figures(runs):
             assert entry[f"commfuse/{key}"] >= 0.0
         assert entry["commfuse/exposed_comm_s"] <= entry["commfuse/comm_s"] + 1e-9
     assert not any(k.startswith("commfuse/") for entry in runs["ddp"]["logs"] for k in entry)
+
+
+def test_resume_matches_uninterrupted_run(runs):
+    full, resumed = runs["commfuse"], runs["resume"]
+    after = [i for i, step in enumerate(resumed["steps"]) if step > 3]
+    assert [resumed["steps"][i] for i in after] == [4, 5, 6]
+    assert [resumed["losses"][i] for i in after] == full["losses"][3:]
+    assert [resumed["grad_norms"][i] for i in after] == full["grad_norms"][3:]
+    assert resumed["eval_loss"] == full["eval_loss"]
+
+
+def test_checkpoint_holds_every_ranks_shards(runs):
+    import torch.distributed.checkpoint as dcp
+
+    files = runs["commfuse"]["checkpoint_files"]
+    assert "optimizer.pt" not in files, "rank 0's optimizer shard alone must never be written"
+    assert {"commfuse", "model.safetensors", "config.json", "scheduler.pt", "trainer_state.json",
+            "rng_state_0.pth", "rng_state_1.pth"} <= set(files)
+    meta = dcp.FileSystemReader(str(runs["dir"] / "run-commfuse" / "checkpoint-3" / "commfuse")).read_metadata()
+    assert len({item.relative_path for item in meta.storage_data.values()}) == 2, "both ranks should write shards"
+    names = {n for n, _ in hf_models.build("llama").named_parameters()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        saved = {k[len("optimizer_0.state."):-len(key) - 1] for k in meta.state_dict_metadata
+                 if k.startswith("optimizer_0.state.") and k.endswith("." + key)}
+        assert saved == names, f"optimizer {key} should be saved for every parameter"
+
+
+@pytest.mark.parametrize("folder", ["final", "checkpoint-3"])
+def test_saved_model_reloads_in_one_process(runs, folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(runs["dir"] / "run-commfuse" / folder)).eval()
+    if folder == "final":
+        with torch.no_grad():
+            logits = model(**hf_models.batch(0, 99)).logits
+        torch.testing.assert_close(logits, torch.tensor(runs["commfuse"]["logits"]), rtol=1e-5, atol=1e-6)
+    else:   # the step-3 weights differ from the final ones
+        final = AutoModelForCausalLM.from_pretrained(str(runs["dir"] / "run-commfuse" / "final"))
+        assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), final.parameters()))
 
 
 # ---- refusals (in-process, no launch) ----------------------------------------------------------------------
@@ -115,7 +162,7 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("kw, word", [({"fsdp": ["full_shard"]}, "fsdp"), ({"deepspeed": "ds.json"}, "deepspeed"),
-                                      ({"save_strategy": "steps"}, "save_strategy='no'")])
+                                      ({"save_strategy": "steps"}, "not called by a Trainer")])
 def test_refuses_fsdp_and_deepspeed(kw, word):
     from commfuse_dp import CommFuseConfig
 

@@ -1,8 +1,10 @@
 """One rank of a real ``transformers.Trainer`` run, launched by tests/test_trainer_callback.py through torchrun.
 
-    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_JSON {commfuse|ddp}
+    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_JSON {commfuse|ddp|resume}
 
-Same seeds and data in both modes; rank 0 writes the per-step losses, eval_loss and what the model looked like.
+Same seeds and data in every mode; rank 0 writes the per-step losses, eval_loss and what the model looked like.
+commfuse also saves a checkpoint every 3 steps and, at the end, trainer.save_model() into run-commfuse/final plus
+the logits of a fixed batch; resume is a fresh commfuse Trainer resumed from run-commfuse/checkpoint-3.
 """
 
 import json
@@ -41,15 +43,17 @@ def main(out: str, mode: str) -> None:
 
     torch.set_num_threads(1)
     model = hf_models.build("llama", seed=0)
+    run_dir = os.path.join(os.path.dirname(out), "run-commfuse" if mode == "resume" else f"run-{mode}")
+    saving = {"save_strategy": "steps", "save_steps": 3} if mode != "ddp" else {"save_strategy": "no"}
     args = TrainingArguments(
-        output_dir=os.path.join(os.path.dirname(out), f"run-{mode}"), use_cpu=True, report_to=[],
+        output_dir=run_dir, use_cpu=True, report_to=[], **saving,
         per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
         max_grad_norm=1.0, optim="adamw_torch", learning_rate=1e-2, max_steps=6, logging_steps=1,
-        save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
         lr_scheduler_type="constant",
         # No padding of the last eval batch: rank 1 evaluates a batch of 1 at the end (11 samples, 2 ranks x 2).
         accelerator_config={"even_batches": False})
-    callbacks = [CommFuseCallback(CommFuseConfig(min_fuse_numel=0))] if mode == "commfuse" else []
+    callbacks = [CommFuseCallback(CommFuseConfig(min_fuse_numel=0))] if mode != "ddp" else []
     # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 48 samples for 6 steps.
     # Eval: 11 samples over 2 ranks x 2 per device, so the last batch is short.
     trainer = Trainer(model=model, args=args, train_dataset=Synthetic(48, seed=1),
@@ -66,7 +70,14 @@ def main(out: str, mode: str) -> None:
             no_sync_calls[0] += 1
             return inner()
         target.no_sync = counting_no_sync
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.path.join(run_dir, "checkpoint-3") if mode == "resume" else None)
+    extra = {}
+    if mode == "commfuse":
+        trainer.save_model(os.path.join(run_dir, "final"))
+        trainer.model.eval()
+        with torch.no_grad():
+            extra["logits"] = trainer.model(**hf_models.batch(0, 99)).logits.tolist()
+        extra["checkpoint_files"] = sorted(os.listdir(os.path.join(run_dir, "checkpoint-3")))
     eval_sizes = []
     hook = trainer.model.register_forward_pre_hook(
         lambda mod, args, kwargs: eval_sizes.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
@@ -87,7 +98,7 @@ def main(out: str, mode: str) -> None:
                                                for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")),
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
                 "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
-                "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes,
+                "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes, **extra,
             }, f, indent=1)
 
 
