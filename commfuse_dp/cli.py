@@ -2,6 +2,8 @@
 
     commfuse-dp bench [--quick] [--json PATH]   schedules compared on the emulated cluster (needs root)
     commfuse-dp plan  [--model ...]             predicted step time of the schedules on a real cluster
+    commfuse-dp launch --config_file accel.yaml train.py ARGS
+                                                accelerate launch with a commfuse: block: unchanged scripts shard
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 COMMANDS = {
     "bench": ("commfuse_dp.benchmarks.bench", "compare the schedules on the emulated cluster (root)"),
     "plan": ("commfuse_dp.plan", "predict step time, exposed communication and MFU on a real cluster"),
+    "launch": ("commfuse_dp.launch", "accelerate launch with a commfuse: config block (unchanged scripts)"),
 }
 
 

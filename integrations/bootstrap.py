@@ -1,0 +1,152 @@
+"""Worker entry point of ``commfuse-dp launch``: turns commfuse on for an unchanged script, then runs it.
+
+    python -m commfuse_dp.integrations.bootstrap SCRIPT.py [ARGS...]
+    python -m commfuse_dp.integrations.bootstrap -m MODULE [ARGS...]
+
+``commfuse-dp launch`` starts every worker this way (accelerate launch's ``--module`` option, or
+``torch.distributed.run -m`` on CPU). Without ``COMMFUSE_ENABLE=1`` (also true/yes/on) in the environment it only
+runs the script. With it, before the script runs:
+
+1. The config is read from the ``COMMFUSE_*`` variables (``CommFuseConfig.from_env()``); a wrong one stops the
+   worker here with one line and exit status 2.
+2. ``accelerate.Accelerator`` becomes ``commfuse_dp.integrations.accelerate.CommFuseAccelerator`` (a subclass;
+   with no ``commfuse=`` argument it reads the same variables): the attribute is replaced on the ``accelerate``
+   package and on every already imported ``accelerate.*`` module that holds the original class under that name
+   (``accelerate.accelerator``). So ``from accelerate import Accelerator; Accelerator()`` in the script, run
+   afterwards, builds a CommFuseAccelerator.
+3. When ``transformers.trainer`` is imported (now or later: an import hook on that one module, so that scripts
+   without a Trainer do not pay for importing it), ``CommFuseCallback`` (the class) is appended to
+   ``transformers.trainer.DEFAULT_CALLBACKS``, the list every ``Trainer.__init__`` starts its callbacks from
+   (transformers 5.23, ``Trainer.__init__``: ``default_callbacks = DEFAULT_CALLBACKS + ...``;
+   ``CallbackHandler.add_callback`` instantiates a class, so each Trainer gets its own ``CommFuseCallback()``,
+   which reads the ``COMMFUSE_*`` variables). That module's own ``Accelerator`` name is set back to accelerate's
+   original class: a Trainer is sharded by the callback, not by a CommFuseAccelerator as well.
+4. The script runs as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT.py ARGS``
+   would set them; ``-m``: as ``python -m MODULE ARGS``).
+
+A script that passes its own ``CommFuseCallback`` to a Trainer gets a second one from the defaults; the default one
+shards first (with the launch config) and the script's then finds the model sharded and leaves it.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import runpy
+import sys
+
+_ENABLE = "COMMFUSE_ENABLE"
+_TRUE = ("1", "true", "yes", "on")
+_TRAINER_MODULE = "transformers.trainer"
+_original_accelerator: type | None = None  # accelerate's own class, once install_accelerator() replaced it
+
+
+def enabled(environ=None) -> bool:
+    return (os.environ if environ is None else environ).get(_ENABLE, "").strip().lower() in _TRUE
+
+
+def install_accelerator() -> type:
+    """Step 2: ``accelerate.Accelerator`` (and ``accelerate.*`` modules holding it) -> ``CommFuseAccelerator``."""
+    import accelerate
+    import accelerate.accelerator
+
+    from commfuse_dp.integrations.accelerate import CommFuseAccelerator
+
+    global _original_accelerator
+    original = accelerate.accelerator.Accelerator
+    if original is CommFuseAccelerator:
+        return _original_accelerator or original
+    for name, module in list(sys.modules.items()):
+        if (name == "accelerate" or name.startswith("accelerate.")) and module is not None \
+                and vars(module).get("Accelerator") is original:
+            module.Accelerator = CommFuseAccelerator
+    _original_accelerator = original
+    return original
+
+
+def _patch_trainer_module(module) -> None:
+    from commfuse_dp.integrations.transformers import CommFuseCallback
+
+    if CommFuseCallback not in module.DEFAULT_CALLBACKS:
+        module.DEFAULT_CALLBACKS.append(CommFuseCallback)
+    if _original_accelerator is not None and "Accelerator" in vars(module):
+        module.Accelerator = _original_accelerator  # the Trainer keeps accelerate's Accelerator; the callback shards
+
+
+class _RunAfterExec:
+    """Loader wrapper: the real loader executes the module, then ``after(module)`` runs."""
+
+    def __init__(self, loader, after) -> None:
+        self._loader, self._after = loader, after
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._after(module)
+
+
+class _TrainerHook:
+    """``sys.meta_path`` finder that patches ``transformers.trainer`` right after its first import."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TRAINER_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _RunAfterExec(spec.loader, _patch_trainer_module)
+        return spec
+
+
+def install_trainer_callback() -> None:
+    """Step 3: every ``transformers.Trainer`` starts with a ``CommFuseCallback`` (see the module docstring)."""
+    module = sys.modules.get(_TRAINER_MODULE)
+    if module is not None:
+        _patch_trainer_module(module)
+    elif not any(isinstance(f, _TrainerHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TrainerHook())
+
+
+def _usage() -> str:
+    return ("usage: python -m commfuse_dp.integrations.bootstrap SCRIPT.py [ARGS...] | -m MODULE [ARGS...] "
+            "(started by `commfuse-dp launch`; see `commfuse-dp launch --help`)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
+        print(_usage(), file=sys.stderr if not argv else sys.stdout)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if enabled():
+        from commfuse_dp.config import CommFuseConfig
+
+        try:
+            CommFuseConfig.from_env()
+        except ValueError as e:
+            print(f"commfuse_dp bootstrap: {' '.join(str(e).split())}", file=sys.stderr)
+            raise SystemExit(2) from None
+        install_accelerator()
+        if importlib.util.find_spec("transformers") is not None:
+            install_trainer_callback()
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy sets sys.argv[0] to the module's file
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        if not os.path.isfile(script):
+            print(f"commfuse_dp bootstrap: {script}: no such file", file=sys.stderr)
+            raise SystemExit(2)
+        sys.argv = [script, *argv[1:]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""A plain ``transformers.Trainer`` script that knows nothing of commfuse (no callback, no commfuse import).
+
+    torchrun --nproc_per_node 2 tests/launch_trainer_script.py OUT_JSON            (DDP; ACCELERATE_USE_CPU=true)
+    commfuse-dp launch --config_file accel.yaml tests/launch_trainer_script.py OUT_JSON
+
+tests/test_launch.py runs it both ways and compares. Rank 0 writes the per-step losses and what the model, the
+optimizer and the Trainer looked like. CPU comes from the environment (ACCELERATE_USE_CPU), not from the script.
+"""
+
+import json
+import sys
+
+import hf_models  # tests/ is sys.path[0]: the script's own folder
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+
+class Synthetic(Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    model = hf_models.build("gpt2", seed=0)
+    args = TrainingArguments(
+        output_dir=out + ".run", report_to=[], per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_grad_norm=1.0, optim="adamw_torch", learning_rate=1e-2, max_steps=4, logging_steps=1,
+        save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        lr_scheduler_type="constant")
+    # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 32 samples for 4 steps.
+    trainer = Trainer(model=model, args=args, train_dataset=Synthetic(32, seed=1))
+    trainer.train()
+    params = list(trainer.model.parameters())
+    if trainer.args.process_index == 0:
+        logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
+        with open(out, "w") as f:
+            json.dump({
+                "world_size": trainer.args.world_size,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "accelerator_class": type(trainer.accelerator).__name__,
+                "callbacks": [type(cb).__name__ for cb in trainer.callback_handler.callbacks],
+                "model_type": type(trainer.model_wrapped).__name__,
+                "param_types": sorted({type(p.data).__name__ for p in params}),
+                "optimizer_state_types": sorted({type(v).__name__ for s in trainer.optimizer.state.values()
+                                                 for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}),
+                "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
+                "steps": [e["step"] for e in logs], "logs": logs,
+            }, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
