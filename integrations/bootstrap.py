@@ -24,8 +24,9 @@ runs the script. With it, before the script runs:
 4. The script runs as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT.py ARGS``
    would set them; ``-m``: as ``python -m MODULE ARGS``).
 
-A script that passes its own ``CommFuseCallback`` to a Trainer gets a second one from the defaults; the default one
-shards first (with the launch config) and the script's then finds the model sharded and leaves it.
+A script that passes its own ``CommFuseCallback`` to a Trainer gets a second one from the defaults; the one the script
+passed with a config wins and the default one does nothing (``CommFuseCallback._defer``; a warning when their configs
+differ).
 """
 
 from __future__ import annotations

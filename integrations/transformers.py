@@ -185,12 +185,34 @@ class CommFuseCallback(TrainerCallback):
     """
 
     def __init__(self, cfg: CommFuseConfig | None = None) -> None:
+        self.explicit = cfg is not None
         self.cfg = cfg if cfg is not None else CommFuseConfig.from_env()
+        self.inert = False    # another CommFuseCallback of the same Trainer does the work (see _defer)
         self.model = None
         self._window: dict[str, float] = {}   # the accumulation window running now, summed over micro-batches
         self._last_window: dict[str, float] | None = None   # the last finished optimizer step
 
+    def _defer(self, trainer: Trainer | None) -> bool:
+        """Two CommFuseCallbacks on one Trainer (``commfuse-dp launch`` adds one to every Trainer, and the script
+        passed its own): the one given a config explicitly wins, else the first; the other does nothing."""
+        if trainer is None:
+            return False
+        callbacks = list(trainer.callback_handler.callbacks)
+        mine = callbacks.index(self)
+        for i, other in enumerate(callbacks):
+            if not isinstance(other, CommFuseCallback) or other is self:
+                continue
+            if (other.explicit and not self.explicit) or (other.explicit == self.explicit and i < mine):
+                if other.cfg != self.cfg:
+                    logger.warning("CommFuseCallback: this Trainer has two CommFuseCallbacks with different configs; "
+                                   "the one %s is used", "passed to the Trainer" if other.explicit else "listed first")
+                return True
+        return False
+
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        if self._defer(_find_trainer(self)):
+            self.inert = True
+            return control
         if model is None:
             raise ValueError("CommFuseCallback: the Trainer has no model to shard; pass model=... to Trainer "
                              "(model_init= is not supported with CommFuseCallback)")
@@ -235,20 +257,28 @@ class CommFuseCallback(TrainerCallback):
             self._window[key] = self._window.get(key, 0) + stats[key]
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.inert:
+            return control
         self._window = {}
         return control
 
     def on_substep_end(self, args, state, control, model=None, **kwargs):
+        if self.inert:
+            return control
         self._add_micro_batch(model)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.inert:
+            return control
         self._add_micro_batch(model)
         if self._window:
             self._last_window, self._window = self._window, {}
         return control
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if self.inert:
+            return control
         if logs is None or "loss" not in logs or self._last_window is None:
             return control
         figures = {f"commfuse/{key}": self._last_window[key] for key in _STAT_KEYS}

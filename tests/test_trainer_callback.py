@@ -198,3 +198,17 @@ def test_refuses_without_process_group():
     cb = _integration()(CommFuseConfig())
     with pytest.raises(RuntimeError, match="torchrun"):
         cb.on_init_end(_args(), None, None, model=torch.nn.Linear(2, 2))
+
+
+def test_two_callbacks_on_one_trainer_only_one_acts():
+    """commfuse-dp launch adds a CommFuseCallback() to every Trainer; a script's own CommFuseCallback(cfg) wins."""
+    from commfuse_dp import CommFuseConfig
+
+    cls = _integration()
+    default, explicit = cls(), cls(CommFuseConfig(bucket_mb=5))
+    trainer = types.SimpleNamespace(callback_handler=types.SimpleNamespace(callbacks=[object(), default, explicit]))
+    assert default._defer(trainer) and not explicit._defer(trainer)
+    first, second = cls(CommFuseConfig()), cls(CommFuseConfig())
+    trainer.callback_handler.callbacks = [first, second]
+    assert not first._defer(trainer) and second._defer(trainer)
+    assert not cls()._defer(None)
