@@ -340,9 +340,18 @@ def _install(model: nn.Module, steps: StepState) -> None:
         if steps.begin_step() and fsdp_reset is not None:  # the previous step raised: FSDP2's part too
             fsdp_reset()
 
+    fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
     @torch.compiler.disable
     def end_forward(module, args, output) -> None:
         steps.end_forward()
+        if not torch.is_grad_enabled():
+            # No backward follows a no-grad forward (eval), so FSDP2 would leave the root unit (and any unit with
+            # reshard_after_forward=False) unsharded, its plain full tensors registered as the module's
+            # parameters until the next backward ends. An optimizer built in between (the Trainer builds it in
+            # train(), after an evaluate()) would then hold those stale tensors and never update the shards.
+            for unit in fsdp_units:
+                unit.reshard()
 
     def reset_iter_state() -> None:
         """After an exception aborted a forward or backward: drop the step's in-flight ring steps, deferred

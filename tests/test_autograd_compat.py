@@ -184,3 +184,25 @@ def _tied_hook_worker(rank, world_size, schedule):
 @pytest.mark.parametrize("schedule", ["fused", "slicing"])
 def test_tied_table_hook_runs_once(schedule):
     run_ranks(_tied_hook_worker, 2, (schedule,))
+
+
+def _eval_then_optimizer_worker(rank, world_size, min_fuse_numel):
+    """The Trainer's order: evaluate() (a no-grad forward), then build the optimizer, then train."""
+    model = _stack()
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=min_fuse_numel))
+    with torch.no_grad():
+        model(_data(rank, step=9))
+    # every registered parameter must be the sharded one again, not FSDP2's unsharded full tensor
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    (model(_data(rank)).pow(2).sum()).backward()
+    opt.step()
+    ref = _reference_grads(world_size)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), before[n] - 0.1 * ref[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("min_fuse_numel", [0, 1 << 30], ids=["fused", "fsdp2-units"])
+def test_optimizer_built_after_a_no_grad_forward_updates_the_shards(min_fuse_numel):
+    run_ranks(_eval_then_optimizer_worker, 2, (min_fuse_numel,))
