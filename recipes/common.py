@@ -51,6 +51,16 @@ def check_batches(split: str, samples: int, world_size: int, per_device: int, ac
     return per_rank
 
 
+def commfuse_config(path: str | None):
+    """The CommFuseConfig of a YAML file (flat, or a commfuse: block), else of the COMMFUSE_* variables."""
+    from commfuse_dp import CommFuseConfig
+
+    try:
+        return CommFuseConfig.from_yaml(path) if path else CommFuseConfig.from_env()
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"commfuse config{f' {path}' if path else ' (COMMFUSE_* variables)'}: {exc}") from None
+
+
 def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
