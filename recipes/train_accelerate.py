@@ -1,0 +1,222 @@
+"""The causal-LM fine-tune of finetune_clm.py as a plain accelerate training loop.
+
+    # Unchanged accelerate script, commfuse from the config file's commfuse: block (2 CPU processes):
+    commfuse-dp launch --config_file recipes/configs/accelerate_cpu_commfuse.yaml \\
+        recipes/train_accelerate.py --output_dir runs/accel
+    # CommFuseAccelerator in code instead (--commfuse), launched by torchrun:
+    torchrun --nproc_per_node 2 recipes/train_accelerate.py --commfuse --output_dir runs/accel
+    # Plain accelerate (DDP), for comparison:
+    torchrun --nproc_per_node 2 recipes/train_accelerate.py --output_dir runs/accel-ddp
+    # One process:
+    python recipes/train_accelerate.py --output_dir runs/accel-1proc
+    # Installed (no checkout): -m commfuse_dp.recipes.train_accelerate instead of the path
+
+Same embedded default and data options as finetune_clm.py (``--model``, ``--data``, ...). The loop uses
+``accelerator.accumulate``, ``backward``, ``clip_grad_norm_``, ``gather_for_metrics``, a tqdm bar on rank 0,
+``save_state`` every ``--save_steps`` (``--resume_from`` a saved state folder continues from it), and writes what
+finetune_clm.py writes: ``model/`` (consolidated, with the tokenizer), ``loss.png``, ``timeline.png``,
+``trace.json`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from commfuse_dp.recipes import common
+from commfuse_dp.recipes.finetune_clm import ClmArguments, load_model_and_tokenizer, read_corpus, tokenize
+
+
+@dataclass
+class LoopArguments(ClmArguments):
+    output_dir: str = field(default="runs/accel", metadata={"help": "where the model, figures and states go"})
+    commfuse: bool = field(default=False, metadata={
+        "help": "use CommFuseAccelerator in code (config from --commfuse_config or COMMFUSE_*); without it the "
+                "script is a plain accelerate script, sharded only when launched by commfuse-dp launch"})
+    max_steps: int = field(default=60, metadata={"help": "optimizer steps"})
+    per_device_train_batch_size: int = field(default=4)
+    per_device_eval_batch_size: int = field(default=4)
+    gradient_accumulation_steps: int = field(default=1)
+    learning_rate: float = field(default=2e-3)
+    max_grad_norm: float = field(default=1.0)
+    logging_steps: int = field(default=5)
+    save_steps: int = field(default=0, metadata={"help": "save_state every N steps (0: never)"})
+    resume_from: str | None = field(default=None, metadata={"help": "a save_state folder to continue from"})
+    mixed_precision: str = field(default="no", metadata={"help": "no | bf16 | fp16 (accelerate's)"})
+    seed: int = field(default=0)
+
+
+def _accelerator(args: LoopArguments, cfg):
+    from accelerate import Accelerator
+
+    kwargs = {"gradient_accumulation_steps": args.gradient_accumulation_steps}
+    if args.mixed_precision != "no":
+        kwargs["mixed_precision"] = args.mixed_precision
+    if args.commfuse:
+        from commfuse_dp.integrations.accelerate import CommFuseAccelerator
+
+        return CommFuseAccelerator(commfuse=cfg, **kwargs)
+    if not torch.cuda.is_available():
+        kwargs["cpu"] = True
+    return Accelerator(**kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(LoopArguments, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(
+        args=argv)
+    rank, world = common.world()
+    try:
+        if args.resume_from is None:
+            common.check_output_dir(args.output_dir, args.overwrite_output_dir)
+        elif not os.path.isdir(args.resume_from):
+            raise common.RecipeError(f"--resume_from {args.resume_from} is not a folder")
+        docs, source = read_corpus(args)
+        model, tokenizer, model_source = load_model_and_tokenizer(args, docs)
+        train, evaluation = tokenize(docs, tokenizer, args.block_size, args.eval_fraction)
+        common.check_batches("training", len(train), world, args.per_device_train_batch_size,
+                             args.gradient_accumulation_steps)
+        common.check_batches("evaluation", len(evaluation), world, args.per_device_eval_batch_size)
+        cfg = common.commfuse_config(args.commfuse_config) if args.commfuse else None
+    except common.RecipeError as exc:
+        common.fail(str(exc))
+    return run(args, model, tokenizer, train, evaluation, cfg, {"data": source, "model": model_source})
+
+
+def evaluate(accelerator, model, loader) -> float:
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for batch in loader:
+            loss = model(**batch).loss
+            losses.append(accelerator.gather_for_metrics(loss.detach().reshape(1)))
+    model.train()
+    return float(torch.cat(losses).mean())
+
+
+def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
+    from tqdm.auto import tqdm
+
+    import commfuse_dp as cf
+    from commfuse_dp.stats import record_timeline
+
+    torch.manual_seed(args.seed)
+    accelerator = _accelerator(args, cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)       # before prepare: re-pointed
+    # linear decay; accelerate steps a prepared scheduler once per process for every optimizer step
+    total = args.max_steps * accelerator.num_processes + 1
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total))
+    # In order (no shuffling): the data position after a resume is the number of batches consumed.
+    train_loader = torch.utils.data.DataLoader(train, batch_size=args.per_device_train_batch_size)
+    eval_loader = torch.utils.data.DataLoader(evaluation, batch_size=args.per_device_eval_batch_size)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+    sharded = getattr(model, "_commfuse_engine", None) is not None
+    accelerator.print(f"{type(accelerator).__name__}, {accelerator.num_processes} process(es), "
+                      f"{'commfuse-sharded' if sharded else 'not sharded'} model")
+    step = 0
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+        step = _saved_step(args.resume_from)
+    before = evaluate(accelerator, model, eval_loader)
+    history: list[dict] = []
+    timeline = None
+    bar = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="training")
+    tokens = window_tokens = 0
+    window_start, window_losses, window_exposed = time.perf_counter(), [], []
+    skip = (step * args.gradient_accumulation_steps) % len(train_loader)
+    while step < args.max_steps:
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        skip = 0
+        for batch in batches:
+            recording = record_timeline() if step + 1 == args.timeline_step and timeline is None else None
+            events = recording.__enter__() if recording is not None else None
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window_losses.append(loss.detach())
+            window_tokens += batch["input_ids"].numel() * accelerator.num_processes
+            if sharded:
+                window_exposed.append(cf.step_stats(model).exposed_comm_s)
+            if recording is not None:
+                recording.__exit__(None, None, None)
+                timeline = _gather(accelerator, events.events)
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % args.logging_steps == 0 or step == args.max_steps:
+                mean = float(accelerator.gather_for_metrics(torch.stack(window_losses).mean().reshape(1)).mean())
+                now = time.perf_counter()
+                entry = {"step": step, "loss": mean, "learning_rate": scheduler.get_last_lr()[0],
+                         "tokens_per_s": window_tokens / (now - window_start)}
+                if window_exposed:
+                    entry["commfuse/exposed_comm_s"] = sum(window_exposed) / len(window_exposed)
+                history.append(entry)
+                if accelerator.is_main_process:
+                    bar.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in entry.items()}))
+                tokens += window_tokens
+                window_start, window_tokens, window_losses, window_exposed = now, 0, [], []
+            if args.save_steps and step % args.save_steps == 0:
+                folder = os.path.join(args.output_dir, f"state-{step}")
+                accelerator.save_state(folder)
+                if accelerator.is_main_process:
+                    with open(os.path.join(folder, "step.json"), "w") as f:
+                        json.dump({"step": step}, f)
+            if step >= args.max_steps:
+                break
+    bar.close()
+    after = evaluate(accelerator, model, eval_loader)
+    model_dir = os.path.join(args.output_dir, "model")
+    state = accelerator.get_state_dict(model)          # every rank: gathered onto rank 0 for a sharded model
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(model_dir, state_dict=state)
+        tokenizer.save_pretrained(model_dir)
+        history.append({"step": step, "eval_loss": after})
+        paths = common.write_figures(args.output_dir, history, timeline,
+                                     f"train_accelerate: {accelerator.num_processes} process(es)")
+        summary = {**info, "world_size": accelerator.num_processes, "accelerator": type(accelerator).__name__,
+                   "sharded": sharded, "eval_loss_before": before, "eval_loss_after": after,
+                   "train_losses": [e["loss"] for e in history if "loss" in e], "steps": step,
+                   "tokens_per_s": common.mean_recent(history, "tokens_per_s", 10),
+                   "exposed_comm_s": common.mean_recent(history, "commfuse/exposed_comm_s", 10),
+                   "model_dir": model_dir, **paths,
+                   "generate": f"python -m commfuse_dp.recipes.generate {model_dir} --prompt \"The assert statement\""}
+        common.write_summary(args.output_dir, summary)
+        print(json.dumps(summary, indent=1))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+def _saved_step(folder: str) -> int:
+    path = os.path.join(folder, "step.json")
+    if not os.path.isfile(path):
+        common.fail(f"--resume_from {folder} has no step.json (not a state saved by this recipe)")
+    with open(path) as f:
+        return int(json.load(f)["step"])
+
+
+def _gather(accelerator, events: list[dict]) -> list[list[dict]]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [events]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, events)
+    return gathered
+
+
+if __name__ == "__main__":
+    sys.exit(main())
