@@ -89,13 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     print(f"commfuse-dp demo: {' '.join(recipe[1:])}", flush=True)
     began = time.perf_counter()
-    output: list[str] = []
-    with subprocess.Popen(recipe, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as proc:
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            output.append(line)
+    chunks: list[bytes] = []
+    with subprocess.Popen(recipe, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        # raw bytes, as they come: the progress bar's carriage returns reach the terminal unchanged
+        while chunk := proc.stdout.read1(65536):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            chunks.append(chunk)
         code = proc.wait()
+    output = b"".join(chunks).decode("utf-8", "replace").splitlines(keepends=True)
     elapsed = time.perf_counter() - began
     summary_path = os.path.join(args.output_dir, "summary.json")
     if code != 0 or not os.path.isfile(summary_path):
