@@ -40,6 +40,10 @@ def main(out: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=Synthetic(32, seed=1))
     trainer.train()
     params = list(trainer.model.parameters())
+    trainer.save_model(out + ".model")           # every rank, as the Trainer's own checkpoints do
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(**hf_models.batch(0, 99)).logits.tolist()
     if trainer.args.process_index == 0:
         logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
         with open(out, "w") as f:
@@ -53,7 +57,7 @@ def main(out: str) -> None:
                 "optimizer_state_types": sorted({type(v).__name__ for s in trainer.optimizer.state.values()
                                                  for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}),
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
-                "steps": [e["step"] for e in logs], "logs": logs,
+                "steps": [e["step"] for e in logs], "logs": logs, "logits": logits,
             }, f, indent=1)
 
 

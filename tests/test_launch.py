@@ -23,6 +23,8 @@ pytest.importorskip("transformers")
 
 from commfuse_dp import CommFuseConfig, launch
 
+import hf_models  # noqa: E402  (tests/ is on sys.path: conftest)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TRAINER_SCRIPT = os.path.join(HERE, "launch_trainer_script.py")
@@ -243,7 +245,7 @@ def _plain_launch(script: str, out) -> subprocess.CompletedProcess:
 
 
 def _run_pair(tmp_path, script: str) -> dict:
-    results = {}
+    results = {"dir": tmp_path}
     for mode, run in (("commfuse", lambda out: _commfuse_launch(tmp_path, script, out)),
                       ("plain", lambda out: _plain_launch(script, out))):
         out = tmp_path / f"{mode}.json"
@@ -281,6 +283,16 @@ def test_unchanged_trainer_script_losses_match_ddp(trainer_runs):
     assert cf["steps"] == plain["steps"] == [1, 2, 3, 4]
     torch.testing.assert_close(torch.tensor(cf["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(cf["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-4, atol=0)
+
+
+def test_unchanged_trainer_script_saves_a_model_that_reloads(trainer_runs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(trainer_runs["dir"] / "commfuse.json.model")).eval()
+    with torch.no_grad():
+        logits = model(**hf_models.batch(0, 99)).logits
+    torch.testing.assert_close(logits, torch.tensor(trainer_runs["commfuse"]["logits"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, torch.tensor(trainer_runs["plain"]["logits"]), rtol=1e-4, atol=1e-5)
 
 
 def test_unchanged_accelerate_script_is_sharded(accelerate_runs):
