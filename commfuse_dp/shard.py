@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from . import lockstep
-from .checks import check_ranks_agree
+from .checks import check_not_deepspeed, check_ranks_agree
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .engine import Engine
@@ -66,6 +66,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     config = config if config is not None else CommFuseConfig()
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
+    check_not_deepspeed(model)  # ZeRO-3 / a DeepSpeed engine shards it already (checks.py)
     device = _single_device(model)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
