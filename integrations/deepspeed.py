@@ -1,10 +1,10 @@
 """DeepSpeed ZeRO-1/2/3 with commfuse's ring collectives: ``enable_ring_collectives(engine)``.
 
-What changes in a user's script: one call after ``deepspeed.initialize`` (and, optionally, a ``"commfuse"``
-section in the DeepSpeed JSON)::
+What changes in a user's script: one call after ``deepspeed.initialize``, one at the end (and, optionally, a
+``"commfuse"`` section in the DeepSpeed JSON)::
 
     import deepspeed
-    from commfuse_dp.integrations.deepspeed import enable_ring_collectives
+    from commfuse_dp.integrations.deepspeed import enable_ring_collectives, shutdown
 
     ds_config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -21,12 +21,18 @@ section in the DeepSpeed JSON)::
         engine.backward(loss)
         engine.step()
     print(rings.stats.as_dict())   # calls and elements that went through the rings, per collective
-    rings.disable()                # optional: DeepSpeed's own backend again (also: ``with enable_ring_collectives(engine):``)
+    shutdown(rings)                # at the end, on every rank: DeepSpeed's backend back, groups destroyed
+
+``rings.disable()`` alone puts DeepSpeed's own backend back (``with enable_ring_collectives(engine):`` too).
+``shutdown`` also avoids an abort at interpreter exit that torch's gloo backend can cause after the work is done
+([Note: the abort at exit] in :func:`drain_gloo_workers`; enabling the rings registers the same drain at exit, so
+a script that just ends is covered too, short of the group destruction).
 
 With the Hugging Face ``Trainer`` nothing else changes either: keep ``TrainingArguments(deepspeed=ds_config)`` and
 pass ``callbacks=[CommFuseCallback()]`` (``commfuse_dp.integrations.transformers``); with DeepSpeed the callback
 does not shard the model itself, it switches DeepSpeed's collectives to the rings at ``on_train_begin``
-(:func:`attach_to_trainer_callback`).
+(:func:`attach_to_trainer_callback`) and leaves them on for ``evaluate()`` and ``save_model()`` after training
+(``trainer.save_model`` with ZeRO-3 gathers the weights through the rings); ``callback.rings`` is the handle.
 
 How (checked in deepspeed 0.19.8): every ``deepspeed.comm`` function calls the backend object
 ``deepspeed.comm.comm.cdb`` (a ``TorchBackend``) at call time (``global cdb; return cdb.<op>(...)``); nothing in
@@ -55,8 +61,8 @@ The data-parallel groups are the engine's ``data_parallel_group`` and ``seq_data
 optimizer's ``dp_process_group`` and, for ZeRO-3, every parameter's ``ds_process_group`` (without a model-parallel
 ``mpu`` that is the world group itself: ``zero.Init`` uses ``dist.get_world_group()``). Calls on any other group
 (expert, model or pipeline parallel groups) and every other collective go to DeepSpeed's backend unchanged. A
-routed call that the rings cannot serve (a non-contiguous tensor, CPU tensors on a non-gloo group, a group of one
-rank) is passed to DeepSpeed's backend as well and counted in ``stats.passed``.
+routed call that the rings cannot serve (a non-contiguous tensor, CPU tensors on a non-gloo group or CUDA tensors
+on a non-NCCL one, a group of one rank) is passed to DeepSpeed's backend as well and counted in ``stats.passed``.
 
 Numerics: the ring reduce-scatter sums in ring order, so results may differ from gloo's/NCCL's by float rounding
 (with 2 ranks a sum of two values does not depend on order: the tests see equal losses).
@@ -281,6 +287,8 @@ class _RingBackend:
             backend = str(dist.get_backend(pg))
             if device == "cpu" and "gloo" not in backend:
                 reason = f"cpu tensor on a {backend} group"
+            elif device == "cuda" and "nccl" not in backend:
+                reason = f"cuda tensor on a {backend} group"
             elif device not in ("cpu", "cuda"):
                 reason = f"{device} tensor"
         if reason is not None:

@@ -84,9 +84,10 @@ class CommFuseCallback(TrainerCallback):
         if getattr(args, "fsdp", None):
             raise ValueError("CommFuseCallback shards the model itself: remove `fsdp` / `fsdp_config` from the "
                              "TrainingArguments, or drop CommFuseCallback to use accelerate's FSDP")
-        if getattr(args, "deepspeed", None):
-            raise ValueError("CommFuseCallback shards the model itself: remove `deepspeed` from the "
-                             "TrainingArguments, or drop CommFuseCallback to use DeepSpeed")
+        if getattr(args, "deepspeed", None):  # DeepSpeed shards; its collectives go to the rings at on_train_begin
+            from commfuse_dp.integrations.deepspeed import attach_to_trainer_callback
+
+            return attach_to_trainer_callback(self, args, model, control)
         if getattr(args.save_strategy, "value", args.save_strategy) != "no":
             raise ValueError("CommFuseCallback: saving checkpoints of a commfuse-sharded model through the Trainer "
                              "is not supported yet (it could keep only part of the sharded model and optimizer "
