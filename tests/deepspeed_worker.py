@@ -1,9 +1,10 @@
 """One rank of the DeepSpeed runs of tests/test_deepspeed_rings.py, launched by torchrun (2 CPU ranks, gloo).
 
-    torchrun --nproc_per_node 2 tests/deepspeed_worker.py OUT_JSON STAGE [STAGE ...]
+    torchrun --nproc_per_node 2 tests/deepspeed_worker.py OUT_JSON CASE [CASE ...]
 
-For each ZeRO stage, in this one process: a stock DeepSpeed run, then the same run (same model seed, same data)
-with ``enable_ring_collectives(engine)``; per step the loss of every rank, at the end the full parameters
+CASE: a ZeRO stage (1, 2, 3) or 2r (ZeRO-2, gradients reduced to their owner). For each case, in this one
+process: a stock DeepSpeed run, then the same run (same model seed, same data) with
+``enable_ring_collectives(engine)``; per step the loss of every rank, at the end the full parameters
 (gathered by DeepSpeed for ZeRO-3) compared between the two runs, what the parameters look like (ZeRO-3:
 ``ds_tensor`` partitions), and the rings' counters. Then the refusals that need a real process group and a real
 engine. Rank 0 writes everything to OUT_JSON; every rank ends with ``shutdown()`` and must exit with status 0.
@@ -26,13 +27,18 @@ STEPS = 3
 KIND = "gpt2"
 
 
-def ds_config(stage: int, commfuse: dict | None = None) -> dict:
+def ds_config(case: str | int, commfuse: dict | None = None) -> dict:
+    """``case``: the ZeRO stage, or "2r": ZeRO-2 reducing each gradient bucket to its owner (``reduce``) instead of
+    all-reducing it."""
+    stage = int(str(case)[0])
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
            "zero_optimization": {"stage": stage}}
     if stage in (1, 2):
         # Small buckets: several gradient all-reduces per step, not one.
         cfg["zero_optimization"].update(reduce_bucket_size=8000, allgather_bucket_size=8000)
+    if case == "2r":
+        cfg["zero_optimization"]["use_multi_rank_bucket_allreduce"] = False
     if stage == 3:
         # Small prefetch/bucket sizes: many parameter all-gathers, several of them in flight at once.
         cfg["zero_optimization"].update(stage3_prefetch_bucket_size=2000, reduce_bucket_size=8000,
@@ -60,7 +66,7 @@ class _null:
         return False
 
 
-def train(stage: int, rings: bool) -> dict:
+def train(case: str, rings: bool) -> dict:
     import deepspeed
 
     from commfuse_dp.integrations.deepspeed import enable_ring_collectives
@@ -71,8 +77,9 @@ def train(stage: int, rings: bool) -> dict:
     # bucket_mb from the DeepSpeed config: 4 KiB chunks, so the larger all-gathers/reductions pipeline through
     # the ring in several chunks.
     commfuse = {"bucket_mb": 1 / 256} if rings else None
+    stage = int(case[0])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, commfuse))
+                                           config=ds_config(case, commfuse))
     handle = enable_ring_collectives(engine) if rings else None
     layout = {}
     if stage == 3:
@@ -163,22 +170,22 @@ def refusals() -> dict:
     return seen
 
 
-def main(out: str, stages: list[int]) -> None:
+def main(out: str, cases: list[str]) -> None:
     import deepspeed
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     result = {"world_size": torch.distributed.get_world_size(), "stages": {}}
-    for stage in stages:
-        stock = train(stage, rings=False)
-        ring = train(stage, rings=True)
+    for case in cases:
+        stock = train(case, rings=False)
+        ring = train(case, rings=True)
         diffs = {n: (stock["params"][n] - ring["params"][n]).abs().max().item() for n in stock["params"]}
         init = hf_models.build(KIND, seed=0).state_dict()
         changed = {n: (stock["params"][n] - init[n]).abs().max().item() for n in stock["params"]}
         for run in (stock, ring):
             del run["params"]
-        result["stages"][str(stage)] = {"stock": stock, "rings": ring, "param_max_abs_diff": max(diffs.values()),
-                                        "param_max_abs_change": max(changed.values())}
+        result["stages"][case] = {"stock": stock, "rings": ring, "param_max_abs_diff": max(diffs.values()),
+                                  "param_max_abs_change": max(changed.values())}
     result["refusals"] = refusals()
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
@@ -189,4 +196,4 @@ def main(out: str, stages: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(s) for s in sys.argv[2:]])
+    main(sys.argv[1], sys.argv[2:])
