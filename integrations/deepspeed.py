@@ -73,12 +73,15 @@ mapping). Only the ring fields apply here: ``bucket_mb`` (ring bucket / chunk si
 or dead peer raises :class:`commfuse_dp.RingCommError` within it instead of hanging). Any other key is an error
 naming the key. Without either, the defaults of ``CommFuseConfig``.
 
-Refused: an engine whose model was sharded by :func:`commfuse_dp.shard` (both would shard one model), and a second
-``enable_ring_collectives`` while one is active. The other direction, ``commfuse_dp.shard`` on a DeepSpeed engine
-or on a model whose parameters ZeRO-3 partitioned, is refused by ``shard`` itself (``commfuse_dp/checks.py``).
+Refused: an engine whose model was sharded by :func:`commfuse_dp.shard` (both would shard one model; DeepSpeed
+0.19.8 itself already fails to initialise ZeRO-1 on such a model, "_apply(): Couldn't swap RingEmbedding.weight"),
+and a second ``enable_ring_collectives`` while one is active. The other direction, ``commfuse_dp.shard`` on a
+DeepSpeed engine or on a model whose parameters ZeRO-3 partitioned, is refused by ``shard`` itself
+(``commfuse_dp/checks.py``).
 
-Not covered: ZeRO++ (hpZ secondary partitions, quantized weights/gradients use all-to-all and int8 gathers that
-pass through unchanged or are left to DeepSpeed), and the NCCL path has not run on a GPU yet.
+Not tested: ZeRO++ (its int8 weight gathers on the data-parallel group would go through the rings, a byte-exact
+copy; hpZ's gathers on its intra-node group and qgZ's all-to-all stay with DeepSpeed), CPU/NVMe offload, and the
+NCCL path, which has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -414,7 +417,11 @@ def enable_ring_collectives(engine: Any = None, cfg: CommFuseConfig | Mapping[st
     ``engine``: the ``DeepSpeedEngine`` from ``deepspeed.initialize``; its config's ``"commfuse"`` section and its
     data-parallel groups are used. ``None``: DeepSpeed's default data-parallel groups (for use before
     ``deepspeed.initialize``; needs ``deepspeed.init_distributed()``). ``cfg``: a ``CommFuseConfig`` or a mapping
-    of :data:`RING_FIELDS`; it wins over the engine config's section. Call it on every rank.
+    of :data:`RING_FIELDS`; it wins over the engine config's section.
+
+    Call it on every rank of the data-parallel groups, at the same point: a rank that runs DeepSpeed's own
+    collective while its peers run the ring makes both wait, and the rings raise ``RingCommError`` after
+    ``timeout_s``.
     """
     section = None
     module = None

@@ -170,6 +170,23 @@ def refusals() -> dict:
     return seen
 
 
+def without_engine() -> dict:
+    """``enable_ring_collectives()`` before any engine: DeepSpeed's default data-parallel groups, here the world
+    and DeepSpeed's clone of it; a deepspeed.comm all-reduce on the world then runs on the rings."""
+    import deepspeed.comm as ds_dist
+
+    from commfuse_dp.integrations.deepspeed import enable_ring_collectives
+
+    with enable_ring_collectives(cfg={"bucket_mb": 1}) as handle:
+        t = torch.arange(5.0) * (torch.distributed.get_rank() + 1)
+        ds_dist.all_reduce(t)  # 5 elements over 2 ranks: padded to 6 inside the ring all-reduce
+        ds_dist.all_reduce(t, op=ds_dist.ReduceOp.MAX)  # not a sum: DeepSpeed's own collective
+        stats = handle.stats.as_dict()
+        groups = handle.group_ranks
+    return {"groups": groups, "stats": stats, "result": t.tolist(), "bucket_mb": handle.config.bucket_mb,
+            "enabled_after": handle.enabled}
+
+
 def main(out: str, cases: list[str]) -> None:
     import deepspeed
 
@@ -187,6 +204,7 @@ def main(out: str, cases: list[str]) -> None:
         result["stages"][case] = {"stock": stock, "rings": ring, "param_max_abs_diff": max(diffs.values()),
                                   "param_max_abs_change": max(changed.values())}
     result["refusals"] = refusals()
+    result["no_engine"] = without_engine()
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

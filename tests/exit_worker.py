@@ -1,12 +1,18 @@
 """One rank of a minimal run that ends right after its last collectives, for tests/test_deepspeed_rings.py.
 
-    python tests/exit_worker.py {guarded|bare} OUT_PREFIX [slow]   (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env)
+    python tests/exit_worker.py {guarded|drain|bare} OUT_PREFIX [slow]   (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env)
 
 init (gloo) + one "step": commfuse ring collectives, a burst of async gloo all-reduces waited, and one blocking
-all-reduce at the end (what a ZeRO step ends with), then ``guarded``: what ``commfuse_dp.integrations.deepspeed.shutdown()`` does
-(``drain_gloo_workers()``, then ``dist.destroy_process_group()``) and OUT_PREFIX.RANK gets the names of this
-process's native threads after it; ``bare``: nothing at all (no file either: any I/O at the end releases the GIL
-and so lets the gloo workers finish, hiding the race).
+all-reduce at the end (what a ZeRO step ends with), then by mode:
+
+- ``guarded``: what ``commfuse_dp.integrations.deepspeed.shutdown()`` does (``drain_gloo_workers()``, then
+  ``dist.destroy_process_group()``); OUT_PREFIX.RANK gets the names of this process's native threads after it;
+- ``drain``: ``drain_gloo_workers()`` alone (what a DeepSpeed run gets at exit: its engine keeps its groups alive,
+  so they cannot be destroyed);
+- ``bare``: nothing at all (no file either: I/O at the end releases the GIL and lets the gloo workers finish,
+  hiding the race).
+
+``slow``: every thread of the process on one CPU and gloo's workers at the lowest priority (``delay_gloo_workers``).
 
 Why: a gloo worker thread (``ProcessGroupGloo::runLoop``) frees a finished work after ``wait()`` has returned; the
 work's tensors have Python objects, so freeing them takes the GIL (``TensorImpl::decref_pyobject``). When the main
@@ -87,8 +93,10 @@ def main(mode: str, out_prefix: str, slow: bool) -> None:
         dist.destroy_process_group()
         with open(f"{out_prefix}.{rank}", "w") as f:
             f.write("\n".join(native_threads()))
+    elif mode == "drain":  # what a DeepSpeed run gets when its engine keeps the groups alive (no destruction)
+        drain_gloo_workers()
     elif mode != "bare":
-        raise SystemExit(f"mode must be guarded or bare, got {mode!r}")
+        raise SystemExit(f"mode must be guarded, drain or bare, got {mode!r}")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,15 @@ def test_refusals_with_a_real_engine(ds):
     assert "'schedule' configures commfuse_dp.shard()" in seen["non_ring_key"]
 
 
+def test_enable_before_any_engine_routes_the_default_groups(ds):
+    run = ds["no_engine"]
+    assert len(run["groups"]) == 2 and all(ranks == [0, 1] for ranks in run["groups"])  # world + DeepSpeed's clone
+    assert run["stats"]["calls"] == {"all_reduce": 1} and run["stats"]["numel"] == {"all_reduce": 5}
+    assert run["stats"]["passed"] == {"all_reduce: op max": 1}
+    assert run["result"] == [3.0 * i for i in range(5)]  # rank 0's (1x) + rank 1's (2x), then max of equal values
+    assert run["bucket_mb"] == 1.0 and run["enabled_after"] is False
+
+
 # ---- launch 2: Trainer + DeepSpeed + CommFuseCallback ---------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -224,16 +233,18 @@ def test_no_abort_at_exit_after_shutdown(tmp_path):
     scripts ending with a burst of all-reduces aborted in 6 of 40 launches while the machine was loaded, in 0 of 40
     when it was not. tests/exit_worker.py (init + one step: commfuse rings, 50 async and one blocking gloo
     all-reduce) takes the scheduling out of it with ``slow``: all of a rank's threads on one CPU, gloo's workers at
-    the lowest priority, so that they tend to get the CPU back only once the main thread is finalizing. Then,
-    unguarded, it aborted in 9 of 40 processes (about one launch in three) here; guarded as ``shutdown()`` does
-    (drain, then ``destroy_process_group()``), in 0 of 40.
+    the lowest priority, so that they tend to get the CPU back only once the main thread is finalizing. Measured
+    here with ``slow``: unguarded, 9 of 40 processes aborted (about one launch in three); with the drain alone
+    (what a DeepSpeed run whose engine keeps its groups gets), 0 of 32; drain and ``destroy_process_group()``
+    (``shutdown()``), 0 of 40.
 
-    The test first launches the unguarded script until it aborts (at most EXIT_LAUNCHES times: at one launch in
-    three, not seeing it in 12 launches has a chance of under 1 %), so the abort is shown to happen on the machine
-    running the test; then the guarded script EXIT_LAUNCHES = 12 times, which must never abort (were the guard
-    useless, 12 clean launches would have the same < 1 % chance). One launch takes 4 to 8 s here (2 processes
-    importing torch and commfuse_dp on 2 shared cores): about 1 to 2 minutes in all, most of it the guarded half.
-    Deterministic part: after the guard no gloo worker thread (``pt_gloo_runloop``) is left: before the fix in
+    The test first launches the unguarded script until it aborts (at most EXIT_LAUNCHES times; at one launch in
+    three, not seeing it in 12 launches has a chance under 1 %), so the abort is shown to happen on the machine
+    running the test; then EXIT_LAUNCHES = 12 guarded launches, alternately the drain alone and the full
+    ``shutdown()``, none of which may abort (were the guards useless, 12 clean launches would have that same < 1 %
+    chance, 6 drain-only ones under 9 %). One launch takes 4 to 10 s here (2 processes importing torch and
+    commfuse_dp on 2 shared cores): about 1 to 2 minutes in all. Deterministic part: after ``shutdown()``'s
+    ``destroy_process_group()`` no gloo worker thread (``pt_gloo_runloop``) is left: before the fix in
     commfuse_dp/ring/topology.py the ring registry held every group that ran a ring, so ``destroy_process_group()``
     could not join them (checked: with the old registry both workers were still there).
     """
@@ -250,9 +261,12 @@ def test_no_abort_at_exit_after_shutdown(tmp_path):
                     f"show the race, so the guarded launches below could not tell a working guard from none")
     aborts = []
     for i in range(EXIT_LAUNCHES):
-        codes, errors, threads = _launch_exit_worker("guarded", str(tmp_path / f"guarded{i}"))
+        mode = ("drain", "guarded")[i % 2]
+        codes, errors, threads = _launch_exit_worker(mode, str(tmp_path / f"{mode}{i}"))
         if _aborted(codes, errors):
-            aborts.append(f"launch {i}: exit status {codes}\n" + "\n".join(err[-2000:] for err in errors))
+            aborts.append(f"launch {i} ({mode}): exit status {codes}\n" + "\n".join(err[-2000:] for err in errors))
+        if mode == "drain":
+            continue
         for rank, names in enumerate(threads):
             assert names, f"launch {i} rank {rank} wrote no thread list (it failed before the guard ran)"
             left = [n for n in names if n.startswith("pt_gloo_runloop")]
