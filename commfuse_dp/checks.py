@@ -119,3 +119,26 @@ def model_differences(lists: dict[int, list[ParamInfo]]) -> list[str]:
 def _info(info: list) -> str:
     shape, dtype, requires_grad = info
     return f"shape {tuple(shape)} {dtype}" + ("" if requires_grad else " frozen")
+
+
+_DEEPSPEED_PARAM_ATTRS = ("ds_id", "ds_tensor", "ds_status")  # set by deepspeed.zero.Init / ZeRO-3 partitioning
+
+
+def check_not_deepspeed(model: nn.Module) -> None:
+    """Raise ``ValueError`` if DeepSpeed shards ``model`` already: it is a DeepSpeed engine, or ZeRO-3
+    (``deepspeed.initialize`` with stage 3, or ``deepspeed.zero.Init``) partitioned its parameters (they carry
+    ``ds_id`` / ``ds_tensor``). commfuse sharding and ZeRO's partitioning of one model exclude each other; local,
+    no communication."""
+    if any(cls.__module__.split(".")[0] == "deepspeed" for cls in type(model).__mro__):
+        raise ValueError(f"shard: this model is a DeepSpeed {type(model).__name__}, which shards it already; pass "
+                         f"the plain model to shard() and not to deepspeed.initialize, or keep DeepSpeed and switch "
+                         f"its collectives to the rings with commfuse_dp.integrations.deepspeed."
+                         f"enable_ring_collectives(engine)")
+    for name, param in model.named_parameters():
+        attrs = [a for a in _DEEPSPEED_PARAM_ATTRS if hasattr(param, a)]
+        if attrs:
+            raise ValueError(f"shard: parameter {name!r} is partitioned by DeepSpeed ZeRO-3 (it carries "
+                             f"{', '.join(attrs)}); commfuse_dp.shard and ZeRO-3 cannot both shard one model. Build "
+                             f"the model outside deepspeed.zero.Init and do not give it to deepspeed.initialize to "
+                             f"shard it with commfuse, or keep ZeRO-3 and call commfuse_dp.integrations.deepspeed."
+                             f"enable_ring_collectives(engine) to run its collectives on the rings")

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from . import lockstep
-from .checks import check_ranks_agree
+from .checks import check_not_deepspeed, check_ranks_agree
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .engine import Engine
@@ -67,6 +67,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     config = config if config is not None else CommFuseConfig()
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
+    check_not_deepspeed(model)  # ZeRO-3 / a DeepSpeed engine shards it already (checks.py)
     if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
             isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("shard: this model is sharded already (FSDP2 fully_shard, or transformers' from_pretrained("

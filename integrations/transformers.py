@@ -66,8 +66,12 @@ How it works (transformers 5.23, accelerate 1.15):
   do), not inside ``if trainer.is_world_process_zero()``. A subclass that overrides one of these methods gets a
   warning: for this trainer, commfuse's version runs instead.
 
-Refused: a run without an initialised ``torch.distributed``, and ``TrainingArguments`` that ask for FSDP or DeepSpeed
-(both would shard the model a second time).
+* DeepSpeed (``TrainingArguments(deepspeed=...)``): DeepSpeed shards the model, and the callback switches
+  DeepSpeed's data-parallel collectives to the rings when training begins
+  (:func:`commfuse_dp.integrations.deepspeed.attach_to_trainer_callback`); saving and resuming stay DeepSpeed's own.
+
+Refused: a run without an initialised ``torch.distributed``, and ``TrainingArguments`` that ask for FSDP (it would
+shard the model a second time).
 """
 
 from __future__ import annotations
@@ -219,9 +223,10 @@ class CommFuseCallback(TrainerCallback):
         if getattr(args, "fsdp", None):
             raise ValueError("CommFuseCallback shards the model itself: remove `fsdp` / `fsdp_config` from the "
                              "TrainingArguments, or drop CommFuseCallback to use accelerate's FSDP")
-        if getattr(args, "deepspeed", None):
-            raise ValueError("CommFuseCallback shards the model itself: remove `deepspeed` from the "
-                             "TrainingArguments, or drop CommFuseCallback to use DeepSpeed")
+        if getattr(args, "deepspeed", None):  # DeepSpeed shards; its collectives go to the rings at on_train_begin
+            from commfuse_dp.integrations.deepspeed import attach_to_trainer_callback
+
+            return attach_to_trainer_callback(self, args, model, control)
         trainer = _find_trainer(self)
         saves = getattr(args.save_strategy, "value", args.save_strategy) != "no"
         if trainer is None and saves:

@@ -22,7 +22,9 @@ class Ring:
     """Neighbours on one process group: ``next = rank + 1``, ``prev = rank - 1`` (mod N)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+        # Weak: the registry below must not keep a process group (and gloo's worker threads) alive after
+        # dist.destroy_process_group() (see ``group``).
+        self._group = weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.next = (self.rank + 1) % self.size
@@ -35,6 +37,18 @@ class Ring:
         self._executor: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.broken: str | None = None  # the first failure; every later op raises it at once
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group. Held weakly: a strong reference from the ``_RINGS`` value to its own key kept every
+        group that ever ran a ring alive until interpreter exit, so ``dist.destroy_process_group()`` could not
+        stop gloo's worker threads; a gloo worker that then frees a finished work while the interpreter finalizes
+        aborts the process (``terminate called without an active exception``)."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("commfuse ring: its process group was destroyed (dist.destroy_process_group); "
+                               "create the group again and use the new one")
+        return group
 
     def next_tag(self) -> int:
         """A tag for one ring operation. Called on the issuing thread, in the same order on every rank."""
