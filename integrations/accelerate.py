@@ -58,6 +58,7 @@ from accelerate.utils import DistributedType
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.ring.topology import drain_gloo_workers
 from commfuse_dp.shard import shard
 
 __all__ = ["CommFuseAccelerator", "resolve_config"]
@@ -197,6 +198,13 @@ class CommFuseAccelerator(Accelerator):
 
     def _commfuse_models(self) -> list[torch.nn.Module]:
         return [m for m in self._models if ckpt.is_sharded(m)]
+
+    def end_training(self):
+        """Lets gloo's worker threads free their finished work before accelerate destroys the process group
+        (:func:`commfuse_dp.ring.topology.drain_gloo_workers`: otherwise the last group's destructor can deadlock or
+        abort the process at exit)."""
+        drain_gloo_workers()
+        super().end_training()
 
     # ---- state dicts and checkpoints ------------------------------------------------------------------------
 

@@ -299,10 +299,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     log(f"held-out accuracy after fine-tuning: {after.metrics['eval_accuracy']:.3f} "
         f"(eval loss {after.metrics['eval_loss']:.4f}); before: {before['eval_accuracy']:.3f}")
 
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
     model_dir = os.path.join(args.output_dir, "model")
     trainer.save_model(model_dir)        # every rank: a sharded model is gathered by all of them
 
     if rank != 0:
+        drain_gloo_workers()   # before the Trainer's groups are freed (commfuse_dp/ring/topology.py)
         return None
     history = trainer.state.log_history
     logits = after.predictions[0] if isinstance(after.predictions, tuple) else after.predictions
@@ -338,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     log(f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
         f"{'-' if speed is None else f'{speed:.0f}'} tokens/s; exposed communication "
         f"{'-' if exposed is None else f'{exposed:.3f} s'} per step; wrote {path} and {model_dir}")
+    drain_gloo_workers()
     return summary
 
 

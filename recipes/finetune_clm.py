@@ -219,6 +219,8 @@ def train_and_report(args, targs, model, tokenizer, train, evaluation, cfg, info
     import torch.distributed as dist
     from transformers import Trainer
 
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
     report = common.RecipeReport(timeline_step=args.timeline_step)
     callbacks = [report]
     if info["world_size"] > 1:
@@ -264,6 +266,7 @@ def train_and_report(args, targs, model, tokenizer, train, evaluation, cfg, info
         print(json.dumps(summary, indent=1))
     if dist.is_initialized():
         dist.barrier()
+        drain_gloo_workers()   # before the Trainer and its groups are freed (commfuse_dp/ring/topology.py)
     return 0
 
 

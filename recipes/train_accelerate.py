@@ -104,6 +104,7 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
     from tqdm.auto import tqdm
 
     import commfuse_dp as cf
+    from commfuse_dp.ring.topology import drain_gloo_workers
     from commfuse_dp.stats import record_timeline
 
     torch.manual_seed(args.seed)
@@ -196,6 +197,7 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
         common.write_summary(args.output_dir, summary)
         print(json.dumps(summary, indent=1))
     accelerator.wait_for_everyone()
+    drain_gloo_workers()   # before the groups go, also a plain Accelerator's (commfuse_dp/ring/topology.py)
     accelerator.end_training()
     return 0
 

@@ -41,6 +41,7 @@ def main(out_dir: str, mode: str, kind: str) -> None:
 
     from commfuse_dp import CommFuseConfig
     from commfuse_dp.integrations.accelerate import CommFuseAccelerator
+    from commfuse_dp.ring.topology import drain_gloo_workers
 
     torch.set_num_threads(1)
     if mode == "ddp":
@@ -101,6 +102,7 @@ def main(out_dir: str, mode: str, kind: str) -> None:
     if acc.is_main_process:
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
             json.dump(result, f)
+    drain_gloo_workers()   # the plain Accelerator's DDP group too (commfuse_dp/ring/topology.py)
     acc.end_training()
 
 

@@ -9,6 +9,7 @@ model, the optimizer and the Accelerator looked like.
 
 import json
 import sys
+import time
 
 import hf_models  # tests/ is sys.path[0]: the script's own folder
 import torch
@@ -62,6 +63,7 @@ def main(out: str) -> None:
                                                  for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}),
                 "losses": all_losses.tolist(), "grad_norms": grad_norms,
             }, f, indent=1)
+    time.sleep(0.1)   # torch's gloo workers free their last work with the GIL (commfuse_dp/ring/topology.py)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ optimizer and the Trainer looked like. CPU comes from the environment (ACCELERAT
 
 import json
 import sys
+import time
 
 import hf_models  # tests/ is sys.path[0]: the script's own folder
 import torch
@@ -59,6 +60,7 @@ def main(out: str) -> None:
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
                 "steps": [e["step"] for e in logs], "logs": logs, "logits": logits,
             }, f, indent=1)
+    time.sleep(0.1)   # torch's gloo workers free their last work with the GIL (commfuse_dp/ring/topology.py)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ def main(out: str, mode: str, precision: str = "fp32") -> None:
                 "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
                 "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes, **extra,
             }, f, indent=1)
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    drain_gloo_workers()   # before the Trainer's groups are freed (commfuse_dp/ring/topology.py)
 
 
 if __name__ == "__main__":

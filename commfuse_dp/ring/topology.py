@@ -106,3 +106,28 @@ def get_ring(group: dist.ProcessGroup | None = None, *, op: str = "commfuse_dp")
     if ring is None:
         ring = _RINGS[group] = Ring(group)
     return ring
+
+
+EXIT_DRAIN_S = 0.1
+
+
+def drain_gloo_workers(seconds: float = EXIT_DRAIN_S) -> None:
+    """Release the GIL for ``seconds`` so that gloo's worker threads can free the works they finished.
+
+    [Note: the abort at exit] A gloo worker thread (``ProcessGroupGloo::runLoop``) frees a finished work just after
+    ``wait()`` returned in Python; the work's tensors have Python objects, so freeing them takes the GIL
+    (``TensorImpl::decref_pyobject``). If the main thread has meanwhile begun finalizing the interpreter (the
+    script ended), ``take_gil`` ends the worker with ``pthread_exit``; its forced unwind through the work's
+    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT,
+    after all the training was done (a core dump shows ``runLoop -> ~AsyncAllreduceWork -> decref_pyobject ->
+    gil_scoped_acquire -> take_gil -> pthread_exit -> std::terminate``). Plain torch + gloo does it too, without
+    DeepSpeed or commfuse. ``dist.destroy_process_group()`` would prevent it (gloo's destructor joins its workers
+    with the GIL released) but only for groups nobody else holds: a DeepSpeed engine (its ZeRO-3 parameters'
+    ``ds_process_group``, its optimizer) keeps its groups alive until the interpreter is torn down. So at exit
+    (an ``atexit`` handler that :func:`enable_ring_collectives` registers, before the interpreter starts
+    finalizing) and in :func:`shutdown`, the main thread sleeps briefly: a worker waiting for the GIL to free its
+    last works gets it now, while the interpreter is whole. A collective still in flight at exit (issued and never
+    waited) is not covered."""
+    import time
+
+    time.sleep(seconds)
