@@ -23,18 +23,6 @@ import hf_models  # noqa: E402
 STEPS, ACCUM, SAVE_AFTER = 6, 2, 3
 
 
-class Synthetic(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
 def main(out_dir: str, mode: str, kind: str) -> None:
     from accelerate import Accelerator
     from torch.distributed.tensor import DTensor
@@ -53,7 +41,7 @@ def main(out_dir: str, mode: str, kind: str) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (4 * STEPS))
     # 2 ranks x 2 per batch x 2 accumulation x 6 steps = 48 samples; no shuffling, so the data position is the
     # number of batches consumed.
-    loader = torch.utils.data.DataLoader(Synthetic(48, seed=1), batch_size=2)
+    loader = torch.utils.data.DataLoader(hf_models.Synthetic(48, seed=1), batch_size=2)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     ckpt_dir = os.path.join(out_dir, "state-after-3")
     first_step = 0

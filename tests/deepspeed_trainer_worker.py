@@ -24,18 +24,6 @@ import hf_models  # noqa: E402
 KIND = "gpt2"
 
 
-class Synthetic(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
 def ds_config() -> dict:
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 1000,
@@ -57,7 +45,7 @@ def run(out_dir: str, mode: str) -> dict:
         learning_rate=1e-2, max_steps=4, logging_steps=1, save_strategy="no", seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant")
     callback = CommFuseCallback() if mode == "rings" else None
-    trainer = Trainer(model=model, args=args, train_dataset=Synthetic(32, seed=1),
+    trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(32, seed=1),
                       callbacks=[callback] if callback is not None else [])
     trainer.train()
     result = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

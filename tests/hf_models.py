@@ -37,3 +37,17 @@ def batch(rank: int, step: int, micro: int = 0, size: int = 2) -> dict:
 
 def concat(batches: list[dict]) -> dict:
     return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+class Synthetic(torch.utils.data.Dataset):
+    """``n`` random token rows of length SEQ (seeded), each its own label: the launch tests' training data."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}

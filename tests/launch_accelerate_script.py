@@ -14,19 +14,7 @@ import time
 import hf_models  # tests/ is sys.path[0]: the script's own folder
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, Dataset
-
-
-class Synthetic(Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+from torch.utils.data import DataLoader
 
 
 def main(out: str) -> None:
@@ -34,7 +22,7 @@ def main(out: str) -> None:
     accelerator = Accelerator(gradient_accumulation_steps=2)
     model = hf_models.build("gpt2", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = DataLoader(Synthetic(32, seed=1), batch_size=2, shuffle=False)
+    loader = DataLoader(hf_models.Synthetic(32, seed=1), batch_size=2, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
     losses, grad_norms = [], []

@@ -13,20 +13,7 @@ import time
 
 import hf_models  # tests/ is sys.path[0]: the script's own folder
 import torch
-from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
-
-
-class Synthetic(Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
 def main(out: str) -> None:
@@ -38,7 +25,7 @@ def main(out: str) -> None:
         save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
         lr_scheduler_type="constant")
     # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 32 samples for 4 steps.
-    trainer = Trainer(model=model, args=args, train_dataset=Synthetic(32, seed=1))
+    trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(32, seed=1))
     trainer.train()
     params = list(trainer.model.parameters())
     trainer.save_model(out + ".model")           # every rank, as the Trainer's own checkpoints do

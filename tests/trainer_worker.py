@@ -22,18 +22,6 @@ sys.path[:0] = [HERE, ROOT]
 import hf_models  # noqa: E402
 
 
-class Synthetic(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, hf_models.VOCAB, (n, hf_models.SEQ), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
 def main(out: str, mode: str, precision: str = "fp32") -> None:
     from transformers import Trainer, TrainingArguments
 
@@ -57,8 +45,8 @@ def main(out: str, mode: str, precision: str = "fp32") -> None:
     callbacks = [CommFuseCallback(CommFuseConfig(min_fuse_numel=0))] if mode != "ddp" else []
     # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 48 samples for 6 steps.
     # Eval: 11 samples over 2 ranks x 2 per device, so the last batch is short.
-    trainer = Trainer(model=model, args=args, train_dataset=Synthetic(48, seed=1),
-                      eval_dataset=Synthetic(11, seed=2), callbacks=callbacks)
+    trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(48, seed=1),
+                      eval_dataset=hf_models.Synthetic(11, seed=2), callbacks=callbacks)
     from torch.distributed.tensor import DTensor
 
     dtensor_params = [isinstance(p, DTensor) for p in trainer.model.parameters()]
