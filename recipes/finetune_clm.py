@@ -180,6 +180,17 @@ def tokenize(docs: list[str], tokenizer, block_size: int, eval_fraction: float) 
     return Blocks(blocks[: count - held]), Blocks(blocks[count - held:])
 
 
+def prepare_inputs(args: ClmArguments, world: int, train_batch: int, accumulation: int, eval_batch: int):
+    """The corpus, model, tokenizer and train/eval blocks, checked so that every rank gets a batch: everything
+    before any output is written. Raises RecipeError for bad input."""
+    docs, source = read_corpus(args)
+    model, tokenizer, model_source = load_model_and_tokenizer(args, docs)
+    train, evaluation = tokenize(docs, tokenizer, args.block_size, args.eval_fraction)
+    common.check_batches("training", len(train), world, train_batch, accumulation)
+    common.check_batches("evaluation", len(evaluation), world, eval_batch)
+    return model, tokenizer, train, evaluation, {"data": source, "model": model_source}
+
+
 def parse(argv: list[str] | None):
     from transformers import HfArgumentParser, TrainingArguments
 
@@ -202,17 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = common.world()
     try:
         common.check_output_dir(targs.output_dir, args.overwrite_output_dir)
-        docs, source = read_corpus(args)
-        model, tokenizer, model_source = load_model_and_tokenizer(args, docs)
-        train, evaluation = tokenize(docs, tokenizer, args.block_size, args.eval_fraction)
-        common.check_batches("training", len(train), world, targs.per_device_train_batch_size,
-                             targs.gradient_accumulation_steps)
-        common.check_batches("evaluation", len(evaluation), world, targs.per_device_eval_batch_size)
+        model, tokenizer, train, evaluation, info = prepare_inputs(
+            args, world, targs.per_device_train_batch_size, targs.gradient_accumulation_steps,
+            targs.per_device_eval_batch_size)
         cfg = common.commfuse_config(args.commfuse_config)
     except common.RecipeError as exc:
         common.fail(str(exc))
     return train_and_report(args, targs, model, tokenizer, train, evaluation, cfg,
-                            {"data": source, "model": model_source, "world_size": world, "rank": rank})
+                            {**info, "world_size": world, "rank": rank})
 
 
 def train_and_report(args, targs, model, tokenizer, train, evaluation, cfg, info) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from commfuse_dp.recipes import common
-from commfuse_dp.recipes.finetune_clm import ClmArguments, load_model_and_tokenizer, read_corpus, tokenize
+from commfuse_dp.recipes.finetune_clm import ClmArguments, prepare_inputs
 
 
 @dataclass
@@ -77,16 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             common.check_output_dir(args.output_dir, args.overwrite_output_dir)
         elif not os.path.isdir(args.resume_from):
             raise common.RecipeError(f"--resume_from {args.resume_from} is not a folder")
-        docs, source = read_corpus(args)
-        model, tokenizer, model_source = load_model_and_tokenizer(args, docs)
-        train, evaluation = tokenize(docs, tokenizer, args.block_size, args.eval_fraction)
-        common.check_batches("training", len(train), world, args.per_device_train_batch_size,
-                             args.gradient_accumulation_steps)
-        common.check_batches("evaluation", len(evaluation), world, args.per_device_eval_batch_size)
+        model, tokenizer, train, evaluation, info = prepare_inputs(
+            args, world, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+            args.per_device_eval_batch_size)
         cfg = common.commfuse_config(args.commfuse_config) if args.commfuse else None
     except common.RecipeError as exc:
         common.fail(str(exc))
-    return run(args, model, tokenizer, train, evaluation, cfg, {"data": source, "model": model_source})
+    return run(args, model, tokenizer, train, evaluation, cfg, info)
 
 
 def evaluate(accelerator, model, loader) -> float:

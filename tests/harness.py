@@ -146,6 +146,15 @@ def _rank_main(rank: int, world_size: int, port: int, worker: Callable[..., Any]
     sys.stderr.flush()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS just handed out (for a launcher's --master_port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def log_messages(name: str = "commfuse_dp", level: int = 20) -> list[str]:
     """Collect the messages of logger ``name`` at ``level`` (INFO) and above from now on, in a list."""
     import logging

@@ -12,7 +12,6 @@ ring order, the same optimizer state read back bit for bit), so its losses must 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -29,18 +28,13 @@ KIND = "bert"
 sys.path.insert(0, HERE)
 
 import hf_models  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import free_port  # noqa: E402
 
 
 def _launch(out_dir, mode: str) -> dict:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                       WORKER, str(out_dir), mode, KIND]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:

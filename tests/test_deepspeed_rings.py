@@ -22,13 +22,13 @@ by up to ~3e-2 (the training change observed here), four orders of magnitude abo
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from harness import free_port  # noqa: E402
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -38,16 +38,10 @@ ROOT = os.path.dirname(HERE)
 CASES = ("1", "2", "2r", "3")  # ZeRO stages; 2r: ZeRO-2 reducing each gradient bucket to its owner
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                       os.path.join(HERE, script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ACCELERATE_USE_CPU", None)
@@ -200,7 +194,7 @@ EXIT_LAUNCHES = 12
 
 
 def _launch_exit_worker(mode: str, prefix: str) -> tuple[list[int], list[str], list[list[str]]]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

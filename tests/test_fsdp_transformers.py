@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -34,12 +33,7 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "fsdp_hf_worker.py")
 
 import hf_models  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import free_port  # noqa: E402
 
 
 def _env() -> dict:
@@ -58,7 +52,7 @@ def _torchrun(nproc: int, *args: str) -> None:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     _run(launcher + ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port",
-                     str(_free_port()), WORKER, *args], f"torchrun --nproc_per_node {nproc} {args[-1]}")
+                     str(free_port()), WORKER, *args], f"torchrun --nproc_per_node {nproc} {args[-1]}")
 
 
 @pytest.fixture(scope="module")

