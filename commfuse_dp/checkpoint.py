@@ -19,6 +19,9 @@ Every function here is collective: call it on every rank of the model's process 
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import shutil
 from typing import Any, Iterable
@@ -26,6 +29,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,7 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = ["is_sharded", "is_complete", "full_state_dict", "load_full_state_dict", "load_pretrained_weights",
-           "save_pretrained", "save_sharded", "load_sharded", "optimizer_model", "unwrap_optimizer"]
+           "save_pretrained", "save_sharded", "load_sharded", "verify", "CheckpointError", "optimizer_model",
+           "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
 
@@ -160,19 +165,33 @@ def save_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
                  optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = (), *,
                  extra: dict[str, Any] | None = None) -> None:
     """Every rank writes its shards of ``models`` and of each ``(model, optimizer)`` pair's state into the DCP
-    folder ``path``. The folder is written beside its final name and renamed once every rank has finished, so an
-    interrupted save never leaves a folder that looks complete. ``extra``: more DCP-serialisable entries
-    (tensors, DTensors, numbers). Collective."""
-    path = os.fspath(path)
+    folder ``path``. The folder is written beside its final name (``path.partial``) and renamed once every rank
+    has finished, with a marker listing every file's size and SHA-256 (:func:`load_sharded` verifies them), so an
+    interrupted or failed save never replaces the previous checkpoint at ``path`` and never looks complete.
+    ``extra``: more DCP-serialisable entries (tensors, DTensors, numbers). Collective.
+
+    A write that fails on any rank (a full disk, a permission error) raises :class:`CheckpointError` on every rank
+    naming the rank(s) and the cause; the partial folder is removed and the previous checkpoint is left as it was."""
+    path = os.fspath(path).rstrip(os.sep)
     tmp = path + ".partial"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    dcp.save(_state(list(models), list(optimizers), extra), checkpoint_id=tmp)
+    try:
+        dcp.save(_state(list(models), list(optimizers), extra), checkpoint_id=tmp)
+    except CheckpointException as err:  # raised alike on every rank (DCP gathers every rank's outcome)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"save_sharded: writing {path} failed ({_failures(err)}). The partial folder was "
+                              f"removed; {_previous(path)}") from err
     _barrier()
+    files = _files(tmp)
+    digests = _gather_digests(tmp, files)
     if _rank() == 0:
         with open(os.path.join(tmp, _COMPLETE), "w") as f:
-            f.write(f"world_size={dist.get_world_size() if dist.is_initialized() else 1}\n")
+            json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1, "files": digests},
+                      f, indent=1)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -184,10 +203,14 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
                  extra: dict[str, Any] | None = None) -> None:
     """Reads a folder written by :func:`save_sharded` into ``models`` and the optimizers, in place (another world
     size is fine: DCP reshards). ``extra`` is filled in place. Collective."""
-    path = os.fspath(path)
+    path = os.fspath(path).rstrip(os.sep)
     if not is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete commfuse checkpoint (no {_COMPLETE} marker: the save "
-                                "did not finish, or this is not a folder written by commfuse_dp)")
+        hint = (" (an interrupted save: resume from the complete checkpoint beside it)" if path.endswith(".partial")
+                else "")
+        raise FileNotFoundError(f"{path} is not a complete commfuse checkpoint: it has no {_COMPLETE} marker, so "
+                                f"its save did not finish{hint}, or it was not written by commfuse_dp."
+                                "save_sharded")
+    verify(path)
     models, optimizers = list(models), list(optimizers)
     state = _state(models, optimizers, extra)
     dcp.load(state, checkpoint_id=path)
@@ -198,3 +221,82 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     if extra:
         for key in extra:
             extra[key] = state[key]
+
+
+# ---- integrity -------------------------------------------------------------------------------------------------
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or the one found is damaged. Raised alike on every rank."""
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(root, name), folder)
+                  for root, _, names in os.walk(folder) for name in names if name != _COMPLETE)
+
+
+def _digest(file: str) -> list:
+    with open(file, "rb") as f:
+        return [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+
+
+def _gather_digests(folder: str, files: list[str]) -> dict[str, list]:
+    """Size and SHA-256 of every file, each rank hashing its share of the files (the same list on every rank)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = {name: _digest(os.path.join(folder, name)) for name in files[_rank()::world]}
+    if world == 1:
+        return mine
+    parts: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(parts, mine)
+    return {name: value for part in parts for name, value in sorted(part.items())}
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Checks every file of a complete :func:`save_sharded` folder against the sizes and SHA-256 digests in its
+    marker, the ranks sharing the reading; a missing, truncated, extended or altered file raises
+    :class:`CheckpointError` on every rank, naming the files. Collective when a process group is initialised."""
+    path = os.fspath(path)
+    with open(os.path.join(path, _COMPLETE)) as f:
+        text = f.read()
+    try:
+        expected = json.loads(text)["files"]
+    except (ValueError, KeyError, TypeError):
+        return  # a marker from before digests were recorded: nothing to compare with
+    names = sorted(set(expected) | set(_files(path)))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problems = []
+    for name in names[_rank()::world]:
+        file = os.path.join(path, name)
+        if name not in expected:
+            problems.append(f"{name}: not written by the save")
+        elif not os.path.isfile(file):
+            problems.append(f"{name}: missing")
+        else:
+            size, sha = _digest(file)
+            if size != expected[name][0]:
+                problems.append(f"{name}: {size} bytes, the save wrote {expected[name][0]} (truncated or extended)")
+            elif sha != expected[name][1]:
+                problems.append(f"{name}: its content changed since the save (SHA-256 differs: corrupted)")
+    if world > 1:
+        every: list[list] = [[] for _ in range(world)]
+        dist.all_gather_object(every, problems)
+        problems = sorted(p for part in every for p in part)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Nothing was loaded. "
+                              "Restore the folder from a copy, or resume from an earlier checkpoint")
+
+
+def _failures(err: CheckpointException) -> str:
+    parts = []
+    for rank, failure in sorted(err.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        cause = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            cause += " -- the disk is full: free space there or save elsewhere, then save again"
+        parts.append(f"rank {rank}: {cause}")
+    return "; ".join(parts)
+
+
+def _previous(path: str) -> str:
+    if is_complete(path):
+        return f"the previous checkpoint at {path} is untouched"
+    return f"there was no earlier complete checkpoint at {path}"
