@@ -137,7 +137,8 @@ def help_text() -> str:
         "workers; a free port unless main_process_port is set. A Trainer script on CPU needs nothing else.",
         "",
         "The workers receive COMMFUSE_ENABLE=1 and COMMFUSE_<FIELD> variables (CommFuseConfig.from_env() reads",
-        "them). FSDP, DeepSpeed and Megatron-LM configs are refused: commfuse shards the model itself.",
+        "them). With a DeepSpeed config (GPUs only) DeepSpeed partitions the model and its ZeRO collectives run on",
+        "the rings. FSDP and Megatron-LM configs are refused: commfuse shards the model itself.",
         "Exit status: the workers' (the first failed rank's); 2 for a wrong config or wrong options.",
     ]
     return "\n".join(lines)
@@ -255,9 +256,13 @@ def _exit_status(exc: BaseException) -> int:
     return code if code > 0 else 128 - code  # killed by a signal: the shell's convention
 
 
-def _refuse_other_sharding(args: argparse.Namespace) -> None:
-    for flag, name in (("use_fsdp", "FSDP"), ("use_deepspeed", "DeepSpeed"), ("use_megatron_lm", "Megatron-LM"),
-                       ("tpu", "TPU")):
+def _refuse_other_sharding(args: argparse.Namespace, cpu: bool) -> None:
+    if getattr(args, "use_deepspeed", False) and cpu:
+        raise LaunchError("the accelerate config asks for DeepSpeed, and accelerate runs DeepSpeed only on GPUs (with "
+                          "use_cpu it turns DeepSpeed off). On CPU, drop the deepspeed settings (use distributed_type "
+                          "MULTI_CPU with use_cpu: true: commfuse shards the model itself), or run DeepSpeed with its "
+                          "own launcher and commfuse_dp.integrations.deepspeed.enable_ring_collectives(engine)")
+    for flag, name in (("use_fsdp", "FSDP"), ("use_megatron_lm", "Megatron-LM"), ("tpu", "TPU")):
         if getattr(args, flag, False):
             raise LaunchError(f"the accelerate config asks for {name} (distributed_type / --{flag}); commfuse shards "
                               f"the model itself: use distributed_type MULTI_GPU (GPUs) or MULTI_CPU with "
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 checked.nondefault = set(args.nondefault)
             with _environment(env):
                 checked, _, _ = _validate_launch_command(checked)
-                _refuse_other_sharding(checked)
+                _refuse_other_sharding(checked, cpu)
                 if cpu and not getattr(checked, "mpirun_hostfile", None):
                     _launch_cpu(checked)
                 else:  # a GPU, or mpirun on CPU: accelerate starts the N processes itself

@@ -38,9 +38,17 @@ What differs from ``Accelerator`` (accelerate 1.15):
 * A single process with no ``torch.distributed`` group has nothing to shard: the model is prepared as by
   ``Accelerator`` (with a warning).
 
-Refused before anything is sharded: an accelerate config that enables DeepSpeed or FSDP (both would shard the model
-a second time; for DeepSpeed on rings see :mod:`commfuse_dp.integrations.deepspeed`, for stock FSDP2
-:mod:`commfuse_dp.integrations.fsdp`).
+With DeepSpeed (a ``deepspeed_plugin``, or an accelerate config with ``distributed_type: DEEPSPEED``, as under
+``commfuse-dp launch``) DeepSpeed partitions the model and CommFuseAccelerator shards nothing: ``prepare`` builds
+accelerate's DeepSpeed engine and then routes its ZeRO collectives through the rings
+(:func:`commfuse_dp.integrations.deepspeed.enable_ring_collectives`, with this config's ``bucket_mb`` /
+``timeout_s``), as ``CommFuseCallback`` does for a Trainer. accelerate 1.15 runs DeepSpeed only on GPUs (with
+``cpu=True`` it turns DeepSpeed off, and without it a CPU worker counts one process while DeepSpeed counts N), so
+this is refused on a machine without CUDA; on CPU, DeepSpeed runs on rings through ``deepspeed.initialize`` and
+``enable_ring_collectives`` directly. This path has not yet run on a GPU.
+
+Refused before anything is sharded: an accelerate config that enables FSDP (it would shard the model a second time;
+for stock FSDP2 on rings see :mod:`commfuse_dp.integrations.fsdp`).
 """
 
 from __future__ import annotations
@@ -81,10 +89,12 @@ def resolve_config(commfuse: CommFuseConfig | Mapping | None) -> CommFuseConfig:
 
 
 _REFUSED = {
-    "deepspeed": "CommFuseAccelerator shards the model itself, and DeepSpeed was asked for too (deepspeed_plugin= or "
-                 "ACCELERATE_USE_DEEPSPEED / a deepspeed_config in the accelerate config), which would partition it "
-                 "again. Remove the DeepSpeed settings, or keep DeepSpeed with a plain Accelerator and route its "
-                 "collectives through rings with commfuse_dp.integrations.deepspeed.enable_ring_collectives",
+    "deepspeed": "CommFuseAccelerator with DeepSpeed (deepspeed_plugin= or ACCELERATE_USE_DEEPSPEED / a "
+                 "deepspeed_config in the accelerate config) needs CUDA: accelerate 1.15 runs DeepSpeed only on GPUs "
+                 "(with cpu=True it is off, and without it each CPU worker counts one process while DeepSpeed counts "
+                 "all of them). On CPU, run DeepSpeed through deepspeed.initialize and route its collectives through "
+                 "rings with commfuse_dp.integrations.deepspeed.enable_ring_collectives(engine), or drop the "
+                 "DeepSpeed settings to let CommFuseAccelerator shard the model itself",
     "fsdp": "CommFuseAccelerator shards the model itself, and FSDP was asked for too (fsdp_plugin= or "
             "ACCELERATE_USE_FSDP / an fsdp_config in the accelerate config), which would shard it again. Remove the "
             "FSDP settings, or keep FSDP with a plain Accelerator and call "
@@ -98,8 +108,8 @@ def _env_true(name: str) -> bool:
 
 def _refuse_other_sharding(kwargs: dict) -> None:
     # Checked before Accelerator.__init__: on a CPU machine accelerate drops an FSDP plugin silently.
-    if kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") or \
-            _env_true("ACCELERATE_USE_DEEPSPEED"):
+    if (kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins")
+            or _env_true("ACCELERATE_USE_DEEPSPEED")) and (kwargs.get("cpu") or not torch.cuda.is_available()):
         raise ValueError(_REFUSED["deepspeed"])
     if kwargs.get("fsdp_plugin") is not None or _env_true("ACCELERATE_USE_FSDP"):
         raise ValueError(_REFUSED["fsdp"])
@@ -124,12 +134,12 @@ class CommFuseAccelerator(Accelerator):
         _refuse_other_sharding(kwargs)
         _implied_cpu(kwargs)
         super().__init__(*args, **kwargs)
-        if self.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(_REFUSED["deepspeed"])
         if self.distributed_type == DistributedType.FSDP or self.is_fsdp2:
             raise ValueError(_REFUSED["fsdp"])
-        self.commfuse_active = dist.is_available() and dist.is_initialized()
-        if not self.commfuse_active:
+        self.commfuse_rings = None  # DeepSpeed: the RingCollectives handle, once prepare built the engine
+        self.commfuse_active = dist.is_available() and dist.is_initialized() \
+            and self.distributed_type != DistributedType.DEEPSPEED
+        if self.distributed_type != DistributedType.DEEPSPEED and not self.commfuse_active:
             logger.warning("CommFuseAccelerator: no torch.distributed process group (a single process): models are "
                            "prepared as by Accelerator, unsharded. Launch with torchrun, accelerate launch or "
                            "commfuse-dp launch to shard them.")
@@ -155,6 +165,14 @@ class CommFuseAccelerator(Accelerator):
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     def prepare(self, *args, device_placement=None):
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            result = super().prepare(*args, device_placement=device_placement)
+            if self.commfuse_rings is None and getattr(self, "deepspeed_engine_wrapped", None) is not None:
+                from commfuse_dp.integrations.deepspeed import enable_ring_collectives
+
+                self.commfuse_rings = enable_ring_collectives(self.deepspeed_engine_wrapped.engine,
+                                                              self.commfuse_config)
+            return result
         if not self.commfuse_active:
             return super().prepare(*args, device_placement=device_placement)
         places = device_placement if device_placement is not None else [None] * len(args)

@@ -115,7 +115,7 @@ CommFuseAccelerator(**kwargs[sys.argv[1]])
 """
 
 
-@pytest.mark.parametrize("case, env, word", [("ds", {}, "DeepSpeed"), ("fsdp", {}, "FSDP"),
+@pytest.mark.parametrize("case, env, word", [("ds", {}, "DeepSpeed only on GPUs"), ("fsdp", {}, "FSDP"),
                                              ("env", {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
                                              ("bad", {}, "bucket_mbb")])
 def test_refuses_other_sharding_and_bad_config(case, env, word):

@@ -94,7 +94,7 @@ def test_stray_commfuse_variable_refused_before_start(tmp_path, capsys, monkeypa
 @pytest.mark.parametrize("accelerate_keys,argv_extra,fragment", [
     ({"unknown_accelerate_key": 1}, [], "(the accelerate part)"),
     ({"distributed_type": "FSDP"}, [], "asks for FSDP"),
-    ({"distributed_type": "DEEPSPEED"}, [], "asks for DeepSpeed"),
+    ({"distributed_type": "DEEPSPEED"}, [], "runs DeepSpeed only on GPUs"),
     ({}, ["--no_python"], "--no_python"),
 ])
 def test_other_wrong_uses_exit_2(tmp_path, capsys, monkeypatch, marker_script, accelerate_keys, argv_extra,
@@ -105,6 +105,20 @@ def test_other_wrong_uses_exit_2(tmp_path, capsys, monkeypatch, marker_script, a
     assert launch.main(["--config_file", path, *argv_extra, script]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and fragment in err, err
+    assert not marker.exists()
+
+
+def test_shipped_deepspeed_config_is_valid_and_refused_on_cpu(capsys, monkeypatch, marker_script):
+    # The DeepSpeed variant of the recipes' config: its commfuse: block and its accelerate part pass validation;
+    # on this CPU machine accelerate cannot run DeepSpeed, so it stops with one line before any worker starts.
+    _clean_env(monkeypatch)
+    script, marker = marker_script
+    path = os.path.join(ROOT, "recipes", "configs", "accelerate_deepspeed_commfuse.yaml")
+    accel, block = launch._load_config_file(path)
+    assert accel["distributed_type"] == "DEEPSPEED" and launch._commfuse_config(path, block).bucket_mb == 25
+    assert launch.main(["--config_file", path, script]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "runs DeepSpeed only on GPUs" in err, err
     assert not marker.exists()
 
 
