@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .ring.collectives import ring_all_gather

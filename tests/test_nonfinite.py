@@ -7,14 +7,13 @@ infinity into one rank's local gradient shard (the one fault that data cannot pu
 gradient is summed over the ranks before it is sharded). Each run is compared with a reference model, sharded
 alike with the check off, that never saw the bad step."""
 
-import copy
 
+import hf_models
 import pytest
 import torch
+from harness import log_messages, run_ranks
 
 import commfuse_dp as cf
-import hf_models
-from harness import log_messages, run_ranks
 
 BIG = 1 << 30  # min_fuse_numel: nothing fused, no ring embedding: every parameter in FSDP2's root unit
 
@@ -57,7 +56,7 @@ def _params(model):
 def _assert_same_params(model, ref, label):
     ours, theirs = _params(model), _params(ref)
     for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=lambda m: f"{label} {name}: {m}")
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=lambda m, name=name: f"{label} {name}: {m}")
 
 
 def _opt_state(opt):
@@ -144,7 +143,7 @@ def _skip_worker(rank, world_size, schedule, min_fuse_numel, optimizer):
     opt.zero_grad(set_to_none=True)
     after, state_after = _params(model), _opt_state(opt)
     for name in before:
-        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
     assert state_after.keys() == state_before.keys()
     for key, entry in state_before.items():
         assert state_after[key].keys() == entry.keys()
