@@ -22,6 +22,7 @@ ENV_PREFIX = "COMMFUSE_"
 
 SCHEDULES = ("fused", "slicing")
 GRAD_DIVIDES = ("post", "pre", "split")
+NONFINITE_MODES = ("auto", "raise", "skip", "off")
 
 # ``COMMFUSE_*`` variables that are not config fields: read by the integrations (``COMMFUSE_ENABLE`` turns them on,
 # ``COMMFUSE_CONFIG`` names a YAML file). ``from_env`` accepts and ignores them; any other unknown one is a typo.
@@ -100,11 +101,32 @@ class CommFuseConfig:
     Every rank must enter the same fused ring steps in the same order; FSDP2 gathers such a module's whole unit
     on every rank instead. Off: they are fused anyway, and a step in which the ranks diverge fails with an error."""
 
+    nonfinite_grads: str = "auto"
+    """What happens when a backward that synchronises gradients leaves a NaN or an infinity in a gradient shard
+    (checked after every such backward, once every shard is final; never inside ``no_sync()`` accumulation
+    micro-batches, whose non-finite values reach the shards at the synced backward):
+    ``"raise"``: every rank raises ``FloatingPointError`` from ``backward()``, naming the step, the ranks whose
+    shards are non-finite and their first parameters; the ``.grad`` are left as they are (zero them before the
+    next step). ``"skip"``: every rank sets every parameter's ``.grad`` to None, so that the next
+    ``optimizer.step()`` changes neither parameters nor optimizer state, logs a warning and counts the step in
+    ``step_stats(model).skipped_steps``. ``"off"``: no check. ``"auto"`` (default): ``"raise"``, except in fp16
+    (an fp16 ``param_dtype``, fp16 parameters, or a forward under fp16 autocast), where it is ``"off"``: there a
+    ``GradScaler`` expects infinities, skips the step itself and lowers its loss scale, which it would not do if
+    the gradients had been dropped (``"skip"``) or the backward had raised. Raising by default because a
+    non-finite gradient that reaches ``optimizer.step()`` silently turns the weights into NaN for good; the
+    check costs one pass over this rank's gradient shards and one all-gather of one byte per rank per synced
+    backward (and, on CUDA, the host waits for the backward to finish before ``backward()`` returns)."""
+
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"CommFuseConfig.schedule={self.schedule!r}: allowed values are {SCHEDULES}")
         if self.grad_divide not in GRAD_DIVIDES:
             raise ValueError(f"CommFuseConfig.grad_divide={self.grad_divide!r}: allowed values are {GRAD_DIVIDES}")
+        if self.nonfinite_grads is False:  # YAML reads an unquoted ``off`` as false
+            self.nonfinite_grads = "off"
+        if not isinstance(self.nonfinite_grads, str) or self.nonfinite_grads not in NONFINITE_MODES:
+            raise ValueError(f"CommFuseConfig.nonfinite_grads={self.nonfinite_grads!r}: allowed values are "
+                             f"{NONFINITE_MODES}")
         self.bucket_mb = _number("bucket_mb", self.bucket_mb, float)
         if not self.bucket_mb > 0:
             raise ValueError(f"CommFuseConfig.bucket_mb={self.bucket_mb!r}: must be a number of MiB > 0, e.g. 25")

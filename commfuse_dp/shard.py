@@ -44,6 +44,7 @@ from .engine import Engine
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
 from .fused.step import StepState
+from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
 from .ring.topology import get_ring
 from .stats import StepStats
@@ -342,10 +343,14 @@ def _install(model: nn.Module, steps: StepState) -> None:
             fsdp_reset()
 
     fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if engine.config.nonfinite_grads != "off":
+        steps.nonfinite = NonfiniteCheck(model, steps)  # checks the shards after each synced backward
 
     @torch.compiler.disable
     def end_forward(module, args, output) -> None:
         steps.end_forward()
+        if steps.nonfinite is not None and torch.is_grad_enabled():
+            steps.nonfinite.watch(output)  # the backward through these outputs ends with the check
         if not torch.is_grad_enabled():
             # No backward follows a no-grad forward (eval), so FSDP2 would leave the root unit (and any unit with
             # reshard_after_forward=False) unsharded, its plain full tensors registered as the module's

@@ -28,13 +28,16 @@ class StepStats:
     comm_s: float
     exposed_comm_s: float
     ring_steps: int
+    skipped_steps: int = 0
+    """Steps whose non-finite gradients were dropped (``CommFuseConfig.nonfinite_grads="skip"``) since
+    ``shard()``, up to and including this one."""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class StatsRecorder:
-    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "last")
+    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "last", "skipped")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -42,6 +45,7 @@ class StatsRecorder:
         self.start = self.end = 0.0
         self.comm = self.exposed = 0.0
         self.ring_steps = 0
+        self.skipped = 0  # steps whose gradients were dropped as non-finite (counted even with stats off)
         self.last: StepStats | None = None
 
     def begin_step(self) -> None:
@@ -73,7 +77,8 @@ class StatsRecorder:
     def current(self) -> StepStats:
         wall = max(self.end - self.start, 0.0)
         return StepStats(step=self.step, wall_s=wall, compute_s=max(wall - self.exposed, 0.0), comm_s=self.comm,
-                         exposed_comm_s=self.exposed, ring_steps=self.ring_steps)
+                         exposed_comm_s=self.exposed, ring_steps=self.ring_steps,
+                         skipped_steps=self.skipped)
 
 
 @dataclass

@@ -260,6 +260,7 @@ class CommFuseCallback(TrainerCallback):
         stats = engine.stats.current().as_dict()   # the micro-batch whose backward just finished
         for key in _STAT_KEYS:
             self._window[key] = self._window.get(key, 0) + stats[key]
+        self._window["skipped_steps"] = stats["skipped_steps"]  # a running count (nonfinite_grads="skip"): not summed
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.inert:
@@ -286,7 +287,7 @@ class CommFuseCallback(TrainerCallback):
             return control
         if logs is None or "loss" not in logs or self._last_window is None:
             return control
-        figures = {f"commfuse/{key}": self._last_window[key] for key in _STAT_KEYS}
+        figures = {f"commfuse/{key}": self._last_window[key] for key in (*_STAT_KEYS, "skipped_steps")}
         logs.update(figures)
         # Trainer.log stored {**logs, "step": global_step} in log_history just before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step \

@@ -25,6 +25,8 @@ def test_defaults_and_keywords():
     ("reduce_dtype", torch.int32, "reduce_dtype"),
     ("grad_divide", "middle", "'post', 'pre', 'split'"),
     ("stats", "yes", "true or false"),
+    ("nonfinite_grads", "ignore", "allowed values are ('auto', 'raise', 'skip', 'off')"),
+    ("nonfinite_grads", True, "allowed values are ('auto', 'raise', 'skip', 'off')"),
 ])
 def test_bad_values_name_the_field(field, value, fragment):
     with pytest.raises(ValueError) as info:
@@ -110,3 +112,19 @@ def test_env_rejects_unknown_variables():
     # Reserved for the integrations: accepted and ignored.
     cfg = CommFuseConfig.from_env({"COMMFUSE_ENABLE": "1", "COMMFUSE_CONFIG": "/tmp/c.yaml", "COMMFUSE_STATS": "0"})
     assert cfg == CommFuseConfig(stats=False)
+
+
+def test_nonfinite_grads_from_every_source(tmp_path):
+    assert CommFuseConfig().nonfinite_grads == "auto"
+    assert CommFuseConfig(nonfinite_grads="skip").nonfinite_grads == "skip"
+    assert CommFuseConfig.from_dict({"nonfinite_grads": "raise"}).nonfinite_grads == "raise"
+    path = tmp_path / "c.yaml"
+    path.write_text("commfuse:\n  nonfinite_grads: off\n")  # YAML 1.1 reads an unquoted off as false
+    assert CommFuseConfig.from_yaml(path).nonfinite_grads == "off"
+    path.write_text("nonfinite_grads: skip\n")
+    assert CommFuseConfig.from_yaml(path) == CommFuseConfig(nonfinite_grads="skip")
+    cfg = CommFuseConfig(nonfinite_grads="off")
+    assert cfg.to_env()["COMMFUSE_NONFINITE_GRADS"] == "off" and CommFuseConfig.from_env(cfg.to_env()) == cfg
+    assert CommFuseConfig.from_env({"COMMFUSE_NONFINITE_GRADS": " skip "}).nonfinite_grads == "skip"
+    with pytest.raises(ValueError, match="CommFuseConfig.nonfinite_grads='never'"):
+        CommFuseConfig.from_env({"COMMFUSE_NONFINITE_GRADS": "never"})

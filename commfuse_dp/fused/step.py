@@ -51,6 +51,7 @@ class StepState:
         self._calls: dict[int, int] = {}
         self.forward_open = False  # a forward of the root began and has not returned
         self.backward_open = False  # a backward reached a fused layer and has not finished
+        self.nonfinite = None  # NonfiniteCheck (``commfuse_dp/nonfinite.py``), set by shard() unless turned off
 
     # -- identity of ring operations -------------------------------------------------------------------------
 
