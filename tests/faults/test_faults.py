@@ -8,6 +8,7 @@ size limit smaller than two checkpoints (root only: the test is skipped, and not
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -221,4 +222,28 @@ def test_ranks_that_disagree_or_bad_data_fail_on_every_rank(tmp_path, fault, nam
         for word in words:
             assert word in r["error"], r["error"]
     fault.detail = f" ({error_type}: {ranks[0]['error'][:90]!r})"
+    fault.clean = True
+
+
+def test_nan_gradients_raise_on_every_rank(tmp_path, fault):
+    fault.name = "nan_grads_raise"
+    proc, ranks, fault.seconds = _launch(tmp_path / "run", "nan_grads_raise")
+    _launcher_reported_failure(proc)
+    for r in ranks:
+        assert r.get("error_type") == "FloatingPointError", _output(proc)
+        assert "step" in r["error"] and "nonfinite_grads" in r["error"], r["error"]
+        assert len(r["losses"]) == 2, r  # steps 0 and 1 trained; step 2 (the bad batch on rank 1) raised
+    fault.detail = f" (FloatingPointError: {ranks[0]['error'][:90]!r})"
+    fault.clean = True
+
+
+def test_nan_gradients_skip_the_step_on_every_rank(tmp_path, fault):
+    fault.name = "nan_grads_skip"
+    proc, ranks, fault.seconds = _launch(tmp_path / "run", "nan_grads_skip")
+    assert proc.returncode == 0, _output(proc)
+    for r in ranks:
+        assert r.get("finished") and r["skipped"] == 1 and len(r["losses"]) == 4, r
+        assert all(map(math.isfinite, r["losses"][3:])), r  # training went on, with finite losses after the skip
+    assert "skipped" in proc.stderr, _output(proc)  # the warning each skipped step logs
+    fault.detail = " (every rank skipped step 2, logged it, and trained on)"
     fault.clean = True
