@@ -73,6 +73,7 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
     loaded parameter (``save_pretrained`` drops those), raises ``KeyError``. Collective."""
     model = _unwrap(model)
     result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
+    mark_initialised(model)
     if not strict:
         return
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
@@ -440,6 +441,7 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     dcp.load(state, checkpoint_id=path)
     for i, model in enumerate(models):
         set_model_state_dict(_unwrap(model), state[f"model_{i}"])
+        mark_initialised(model)
     for i, (model, optimizer) in enumerate(optimizers):
         set_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer), state[f"optimizer_{i}"])
     if extra:
