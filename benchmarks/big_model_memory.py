@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Self
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,7 +70,7 @@ class Phase:
         while not self._stop.wait(0.002):
             self.anon_peak = max(self.anon_peak, _kib("RssAnon"))
 
-    def __enter__(self) -> Phase:
+    def __enter__(self) -> Self:
         import gc
 
         gc.collect()

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = ["is_sharded", "is_complete", "full_state_dict", "load_full_state_dict", "load_hf_weights",
-           "load_pretrained_weights", "mark_initialised", "save_pretrained", "save_sharded", "load_sharded", "optimizer_model", "unwrap_optimizer"]
+           "load_pretrained_weights", "mark_initialised", "save_pretrained", "save_sharded", "load_sharded",
+           "optimizer_model", "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
 

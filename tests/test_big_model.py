@@ -7,16 +7,16 @@ a folder that ``from_pretrained`` loads in this process."""
 import json
 import os
 
+import hf_models
 import pytest
 import torch
+from harness import run_ranks
 from safetensors.torch import load_file, save_file
 
 import commfuse_dp as cf
-import hf_models
 from commfuse_dp import checkpoint as ck
-from harness import run_ranks
 
-CONFIG = dict(min_fuse_numel=0)
+CONFIG = {"min_fuse_numel": 0}
 OVERRIDES = {"llama": {"tie_word_embeddings": True}, "gpt2": {}, "bert": {}}
 
 
@@ -65,8 +65,8 @@ def _stream_worker(rank, world_size, folder, out_dir, kind, max_shard_size):
         logits = model(**hf_models.batch(0, 9)).logits  # every rank the same batch: rank 0's is returned
     if rank:
         return local
-    return dict(local=local, buffers=buffers, same_logits=same_logits, losses=losses, after=after,
-                reference_after=reference_after, logits=logits)
+    return {"local": local, "buffers": buffers, "same_logits": same_logits, "losses": losses, "after": after,
+            "reference_after": reference_after, "logits": logits}
 
 
 @pytest.mark.parametrize("kind,max_shard_size", [("llama", None), ("gpt2", "24KB"), ("bert", None)])
