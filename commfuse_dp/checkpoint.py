@@ -22,8 +22,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
+import struct
 from typing import Any, Iterable
 
 import torch
@@ -38,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["is_sharded", "is_complete", "full_state_dict", "load_full_state_dict", "load_pretrained_weights",
-           "save_pretrained", "save_sharded", "load_sharded", "verify", "CheckpointError", "optimizer_model",
-           "unwrap_optimizer"]
+__all__ = ["CheckpointError", "is_sharded", "is_complete", "full_state_dict", "load_full_state_dict",
+           "load_hf_weights", "load_pretrained_weights", "mark_initialised", "save_pretrained", "save_sharded",
+           "load_sharded", "verify", "optimizer_model", "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
 
@@ -75,6 +77,7 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
     loaded parameter (``save_pretrained`` drops those), raises ``KeyError``. Collective."""
     model = _unwrap(model)
     result = set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
+    mark_initialised(model)
     if not strict:
         return
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
@@ -85,45 +88,289 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
                        f"{list(result.unexpected_keys)}")
 
 
+def load_hf_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict: bool = True) -> None:
+    """Loads the safetensors weights of a Hugging Face folder (``model.safetensors``, or an index and several files)
+    into a sharded model, each rank reading only the slices it owns (``safe_open(...).get_slice(name)[lo:hi]``):
+    no rank ever holds more than its own shards plus one tensor's slice. The model may come from ``shard()`` of a
+    meta-device model (its empty shards are filled here). Names must be the model's own state-dict keys (true of
+    folders written by ``save_pretrained`` of models without weight-name conversions); a key missing from the
+    folder is fine when it is tied to one that is there (``save_pretrained`` drops ``lm_head.weight`` when it is
+    the input embedding). With ``strict``, missing and unexpected keys raise ``KeyError`` naming them; a shape that
+    differs raises ``ValueError``. Dtypes are converted to the model's. Every rank must call it (it reads the same
+    files and raises the same errors everywhere; it sends nothing)."""
+    from safetensors import safe_open
+
+    inner = _unwrap(model)
+    where = _stored_keys(os.fspath(folder))
+    tensors = _named_tensors(inner)
+    aliases: dict[int, list[str]] = {}
+    for name, t in tensors.items():
+        aliases.setdefault(id(t), []).append(name)
+    missing = [names[0] for names in aliases.values() if not any(n in where for n in names)]
+    unexpected = sorted(k for k in where if k not in tensors)
+    if strict and (missing or unexpected):
+        raise KeyError(f"the weights in {os.fspath(folder)} do not match the model: missing {missing}, unexpected "
+                       f"{unexpected}")
+    by_file: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for names in aliases.values():
+        key = next((n for n in names if n in where), None)
+        if key is not None:
+            by_file.setdefault(where[key], []).append((key, tensors[key]))
+    with torch.no_grad():
+        for path, items in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key, t in items:
+                    _read_slice(f, key, t)
+    mark_initialised(inner)
+
+
 def load_pretrained_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict: bool = True) -> None:
-    """Loads the safetensors weights of a Hugging Face folder (one file or an index of several) into a sharded
-    model: every rank reads the files and keeps its own slices. The names must be the model's own (true of a
-    folder written by :func:`save_pretrained` for models without weight-name conversions). Collective."""
-    from safetensors.torch import load_file
+    """The former name of :func:`load_hf_weights` (same behaviour: every rank reads only its own slices)."""
+    load_hf_weights(model, folder, strict=strict)
 
-    folder = os.fspath(folder)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        import json
 
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(os.path.join(folder, name)))
-    load_full_state_dict(model, state, strict=strict)
+def mark_initialised(model: torch.nn.Module) -> None:
+    """Declares the parameters of a model sharded on the meta device set (``shard()`` refuses a forward until
+    then). The loaders call it; call it yourself only after initialising the shards some other way."""
+    inner = _unwrap(model)
+    handle = inner.__dict__.pop("_commfuse_empty_weights", None)
+    if handle is not None:
+        handle.remove()
 
 
 def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is_main_process: bool | None = None,
                     **kwargs) -> None:
-    """Writes a consolidated Hugging Face folder of a sharded ``PreTrainedModel`` (config + safetensors), loadable
-    by ``from_pretrained`` in a single process. Every rank must call it; rank 0 (or ``is_main_process``) writes.
-    Extra keyword arguments go to the model's ``save_pretrained`` (``max_shard_size``, ...). Collective."""
+    """Writes a consolidated Hugging Face folder of a sharded ``PreTrainedModel`` (``config.json``,
+    ``generation_config.json``, safetensors), loadable by ``from_pretrained`` in a single process, without
+    gathering the model anywhere: the main rank (rank 0, or the one rank passing ``is_main_process=True``) writes
+    the config and each safetensors header, then every rank writes its own shards into the files in place
+    (``os.pwrite`` at the shard's byte offset). Tied weights are written once, under the name transformers keeps.
+    ``max_shard_size`` (default ``"50GB"``, as transformers) splits the weights into several files and an index.
+
+    Models that transformers saves with more than renaming-free tensors -- weight-name conversions, PEFT adapters,
+    quantizers, remote code -- and other keyword arguments of ``PreTrainedModel.save_pretrained`` take the former
+    path: the full state dict is gathered on rank 0 (CPU memory) and the model's own ``save_pretrained`` writes it.
+    Collective: every rank must call it."""
     inner = _unwrap(model)
-    state = full_state_dict(inner)
-    main = _rank() == 0 if is_main_process is None else is_main_process
+    if not hasattr(inner, "save_pretrained"):
+        raise TypeError(f"{type(inner).__name__} has no save_pretrained(); use commfuse_dp.checkpoint."
+                        "full_state_dict(model) on every rank and save rank 0's dict yourself")
+    kwargs.pop("state_dict", None)
+    max_shard_size = kwargs.pop("max_shard_size", "50GB")
+    main = _rank() == 0 if is_main_process is None else bool(is_main_process)
+    if kwargs or not _streamable(inner):
+        _save_pretrained_gathered(inner, output_dir, main, max_shard_size=max_shard_size, **kwargs)
+        return
+    if dist.is_initialized():
+        mains: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(mains, main)
+        if sum(mains) != 1:
+            raise ValueError(f"save_pretrained: exactly one rank must be the main process (is_main_process=True), "
+                             f"got {sum(mains)} of {len(mains)}")
+    output_dir = os.fspath(output_dir)
     if main:
-        if not hasattr(inner, "save_pretrained"):
-            raise TypeError(f"{type(inner).__name__} has no save_pretrained(); use commfuse_dp.checkpoint."
-                            "full_state_dict(model) on every rank and save rank 0's dict yourself")
-        kwargs.pop("state_dict", None)
+        os.makedirs(output_dir, exist_ok=True)
+        inner.config.dtype = str(inner.dtype).removeprefix("torch.")
+        inner.config.architectures = [type(inner).__name__.removeprefix("FSDP")]
+        inner.config.save_pretrained(output_dir)
+        if inner.can_generate():
+            inner.generation_config.save_pretrained(output_dir)
+    _write_safetensors(inner, output_dir, main, _size_in_bytes(max_shard_size))
+
+
+def _save_pretrained_gathered(inner: torch.nn.Module, output_dir: str | os.PathLike, main: bool, **kwargs) -> None:
+    state = full_state_dict(inner)
+    if main:
         inner.save_pretrained(os.fspath(output_dir), state_dict=state, is_main_process=True, **kwargs)
     del state
     _barrier()
+
+
+# ---- Hugging Face safetensors, slice by slice -----------------------------------------------------------------
+#
+# A safetensors file is: 8 bytes (little-endian header length), a JSON header {name: {dtype, shape, data_offsets}}
+# padded with spaces, then every tensor's bytes in row-major order at its data_offsets. Since every rank knows every
+# tensor's global shape and dtype, the main rank writes the headers and sizes the files, and each rank writes the
+# rows it owns at their offsets (a Shard(0) slice is one contiguous range; a Shard(1) slice one range per row).
+
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _streamable(model: torch.nn.Module) -> bool:
+    """True when transformers would write the state dict as it is (no conversion, adapter, quantizer, custom code)."""
+    if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None:
+        return False
+    is_remote = getattr(model, "is_remote_code", None)
+    if not hasattr(model, "config") or (callable(is_remote) and is_remote()):
+        return False
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return True
+    return not get_model_conversion_mapping(model, add_legacy=False)
+
+
+def _size_in_bytes(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    from transformers.utils.hub import convert_file_size_to_int
+
+    return convert_file_size_to_int(size)
+
+
+def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict tensors (parameters and persistent buffers) by name, as sharded (DTensors) or plain;
+    tied names map to the same object."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # FSDP2's sharded parameters registered (a no-grad forward may have left them full)
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
+def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, int | None, int, bool]:
+    """``(local tensor, sharded dim or None, first index along it, this rank writes it)`` of a DTensor on a 1-D
+    mesh (``Shard(d)``: ``torch.chunk``'s split; ``Replicate``) or a plain tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return t.detach(), None, 0, True
+    mesh = t.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"a DTensor on a {mesh.ndim}-D mesh: only the 1-D data-parallel mesh is supported")
+    placement, local, rank = t.placements[0], t._local_tensor.detach(), mesh.get_local_rank()
+    if isinstance(placement, Replicate):
+        return local, None, 0, rank == 0
+    if not isinstance(placement, Shard):
+        raise TypeError(f"a DTensor placed {placement}: only Shard and Replicate can be written or loaded")
+    dim, size = placement.dim, t.shape[placement.dim]
+    chunk = -(-size // mesh.size())
+    lo = min(rank * chunk, size)
+    if local.shape[dim] != min(chunk, size - lo):
+        raise ValueError(f"a DTensor shard of {local.shape[dim]} rows along dim {dim} on rank {rank}, expected "
+                         f"{min(chunk, size - lo)} (torch.chunk's split of {size} over {mesh.size()})")
+    return local, dim, lo, True
+
+
+def _stored_keys(folder: str) -> dict[str, str]:
+    """``{key: file}`` of a Hugging Face folder's safetensors (the index's weight map, or the one file's keys)."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, _WEIGHTS)
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no {_WEIGHTS} (or {_INDEX}) in {folder}")
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_slice(f: Any, key: str, t: torch.Tensor) -> None:
+    stored = f.get_slice(key)
+    shape = tuple(stored.get_shape())
+    if shape != tuple(t.shape):
+        raise ValueError(f"{key}: the checkpoint holds shape {shape}, the model {tuple(t.shape)}")
+    local, dim, lo, _ = _local_part(t)
+    if local.numel() == 0:
+        return
+    if dim is None:
+        local.copy_(f.get_tensor(key))
+        return
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(lo, lo + local.shape[dim])
+    local.copy_(stored[tuple(index)])
+
+
+def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_bytes: int) -> None:
+    tensors = _named_tensors(model)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    chosen: dict[int, str] = {}
+    for name, t in tensors.items():  # one name per tensor: the first that transformers does not drop as tied
+        if name not in ignored and (id(t) not in chosen or (chosen[id(t)] in tied and name not in tied)):
+            chosen[id(t)] = name
+    entries = [(name, tensors[name]) for name in tensors if chosen.get(id(tensors[name])) == name]
+    for name, t in entries:
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"save_pretrained: {name} has dtype {t.dtype}, which safetensors cannot hold")
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in entries:  # greedy, in state-dict order, as transformers' split_torch_state_dict_into_shards
+        nbytes = t.numel() * t.element_size()
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((name, t))
+        size += nbytes
+    names = [_WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                 for i in range(len(files))]
+    layouts = [_layout(items) for items in files]
+    if main:
+        for old in os.listdir(output_dir):  # weights of an earlier save that this one would not overwrite
+            if old.startswith("model") and (old.endswith(".safetensors") or old == _INDEX) and old not in names:
+                os.remove(os.path.join(output_dir, old))
+        for name, (header, total) in zip(names, layouts):
+            with open(os.path.join(output_dir, name), "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + total)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(total for _, total in layouts)},
+                     "weight_map": {k: n for n, items in zip(names, files) for k, _ in items}}
+            with open(os.path.join(output_dir, _INDEX), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+    _barrier()  # the files exist at their full size before any rank writes into them
+    for name, items, (header, _) in zip(names, files, layouts):
+        fd = os.open(os.path.join(output_dir, name), os.O_WRONLY)
+        try:
+            offset = len(header)
+            for _, t in items:
+                _write_slice(fd, offset, t, main)
+                offset += t.numel() * t.element_size()
+        finally:
+            os.close(fd)
+    _barrier()
+
+
+def _layout(items: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int]:
+    """The header bytes (length prefix included) of one file and the size of its data section."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text, offset
+
+
+def _write_slice(fd: int, start: int, t: torch.Tensor, main: bool) -> None:
+    local, dim, lo, writes = _local_part(t)
+    if dim is None:
+        writes = writes and main  # a plain (or replicated) tensor: one rank writes it
+    if not writes or local.numel() == 0:
+        return
+    data = local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    item = t.element_size()
+    if dim is None:
+        _pwrite(fd, memoryview(data), start)
+        return
+    inner = math.prod(t.shape[dim + 1:]) * item  # bytes per index along dim
+    block, stride = local.shape[dim] * inner, t.shape[dim] * inner
+    for outer in range(math.prod(t.shape[:dim])):  # one contiguous range per index of the dims before dim
+        _pwrite(fd, memoryview(data[outer * block:(outer + 1) * block]), start + outer * stride + lo * inner)
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):  # one write() moves at most ~2 GiB on Linux
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -216,6 +463,7 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     dcp.load(state, checkpoint_id=path)
     for i, model in enumerate(models):
         set_model_state_dict(_unwrap(model), state[f"model_{i}"])
+        mark_initialised(model)
     for i, (model, optimizer) in enumerate(optimizers):
         set_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer), state[f"optimizer_{i}"])
     if extra:

@@ -20,6 +20,11 @@ layers: ``lockstep.py``) stay out of the fused path and out of FSDP2 units of th
 the same ring steps in the same order.
 
 Any torch optimizer built afterwards on ``model.parameters()`` keeps sharded state (ZeRO-3 memory).
+
+A model built on the ``meta`` device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)``)
+is sharded the same way, and then every rank allocates only its own shards on the real device (``to_empty``), so
+the whole model never exists on one rank. Its parameters are then uninitialised until the weights are loaded
+(``commfuse_dp.checkpoint.load_hf_weights``); its buffers are recomputed by transformers' own initialisation.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value")
 
 
 def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: DeviceMesh | None = None,
-          units: tuple[type[nn.Module], ...] | None = None) -> nn.Module:
+          units: tuple[type[nn.Module], ...] | None = None, device: torch.device | str | None = None) -> nn.Module:
     """Shard ``model`` in place over the data-parallel group and return it.
 
     ``mesh``: a 1-D DeviceMesh of the data-parallel ranks (default: all ranks of the initialised world).
@@ -64,8 +69,18 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     be worth a collective of their own (a shard below ``min_fuse_numel`` elements, e.g. a decoder layer's two
     norm weights) joins its parent's unit instead: the root gathers them once at the start of the step and
     reduce-scatters them once at the end, rather than with two blocking ring collectives inside every layer.
+
+    A model on the ``meta`` device is sharded as a materialised one would be, and then each rank allocates its own
+    shards, and nothing more, on ``device`` (default: the current CUDA device if CUDA is available, else the CPU;
+    the mesh's device type when ``mesh`` is given). Its parameters are left **empty** (uninitialised memory): load
+    them with ``commfuse_dp.checkpoint.load_hf_weights(model, folder)`` (a Hugging Face folder, each rank reading
+    only its slices) or ``load_sharded``; a forward before that raises ``RuntimeError``. Non-persistent buffers
+    (rotary ``inv_freq``, ``position_ids``) are recomputed with the model's transformers initialisation
+    (``initialize_weights``, every parameter skipped), as ``from_pretrained`` does; a model that is no
+    ``PreTrainedModel`` must set its non-persistent buffers itself. ``device`` is only for meta models.
     """
     config = config if config is not None else CommFuseConfig()
+    requested = device
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
     check_not_deepspeed(model)  # ZeRO-3 / a DeepSpeed engine shards it already (checks.py)
@@ -79,6 +94,12 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
                            "init_process_group(...) first (torchrun / accelerate launch set it up)")
+    on_meta = device.type == "meta"
+    if on_meta:
+        device = _materialise_device(requested, mesh)
+    elif requested is not None:
+        raise ValueError(f"shard: device= is for a model on the meta device (where its shards are allocated); this "
+                         f"model is on {device} already. Move it with model.to(...) before shard() instead")
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if mesh.ndim != 1:
@@ -127,6 +148,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     lockstep.reduce_unused_params(model, data_dependent)
     lockstep.mark_fsdp_managed(model)
     _install(model, steps)
+    if on_meta:
+        _materialise(model, device)
     model._commfuse_excluded = dict(excluded.reasons)
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule), %d FSDP2 units + root, %d ranks",
                 len(fused), config.schedule, len(unit_modules), engine.ring.size)
@@ -322,11 +345,83 @@ def _single_device(model: nn.Module) -> torch.device:
         where = ", ".join(f"{name!r} on {dev}" for dev, name in devices.items())
         raise ValueError(f"shard: the model's parameters and buffers are on several devices ({where}); move the "
                          f"whole model to one device (model.to(device)) before sharding")
-    device = next(iter(devices))
+    return next(iter(devices))
+
+
+# ---- a model built on the meta device --------------------------------------------------------------------
+
+def _materialise_device(requested: torch.device | str | None, mesh: DeviceMesh | None) -> torch.device:
+    """Where a meta model's shards are allocated: ``requested``, else the mesh's device type, else the current
+    CUDA device if there is one, else the CPU (a CUDA device without an index: the current one)."""
+    if requested is not None:
+        device = torch.device(requested)
+    elif mesh is not None:
+        device = torch.device(mesh.device_type)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "meta":
-        raise ValueError("shard: the model is on the meta device; materialise it (to_empty + init, or load the "
-                         "weights) before sharding")
+        raise ValueError("shard: device='meta' is where the model is already; pass the device its shards should be "
+                         "allocated on (device='cuda' or 'cpu')")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _refuse_empty_weights(module: nn.Module, args) -> None:
+    raise RuntimeError("this model was sharded on the meta device and its parameters are still uninitialised "
+                       "(empty memory). Load its weights first: commfuse_dp.checkpoint.load_hf_weights(model, folder) "
+                       "for a Hugging Face folder, or checkpoint.load_sharded(...) to resume; if you initialised them "
+                       "yourself, call commfuse_dp.checkpoint.mark_initialised(model)")
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """Allocate every shard (and buffer) of a sharded meta model on ``device``: ``to_empty`` replaces each meta
+    tensor by an uninitialised one of the same (local) shape, so each rank allocates its own shards only (FSDP2's
+    ``_apply`` re-pads its sharded parameters; DTensor's ``empty_like`` keeps the local shape). Then the
+    non-persistent buffers are recomputed, and a forward is refused until the weights are loaded."""
+    model.to_empty(device=device)
+    _init_buffers(model)
+    model._commfuse_empty_weights = model.register_forward_pre_hook(_refuse_empty_weights, prepend=True)
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """Recompute the buffers of a model just taken off the meta device, the way ``from_pretrained`` does
+    (transformers 5: ``_move_missing_keys_from_meta_to_device`` then ``initialize_weights``): every parameter is
+    flagged ``_is_hf_initialized`` so that transformers' guarded init functions leave it alone, and only the
+    buffers (rotary ``inv_freq``, ``position_ids``, norm statistics) get their values. Persistent buffers are
+    loaded again with the weights anyway."""
+    buffers = [name for name, _ in model.named_buffers()]
+    if not buffers:
+        return
+    initialize = getattr(model, "initialize_weights", None)
+    if not callable(initialize) or not hasattr(model, "_init_weights"):
+        non_persistent = [name for name, _ in _non_persistent_buffers(model)]
+        if non_persistent:
+            logger.warning("commfuse_dp.shard: %s is no transformers PreTrainedModel, so its non-persistent buffers "
+                           "%s are left uninitialised after leaving the meta device; set them yourself after "
+                           "shard() (persistent buffers are loaded with the weights)",
+                           type(model).__name__, ", ".join(non_persistent))
+        return
+    params = list(model.parameters())
+    flagged = [p for p in params if not getattr(p, "_is_hf_initialized", False)]
+    for p in flagged:
+        p._is_hf_initialized = True
+    modules_before = {id(m) for m in model.modules() if getattr(m, "_is_hf_initialized", False)}
+    try:
+        initialize()
+    finally:
+        for p in flagged:
+            del p._is_hf_initialized
+        for m in model.modules():
+            if id(m) not in modules_before and "_is_hf_initialized" in m.__dict__:
+                del m._is_hf_initialized
+
+
+def _non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name in module._non_persistent_buffers_set:
+                yield f"{module_name}.{name}" if module_name else name, buf
 
 
 # ---- what the model gains ---------------------------------------------------------------------------------
