@@ -1,0 +1,72 @@
+"""README.md's main-job line, verbatim, in a fresh virtual environment: install torch and the package with the
+recipes extra, run ``commfuse-dp demo`` (a 2-process CPU fine-tune of the embedded default), then the generate
+command the demo prints. The copy of the repository holds only what git tracks (or, without git, the working tree
+less build outputs), so nothing installed for the test suite leaks in. Each step's wall time is printed.
+
+This is the slowest test (pip install from the local cache, then the demo's 60 steps); it runs the README's own
+line so that the line cannot go stale.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _readme_lines() -> list[str]:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert block, "README.md has no ```bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def _copy_repository(dest: str) -> None:
+    if os.path.isdir(os.path.join(ROOT, ".git")) and shutil.which("git"):
+        files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                               check=True, capture_output=True).stdout.decode().split("\0")
+        for name in filter(None, files):
+            src = os.path.join(ROOT, name)
+            if os.path.isfile(src):
+                os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+                shutil.copy2(src, os.path.join(dest, name))
+    else:
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns("runs", "*.egg-info", "__pycache__", ".venv*"))
+
+
+def test_readme_main_job_runs_in_a_fresh_virtualenv(tmp_path, capsys):
+    main_line = _readme_lines()[0]
+    assert main_line.endswith("commfuse-dp demo"), main_line
+    repo, venv = str(tmp_path / "repo"), str(tmp_path / "venv")
+    _copy_repository(repo)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "COMMFUSE_", "ACCELERATE_"))}
+    env.update(VIRTUAL_ENV=venv, PATH=os.path.join(venv, "bin") + os.pathsep + env["PATH"], OMP_NUM_THREADS="1")
+    timings = []
+    outputs = []
+    for command in main_line.split(" && "):  # the line's own commands, in order, each timed
+        began = time.monotonic()
+        proc = subprocess.run(["bash", "-c", command], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=1500)
+        timings.append((command, time.monotonic() - began))
+        assert proc.returncode == 0, f"`{command}` failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        outputs.append(proc.stdout)
+    summary = outputs[-1]
+    loss = re.search(r"eval loss\s+([\d.]+) -> ([\d.]+)", summary)
+    assert loss and float(loss.group(2)) < float(loss.group(1)), summary
+    generate = re.search(r"generate\s+(python -m commfuse_dp\.recipes\.generate .*)", summary)
+    assert generate, summary
+    model = os.path.join(repo, "runs", "demo", "model")
+    assert os.path.isfile(os.path.join(model, "config.json")), summary
+    began = time.monotonic()
+    proc = subprocess.run(["bash", "-c", generate.group(1).strip()], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=600)
+    timings.append(("generate", time.monotonic() - began))
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-4000:]
+    with capsys.disabled():
+        print("\nREADME main job in a fresh venv: " + ", ".join(f"`{c}` {s:.0f} s" for c, s in timings)
+              + f"; eval loss {loss.group(1)} -> {loss.group(2)}")
