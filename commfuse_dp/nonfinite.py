@@ -48,13 +48,22 @@ class NonfiniteCheck:
         self.steps = steps
         self.engine = steps.engine
         self.mode = self.engine.config.nonfinite_grads
-        self.params = list(model.named_parameters())
-        self.device = self.params[0][1].device if self.params else torch.device("cpu")
+        self.model = model
         self.fp16_params = (self.engine.config.param_dtype is torch.float16
                             or any(p.dtype is torch.float16 for _, p in self.params))
         self.fp16_forward = False  # the last forward of the root ran under fp16 autocast
         self._armed_task: int | None = None  # graph task whose check is queued already
         self._told_fp16 = False
+
+    @property
+    def params(self) -> list[tuple[str, torch.Tensor]]:
+        # Read at each use: a model sharded on the meta device gets new parameters (and its device) from
+        # to_empty() after this check was installed.
+        return list(self.model.named_parameters())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters(), torch.empty(0)).device
 
     # -- when: once per backward, after every other final callback ------------------------------------------
 
@@ -100,7 +109,8 @@ class NonfiniteCheck:
             mode = "raise"
         ring, stats = self.engine.ring, self.engine.stats
         began = time.perf_counter()
-        grads = [(name, p.grad) for name, p in self.params if p.grad is not None]
+        params = self.params
+        grads = [(name, p.grad) for name, p in params if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for _, g in grads]
         flags = torch.zeros(ring.size, dtype=torch.uint8, device=self.device)
         mine = flags[ring.rank:ring.rank + 1]
@@ -117,7 +127,7 @@ class NonfiniteCheck:
         names = [name for (name, _), g in zip(grads, local) if g.numel() and bool(_any_nonfinite([g]))] \
             if ring.rank in bad_ranks else []
         if mode == "skip":
-            for _, p in self.params:
+            for _, p in params:
                 p.grad = None
             stats.skipped += 1
             logger.warning("commfuse_dp: step %d: non-finite gradients on rank(s) %s%s; the step's gradients were "
