@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["is_sharded", "is_complete", "mark_complete", "unmark_complete", "latest_complete", "full_state_dict", "load_full_state_dict", "load_pretrained_weights",
+__all__ = ["is_sharded", "is_complete", "mark_complete", "unmark_complete", "latest_complete", "full_state_dict",
+           "load_full_state_dict", "load_pretrained_weights",
            "save_pretrained", "save_sharded", "load_sharded", "optimizer_model", "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
