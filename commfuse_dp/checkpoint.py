@@ -40,9 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CheckpointError", "is_sharded", "is_complete", "full_state_dict", "load_full_state_dict",
-           "load_hf_weights", "load_pretrained_weights", "mark_initialised", "save_pretrained", "save_sharded",
-           "load_sharded", "verify", "optimizer_model", "unwrap_optimizer"]
+__all__ = ["CheckpointError", "is_sharded", "is_complete", "mark_complete", "unmark_complete", "latest_complete",
+           "full_state_dict", "load_full_state_dict", "load_hf_weights", "load_pretrained_weights",
+           "mark_initialised", "save_pretrained", "save_sharded", "load_sharded", "verify", "optimizer_model",
+           "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
 
@@ -436,12 +437,15 @@ def save_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     files = _files(tmp)
     digests = _gather_digests(tmp, files)
     if _rank() == 0:
-        with open(os.path.join(tmp, _COMPLETE), "w") as f:
-            json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1, "files": digests},
-                      f, indent=1)
+        mark_complete(tmp, files=digests)
+        # Never delete the previous folder in place (a kill inside rmtree could leave it half gone): move it
+        # aside with one rename, move the new one in with another, and only then delete the old one.
+        old = path + ".old"
         if os.path.exists(path):
-            shutil.rmtree(path)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
         os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
 
 
@@ -452,11 +456,7 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     size is fine: DCP reshards). ``extra`` is filled in place. Collective."""
     path = os.fspath(path).rstrip(os.sep)
     if not is_complete(path):
-        hint = (" (an interrupted save: resume from the complete checkpoint beside it)" if path.endswith(".partial")
-                else "")
-        raise FileNotFoundError(f"{path} is not a complete commfuse checkpoint: it has no {_COMPLETE} marker, so "
-                                f"its save did not finish{hint}, or it was not written by commfuse_dp."
-                                "save_sharded")
+        raise FileNotFoundError(_incomplete_message(path))
     verify(path)
     models, optimizers = list(models), list(optimizers)
     state = _state(models, optimizers, extra)
@@ -469,6 +469,59 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     if extra:
         for key in extra:
             extra[key] = state[key]
+
+
+def mark_complete(path: str | os.PathLike, files: dict[str, list] | None = None) -> None:
+    """Writes the completion marker that :func:`is_complete` looks for into the folder ``path`` (the file appears
+    whole or not at all: written beside it, then renamed). Call it once everything in the folder is written.
+    ``files``: each file's ``[size, sha256]`` (relative names), which :func:`verify` checks on load."""
+    path = os.fspath(path)
+    tmp = os.path.join(path, _COMPLETE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"world_size": dist.get_world_size() if dist.is_initialized() else 1, "files": files}, f,
+                  indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, _COMPLETE))
+
+
+def unmark_complete(path: str | os.PathLike) -> None:
+    """Removes the completion marker of ``path`` (if any): do it before rewriting or deleting a complete folder,
+    so that an interruption half-way never leaves a folder that says it is complete."""
+    try:
+        os.remove(os.path.join(os.fspath(path), _COMPLETE))
+    except FileNotFoundError:
+        pass
+
+
+def latest_complete(folder: str | os.PathLike, prefix: str = "checkpoint") -> str | None:
+    """The complete folder (:func:`is_complete`) named ``{prefix}-{N}`` in ``folder`` with the highest ``N``, or
+    ``None``. Folders of that name whose save was interrupted are passed over."""
+    import re
+
+    folder = os.fspath(folder)
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)$")
+    steps = [(int(m.group(1)), name) for name in (os.listdir(folder) if os.path.isdir(folder) else ())
+             if (m := pattern.match(name)) and is_complete(os.path.join(folder, name))]
+    return os.path.join(folder, max(steps)[1]) if steps else None
+
+
+def _incomplete_message(path: str) -> str:
+    head = f"{path} is not a complete commfuse checkpoint"
+    if path.endswith(".partial"):
+        final = path[:-len(".partial")]
+        previous = (f"the previous complete save is still at {final}: load that one" if is_complete(final)
+                    else f"there is no complete save at {final}")
+        return (f"{head}: it is the folder an interrupted save_sharded() left behind (no {_COMPLETE} marker: not "
+                f"every rank finished writing). {previous[0].upper() + previous[1:]}, or save again (the next "
+                f"save_sharded() to {final} replaces this folder)")
+    if not os.path.exists(path):
+        if is_complete(path + ".partial"):
+            return (f"{head}: {path} does not exist, but {path}.partial is complete (a save was interrupted while "
+                    f"renaming it into place): rename {path}.partial to {path}")
+        return f"{head}: {path} does not exist"
+    return (f"{head} (no {_COMPLETE} marker: its save did not finish, or this is not a folder written by "
+            "commfuse_dp). Load an earlier complete checkpoint, or save again")
 
 
 # ---- integrity -------------------------------------------------------------------------------------------------
@@ -508,7 +561,9 @@ def verify(path: str | os.PathLike) -> None:
     try:
         expected = json.loads(text)["files"]
     except (ValueError, KeyError, TypeError):
-        return  # a marker from before digests were recorded: nothing to compare with
+        expected = None
+    if not isinstance(expected, dict):
+        return  # a marker without digests (an older save, or a Trainer checkpoint folder): nothing to compare
     names = sorted(set(expected) | set(_files(path)))
     world = dist.get_world_size() if dist.is_initialized() else 1
     problems = []

@@ -62,9 +62,19 @@ How it works (transformers 5.23, accelerate 1.15):
   - ``_load_optimizer_and_scheduler``: the optimizer shards and the scheduler. A checkpoint holding a single
     ``optimizer.pt`` (written without commfuse) is refused rather than half-loaded.
 
+  And two more, wrapped rather than replaced (the instance's own versions run inside), so that a checkpoint is
+  atomic (see the comment above ``_require_complete`` for what transformers 5.23 does without them):
+
+  - ``_save_checkpoint``: ``checkpoint-N/commfuse_complete`` is written once every rank has written all of
+    ``checkpoint-N``, and older checkpoints are rotated away (``save_total_limit``) only then, among complete
+    ones. A rank killed mid-save leaves ``checkpoint-N`` without the marker and the previous checkpoint intact.
+  - ``train``: ``resume_from_checkpoint=True`` takes the last *complete* checkpoint of ``output_dir`` (an
+    incomplete newer one is passed over with a warning); a checkpoint named explicitly without the marker is
+    refused (``ValueError`` naming it and the last complete one).
+
   ``save_model()`` is collective like everything else here: call it on every rank (the Trainer's own checkpoints
-  do), not inside ``if trainer.is_world_process_zero()``. A subclass that overrides one of these methods gets a
-  warning: for this trainer, commfuse's version runs instead.
+  do), not inside ``if trainer.is_world_process_zero()``. A subclass that overrides one of the five replaced
+  methods gets a warning: for this trainer, commfuse's version runs instead.
 
 * DeepSpeed (``TrainingArguments(deepspeed=...)``): DeepSpeed shards the model, and the callback switches
   DeepSpeed's data-parallel collectives to the rings when training begins
@@ -76,14 +86,18 @@ shard the model a second time).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
+import re
+import shutil
 import types
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.config import CommFuseConfig
@@ -98,6 +112,7 @@ logger = logging.getLogger("commfuse_dp")
 CHECKPOINT_SUBDIR = "commfuse"     # checkpoint-N/commfuse: every rank's model and optimizer shards (DCP)
 SCHEDULER_NAME = "scheduler.pt"    # as the Trainer names it (transformers/trainer.py)
 OPTIMIZER_NAME = "optimizer.pt"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def _find_trainer(callback: TrainerCallback) -> Trainer | None:
@@ -136,6 +151,7 @@ def _save_optimizer_and_scheduler(self: Trainer, output_dir: str) -> None:
 
 
 def _load_from_checkpoint(self: Trainer, resume_from_checkpoint: str, model=None) -> None:
+    _require_complete(resume_from_checkpoint)
     folder = os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)
     if ckpt.is_complete(folder):
         ckpt.load_sharded(folder, [self.model])       # exact: the shards as they were, under the model's own names
@@ -173,12 +189,130 @@ _CHECKPOINT_METHODS = {"_save": _save, "_save_optimizer_and_scheduler": _save_op
                        "_load_best_model": _load_best_model}
 
 
+# ---- atomic checkpoints: checkpoint-N counts only once every rank has written all of it --------------------
+#
+# Trainer._save_checkpoint (transformers 5.23) writes straight into checkpoint-N (no temporary folder, no rename):
+# the weights, checkpoint-N/commfuse, scheduler.pt, one rng_state_<rank>.pth per rank, trainer_state.json last on
+# rank 0, and then rank 0 alone deletes older checkpoints (trainer_utils.rotate_checkpoints, save_total_limit),
+# without waiting for the other ranks. trainer_utils.get_last_checkpoint (resume_from_checkpoint=True) takes the
+# highest checkpoint-N folder whatever it holds. So a rank killed while checkpoint-N is written leaves a folder
+# that resume_from_checkpoint=True picks (the Trainer then fails on a missing trainer_state.json, or resumes without
+# some rank's RNG state), and the previous checkpoint may already be deleted by then.
+#
+# The callback wraps two more methods of the same Trainer instance (the instance's own bound methods, so a
+# subclass's versions still run inside):
+# - _save_checkpoint: the marker of checkpoint-N is removed first (re-saving a step overwrites in place), the
+#   Trainer saves with save_total_limit set to None for the duration of that call (its rotation skipped), every
+#   rank meets at a barrier, and only then does the saving process write checkpoint-N/commfuse_complete and
+#   rotate, counting complete checkpoints only and never deleting the one just written or the best one.
+# - train: resume_from_checkpoint=True resumes from the last *complete* checkpoint (passing over, with a warning,
+#   the ones a killed save left behind); a checkpoint named explicitly must be complete or is refused, as it is
+#   in _load_from_checkpoint.
+
+def _require_complete(checkpoint: str) -> None:
+    if ckpt.is_complete(checkpoint):
+        return
+    checkpoint = os.fspath(checkpoint)
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"CommFuseCallback: checkpoint {checkpoint} does not exist")
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    last = ckpt.latest_complete(parent, PREFIX_CHECKPOINT_DIR)
+    if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+        why = (f"it holds a single {OPTIMIZER_NAME}: it was written without CommFuseCallback (or by an older "
+               "version), and its optimizer state cannot be split into this run's shards")
+    else:
+        why = ("it has no commfuse_complete marker, which CommFuseCallback writes once every rank has written its "
+               "part: its save did not finish (a rank stopped while the Trainer was writing it), or it was "
+               "written without CommFuseCallback (then start a fresh run from its weights alone: "
+               "Trainer(model=AutoModel....from_pretrained(checkpoint), ...))")
+    raise ValueError(f"CommFuseCallback: {checkpoint} is not a complete checkpoint: {why}. Resume from "
+                     + (f"the last complete one, {last}" if last else "another checkpoint (there is no complete one "
+                        f"in {parent})")
+                     + ", or pass resume_from_checkpoint=True, which takes the last complete checkpoint of "
+                     "output_dir")
+
+
+def _last_complete_checkpoint(output_dir: str) -> str:
+    last = ckpt.latest_complete(output_dir, PREFIX_CHECKPOINT_DIR)
+    if last is None:
+        raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): CommFuseCallback "
+                         "resumes only from complete checkpoints (with a commfuse_complete marker)")
+    newer = [name for name in sorted(os.listdir(output_dir))
+             if _CHECKPOINT_RE.match(name) and os.path.isdir(os.path.join(output_dir, name))
+             and int(_CHECKPOINT_RE.match(name).group(1)) > int(_CHECKPOINT_RE.match(os.path.basename(last)).group(1))]
+    if newer:
+        logger.warning("CommFuseCallback: %s in %s %s incomplete (a save was interrupted); resuming from %s",
+                       ", ".join(newer), output_dir, "is" if len(newer) == 1 else "are", last)
+    return last
+
+
+def _rotate_complete(run_dir: str, limit: int | None, best: str | None, newest: str) -> None:
+    """transformers' rotation (oldest first, by mtime as Trainer._save_checkpoint asks), among complete
+    checkpoints only; the one just written and the best one are kept. A checkpoint loses its marker before its
+    files go, so a deletion cut short never leaves a folder that looks complete."""
+    if limit is None or limit <= 0:
+        return
+    complete = [c for c in sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=True) if ckpt.is_complete(c)]
+    protected = {os.path.abspath(newest)} | ({os.path.abspath(best)} if best else set())
+    keep = max(limit, len(protected & {os.path.abspath(c) for c in complete}))
+    remaining = len(complete)
+    for folder in complete:
+        if remaining <= keep:
+            break
+        if os.path.abspath(folder) not in protected:
+            ckpt.unmark_complete(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            remaining -= 1
+
+
+def _wrap_save_checkpoint(trainer: Trainer) -> None:
+    inner = trainer._save_checkpoint
+
+    def _save_checkpoint(model, trial):
+        run_dir = trainer._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+        should_save = trainer.args.should_save
+        if should_save:
+            ckpt.unmark_complete(output_dir)
+        dist.barrier()
+        limit = trainer.args.save_total_limit
+        trainer.args.save_total_limit = None   # no rotation before every rank has finished this checkpoint
+        try:
+            inner(model, trial)
+        finally:
+            trainer.args.save_total_limit = limit
+        dist.barrier()   # every rank has written its part (its rng_state_<rank>.pth is its last file)
+        if should_save:
+            ckpt.mark_complete(output_dir)
+            _rotate_complete(run_dir, limit, trainer.state.best_model_checkpoint, output_dir)
+        dist.barrier()
+
+    trainer._save_checkpoint = _save_checkpoint
+
+
+def _wrap_train(trainer: Trainer) -> None:
+    inner = trainer.train
+
+    @functools.wraps(inner)
+    def train(resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, bool):
+            if resume_from_checkpoint:
+                resume_from_checkpoint = _last_complete_checkpoint(trainer.args.output_dir)
+        elif resume_from_checkpoint is not None:
+            _require_complete(resume_from_checkpoint)
+        return inner(resume_from_checkpoint, *args, **kwargs)
+
+    trainer.train = train
+
+
 def _take_over_checkpoints(trainer: Trainer) -> None:
     for name, method in _CHECKPOINT_METHODS.items():
         if getattr(type(trainer), name) is not getattr(Trainer, name):
             logger.warning("CommFuseCallback: %s overrides Trainer.%s; this trainer now uses commfuse's sharded "
                            "version instead", type(trainer).__name__, name)
         setattr(trainer, name, types.MethodType(method, trainer))
+    _wrap_save_checkpoint(trainer)
+    _wrap_train(trainer)
 
 
 class CommFuseCallback(TrainerCallback):

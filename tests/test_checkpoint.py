@@ -8,9 +8,16 @@ import pytest
 import torch
 
 import commfuse_dp as cf
+import harness
 import hf_models
 from commfuse_dp import checkpoint as ck
 from harness import run_ranks
+
+# have the fork server import transformers and commfuse_dp once instead of every rank (no effect if an earlier
+# test module of this session started it)
+harness._context().set_forkserver_preload(["torch", "torch.distributed", "harness", "hf_models", "commfuse_dp",
+                                           "transformers.models.llama.modeling_llama",
+                                           "transformers.models.gpt2.modeling_gpt2"])
 
 
 def _trained(kind, rank):
@@ -82,3 +89,58 @@ def _interrupted_worker(rank, world_size, path):
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
     assert all(run_ranks(_interrupted_worker, 2, (str(tmp_path / "state"),), timeout=180))
+
+
+class _DieWhenWritten:
+    """An ``extra`` entry that DCP serialises (pickles) while it writes this rank's file: the rank dies right
+    there, in the middle of ``dcp.save`` -- the forced fault of the test below (a killed rank, not an exception)."""
+
+    def __reduce__(self):
+        os._exit(17)
+
+
+def _killed_save_worker(rank, world_size, path):
+    model, opt = _trained("llama", rank)
+    ck.save_sharded(path, [model], [(model, opt)], extra={"step": 2})
+    good = _full(model, opt)
+    model(**hf_models.batch(rank, 7)).loss.backward()      # one more step, then a save that rank 1 dies in
+    opt.step()
+    opt.zero_grad()
+    if rank == 0:     # what rank 0 will compare against: the folder at `path` before the second save
+        torch.save(good, path + "-expected.pt")
+    extra = {"step": 3} | ({"boom": _DieWhenWritten()} if rank == 1 else {})
+    ck.save_sharded(path, [model], [(model, opt)], extra=extra)
+    return "save returned"
+
+
+def _after_kill_worker(rank, world_size, path):
+    model = hf_models.build("llama", seed=1)
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(FileNotFoundError) as refused:
+        ck.load_sharded(path + ".partial", [model], [(model, opt)])
+    extra = {"step": -1}
+    ck.load_sharded(path, [model], [(model, opt)], extra=extra)
+    return _full(model, opt), extra["step"], str(refused.value)
+
+
+def test_rank_killed_during_save_leaves_previous_folder_intact(tmp_path):
+    """Rank 1 dies inside dcp.save of a second save to ``path``; rank 0 fails in DCP's gather of the write
+    results. The first save stays at ``path``, complete, and loads exactly (at 2 ranks and, resharded, at 3);
+    ``path.partial`` is refused with a message naming it and the folder to load instead."""
+    path = str(tmp_path / "state")
+    results = run_ranks(_killed_save_worker, 2, (path,), timeout=180, pg_timeout=20, check=False)
+    assert results[1].exitcode == 17, results[1].describe()
+    assert not results[0].ok and "dcp.save" in (results[0].traceback or ""), results[0].describe()
+    assert os.path.isdir(path + ".partial") and not ck.is_complete(path + ".partial")
+    assert ck.is_complete(path) and not os.path.exists(path + ".old")
+    saved_params, saved_state = torch.load(path + "-expected.pt", weights_only=True)
+    for load_world in (2, 3):
+        (params, state), step, message = run_ranks(_after_kill_worker, load_world, (path,), timeout=180)[0]
+        assert step == 2, "the folder at `path` must still be the first save"
+        for name in saved_params:
+            assert torch.equal(params[name], saved_params[name]), name
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(state[name][key], saved_state[name][key]), (name, key)
+        assert path + ".partial" in message and "interrupted save_sharded()" in message
+        assert f"previous complete save is still at {path}: load that one" in message

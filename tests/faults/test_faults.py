@@ -144,7 +144,7 @@ def test_rank_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, fault)
     assert ck.is_complete(ckpt) and fault.bytes_lost == 0
     partial = str(ckpt) + ".partial"
     assert os.path.isdir(partial) and not ck.is_complete(partial)  # what the dead rank left is never complete
-    with pytest.raises(FileNotFoundError, match="no commfuse_complete marker.*interrupted save"):
+    with pytest.raises(FileNotFoundError, match="interrupted save_sharded.*no commfuse_complete marker"):
         ck.load_sharded(partial, [])
     # The previous checkpoint loads, at step 2's parameters, in a new job.
     proc, loaded, _ = _launch(tmp_path / "run", "load")

@@ -1,0 +1,132 @@
+"""Trainer checkpoints with CommFuseCallback are atomic: three torchrun launches (2 CPU ranks, gloo) of
+tests/trainer_crash_worker.py (checkpoints every 2 steps, save_total_limit=1, 6 steps).
+
+A run whose rank 1 is killed while checkpoint-4 is being written (after rank 0 wrote trainer_state.json, the point
+where a plain Trainer would delete checkpoint-2) leaves checkpoint-2 complete and checkpoint-4 without its
+``commfuse_complete`` marker. transformers' own ``get_last_checkpoint`` would pick that checkpoint-4; a fresh run
+refuses it when named, and with ``resume_from_checkpoint=True`` resumes from checkpoint-2 and repeats the
+uninterrupted run's steps 3..6 exactly (same world size, same arithmetic, state read back bit for bit).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "trainer_crash_worker.py")
+sys.path.insert(0, HERE)
+
+from harness import free_port  # noqa: E402
+
+
+def _launch(out_dir, mode: str) -> subprocess.CompletedProcess:
+    torchrun = shutil.which("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                      WORKER, str(out_dir), mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:
+        env.pop(name)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("atomic")
+    result = {"dir": out}
+    for mode in ("full", "crash"):
+        result[mode + "_proc"] = _launch(out, mode)
+    crash = out / "run-crash"
+    # what the crash left, before the resumed run changes it
+    result["after_crash"] = {name: sorted(os.listdir(crash / name)) for name in os.listdir(crash)}
+    from transformers.trainer_utils import get_last_checkpoint
+
+    result["transformers_pick"] = os.path.basename(get_last_checkpoint(str(crash)))
+    result["resume_proc"] = _launch(out, "resume")
+    for mode in ("full", "resume"):
+        proc = result[mode + "_proc"]
+        assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        result[mode] = json.loads((out / f"{mode}.json").read_text())
+    return result
+
+
+def test_killed_rank_leaves_previous_checkpoint_complete(runs):
+    proc = runs["crash_proc"]
+    assert proc.returncode != 0, "the crash run should fail: one of its ranks died"
+    assert "exitcode  : 3" in proc.stderr or "exit code 3" in proc.stderr or "exitcode: 3" in proc.stderr, \
+        proc.stderr[-4000:]
+    left = runs["after_crash"]
+    assert sorted(left) == ["checkpoint-2", "checkpoint-4"], "save_total_limit=1 must not delete checkpoint-2 " \
+                                                            "before checkpoint-4 is complete"
+    assert "commfuse_complete" in left["checkpoint-2"]
+    assert {"model.safetensors", "commfuse", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth",
+            "scheduler.pt"} <= set(left["checkpoint-2"])
+    # checkpoint-4 got as far as trainer_state.json (a plain Trainer would call it done) but has no marker
+    assert "trainer_state.json" in left["checkpoint-4"] and "rng_state_1.pth" not in left["checkpoint-4"]
+    assert "commfuse_complete" not in left["checkpoint-4"]
+    assert runs["transformers_pick"] == "checkpoint-4", "transformers' get_last_checkpoint takes the partial one"
+
+
+def test_partial_checkpoint_named_explicitly_is_refused(runs):
+    message = runs["resume"]["explicit"]
+    assert message is not None, "resume_from_checkpoint=<partial checkpoint-4> should have been refused"
+    assert "checkpoint-4 is not a complete checkpoint" in message
+    assert "checkpoint-2" in message and "resume_from_checkpoint=True" in message
+
+
+def test_resume_true_takes_last_complete_checkpoint_and_matches(runs):
+    full, resumed = runs["full"], runs["resume"]
+    assert sorted(full["losses"], key=int) == [str(s) for s in range(1, 7)]
+    assert resumed["steps_run"] == [3, 4, 5, 6], "should resume after step 2"
+    assert full["steps_run"] == [1, 2, 3, 4, 5, 6]
+    for step in map(str, resumed["steps_run"]):
+        assert resumed["losses"][step] == full["losses"][step], step
+        assert resumed["grad_norms"][step] == full["grad_norms"][step], step
+    assert "checkpoint-4 in" in runs["resume_proc"].stderr and "incomplete" in runs["resume_proc"].stderr
+
+
+def test_rotation_still_keeps_save_total_limit(runs):
+    # the resumed run rewrote checkpoint-4 over the partial one, then rotated checkpoint-2 and -4 away
+    assert runs["full"]["checkpoints"] == ["checkpoint-6"]
+    assert runs["resume"]["checkpoints"] == ["checkpoint-6"]
+    assert os.path.isfile(runs["dir"] / "run-crash" / "checkpoint-6" / "commfuse_complete")
+
+
+def _folders(root, complete, partial):
+    from commfuse_dp import checkpoint as ck
+
+    for step in complete + partial:
+        folder = root / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+        if step in complete:
+            ck.mark_complete(folder)
+
+
+def test_rotation_counts_complete_checkpoints_only(tmp_path):
+    """In-process, on folders: a partial checkpoint-8 left by an earlier killed run, a complete checkpoint-2, and
+    checkpoint-4 just written by a run resumed from checkpoint-2, with save_total_limit=1. transformers' rotation
+    (its mtime order falls back to step numbers when the folders are less than a second apart) keeps the partial
+    checkpoint-8 as "the most recent" and deletes the good checkpoint-4; the callback's keeps checkpoint-4."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from commfuse_dp import checkpoint as ck
+    from commfuse_dp.integrations.transformers import _rotate_complete
+
+    plain, ours = tmp_path / "plain", tmp_path / "ours"
+    for root in (plain, ours):
+        root.mkdir()
+        _folders(root, complete=[2, 4], partial=[8])
+    rotate_checkpoints(str(plain), save_total_limit=1, use_mtime=True)
+    assert sorted(os.listdir(plain)) == ["checkpoint-8"]
+    _rotate_complete(str(ours), 1, None, str(ours / "checkpoint-4"))
+    assert sorted(os.listdir(ours)) == ["checkpoint-4", "checkpoint-8"]
+    assert ck.latest_complete(ours) == str(ours / "checkpoint-4")
+    assert ck.latest_complete(tmp_path / "missing") is None

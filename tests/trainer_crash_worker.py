@@ -1,0 +1,85 @@
+"""One rank of a real ``transformers.Trainer`` run with CommFuseCallback, launched by tests/test_trainer_atomic.py
+through torchrun: checkpoints every 2 steps, ``save_total_limit=1``, 6 steps.
+
+    torchrun --nproc_per_node 2 tests/trainer_crash_worker.py OUT_DIR {full|crash|resume}
+
+full:   the uninterrupted run (output OUT_DIR/run-full), per-step losses in OUT_DIR/full.json.
+crash:  the same run (output OUT_DIR/run-crash), but rank 1 dies (os._exit) while checkpoint-4 is written: in the
+        Trainer's _save_rng_state, after rank 0 has written checkpoint-4/trainer_state.json -- the last file a
+        plain Trainer writes before it deletes older checkpoints -- and before rank 1's own rng_state_1.pth.
+resume: a fresh run on OUT_DIR/run-crash: first resume_from_checkpoint=<checkpoint-4> (must be refused: the message
+        is recorded), then resume_from_checkpoint=True; losses in OUT_DIR/resume.json.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, ROOT]
+
+import hf_models  # noqa: E402
+
+
+def main(out_dir: str, mode: str) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from commfuse_dp import CommFuseConfig
+    from commfuse_dp.integrations.transformers import CommFuseCallback
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    run_dir = os.path.join(out_dir, "run-full" if mode == "full" else "run-crash")
+
+    class CrashingTrainer(Trainer):
+        def _save_rng_state(self, output_dir):
+            if mode == "crash" and rank == 1 and self.state.global_step == 4:
+                deadline = time.monotonic() + 60
+                while not os.path.exists(os.path.join(output_dir, "trainer_state.json")) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                os._exit(3)       # the forced fault: this rank dies in the middle of the checkpoint
+            return super()._save_rng_state(output_dir)
+
+    steps_run = []   # the optimizer steps this process ran (a resumed run's log_history also holds earlier ones)
+
+    class StepsRun(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps_run.append(state.global_step)
+
+    args = TrainingArguments(
+        output_dir=run_dir, use_cpu=True, report_to=[], save_strategy="steps", save_steps=2, save_total_limit=1,
+        per_device_train_batch_size=2, gradient_accumulation_steps=1, max_grad_norm=1.0, optim="adamw_torch",
+        learning_rate=1e-2, lr_scheduler_type="linear", max_steps=6, logging_steps=1, seed=0, data_seed=0,
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = CrashingTrainer(model=hf_models.build("llama", seed=0), args=args,
+                              train_dataset=hf_models.Synthetic(24, seed=1),
+                              callbacks=[CommFuseCallback(CommFuseConfig(min_fuse_numel=0)), StepsRun()])
+    result = {}
+    if mode == "resume":
+        try:
+            trainer.train(resume_from_checkpoint=os.path.join(run_dir, "checkpoint-4"))
+            result["explicit"] = None
+        except ValueError as err:
+            result["explicit"] = str(err)
+        trainer.train(resume_from_checkpoint=True)
+    else:
+        trainer.train()
+    if rank == 0:
+        logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
+        result.update(losses={e["step"]: e["loss"] for e in logs}, steps_run=steps_run,
+                      grad_norms={e["step"]: e["grad_norm"] for e in logs},
+                      checkpoints=sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-")))
+        with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    drain_gloo_workers()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
