@@ -226,6 +226,17 @@ class CommFuseAccelerator(Accelerator):
 
     # ---- state dicts and checkpoints ------------------------------------------------------------------------
 
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
+        """A sharded Hugging Face model: :func:`commfuse_dp.checkpoint.save_pretrained` (every rank writes its own
+        slices into the safetensors; nothing is gathered). Collective for such a model: call it on every rank.
+        Anything else: ``Accelerator.save_model``."""
+        if ckpt.is_sharded(model) and hasattr(ckpt._unwrap(model), "save_pretrained") and safe_serialization:
+            ckpt.save_pretrained(model, save_directory, is_main_process=self.is_main_process,
+                                 max_shard_size=max_shard_size)
+            return
+        return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                  safe_serialization=safe_serialization)
+
     def get_state_dict(self, model, unwrap: bool = True):
         if ckpt.is_sharded(model):
             return ckpt.full_state_dict(model)

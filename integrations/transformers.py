@@ -111,6 +111,7 @@ logger = logging.getLogger("commfuse_dp")
 
 CHECKPOINT_SUBDIR = "commfuse"     # checkpoint-N/commfuse: every rank's model and optimizer shards (DCP)
 SCHEDULER_NAME = "scheduler.pt"    # as the Trainer names it (transformers/trainer.py)
+TRAINING_ARGS_NAME = "training_args.bin"
 OPTIMIZER_NAME = "optimizer.pt"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
@@ -134,8 +135,22 @@ def _find_trainer(callback: TrainerCallback) -> Trainer | None:
 # ---- the Trainer's checkpoint methods, for a commfuse-sharded model (bound to one Trainer instance) -----------
 
 def _save(self: Trainer, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-    # Every rank gathers (the full copy lands on rank 0, in CPU memory); Trainer._save then writes it on rank 0
-    # with save_pretrained, plus the tokenizer and training_args.bin, exactly as for an unsharded model.
+    # A PreTrainedModel: commfuse_dp.checkpoint.save_pretrained, every rank writing its own slices into the
+    # safetensors in place (no rank holds the full model), then the rest of Trainer._save on the writing rank
+    # (tokenizer, training_args.bin). Anything else (a state_dict passed in, a model without save_pretrained):
+    # every rank gathers (the full copy lands on rank 0, in CPU memory) and Trainer._save writes it.
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    if state_dict is None and hasattr(self.model, "save_pretrained"):
+        ckpt.save_pretrained(self.model, output_dir, is_main_process=self.args.should_save)
+        if self.args.should_save:
+            tokenizer = self.processing_class
+            if tokenizer is None and self.data_collator is not None:
+                tokenizer = getattr(self.data_collator, "tokenizer", None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        dist.barrier()
+        return
     if state_dict is None:
         state_dict = ckpt.full_state_dict(self.model)
     Trainer._save(self, output_dir, state_dict=state_dict)

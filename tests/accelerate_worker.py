@@ -80,6 +80,7 @@ def main(out_dir: str, mode: str, kind: str) -> None:
         saved = os.path.join(out_dir, "hf")
         acc.unwrap_model(model).save_pretrained(saved, state_dict=acc.get_state_dict(model),
                                                 is_main_process=acc.is_main_process)
+        acc.save_model(model, os.path.join(out_dir, "hf-save-model"))  # every rank writes its slices in place
         acc.wait_for_everyone()
         model.eval()
         with torch.no_grad():

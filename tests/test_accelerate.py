@@ -97,10 +97,11 @@ def test_consolidated_save_reloads_with_equal_logits(runs):
     from transformers import AutoModelForMaskedLM
 
     assert runs["commfuse"]["saved_files"] == ["config.json", "model.safetensors"]
-    model = AutoModelForMaskedLM.from_pretrained(str(runs["dir"] / "hf")).eval()
-    with torch.no_grad():
-        logits = model(**hf_models.batch(0, 99)).logits
-    torch.testing.assert_close(logits, torch.tensor(runs["commfuse"]["logits"]), rtol=1e-5, atol=1e-6)
+    for folder in ("hf", "hf-save-model"):  # get_state_dict (gathered) and save_model (written in place)
+        model = AutoModelForMaskedLM.from_pretrained(str(runs["dir"] / folder)).eval()
+        with torch.no_grad():
+            logits = model(**hf_models.batch(0, 99)).logits
+        torch.testing.assert_close(logits, torch.tensor(runs["commfuse"]["logits"]), rtol=1e-5, atol=1e-6)
 
 
 # ---- refusals (a subprocess each: Accelerator state is process-wide) -------------------------------------
