@@ -42,3 +42,37 @@ def test_unchanged_loop_under_commfuse_launch(tmp_path):
     with torch.no_grad():
         logits = model(**tokenizer("The assert statement", return_tensors="pt")).logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("case, word", [("missing", "does not exist"), ("empty", "no text"),
+                                        ("outdir", "not empty"), ("resume", "is not a folder"),
+                                        ("config", "bucket_mbb")])
+def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, case, word):
+    # main() in this process: every check runs before any process group or Accelerator exists.
+    from commfuse_dp.recipes import train_accelerate
+
+    out = tmp_path / "out"
+    args = ["--output_dir", str(out), "--hidden_size", "64", "--num_layers", "2", "--vocab_size", "512",
+            "--block_size", "32"]
+    if case == "missing":
+        args += ["--data", str(tmp_path / "nope.txt")]
+    elif case == "empty":
+        (tmp_path / "empty.txt").write_text("  \n\n")
+        args += ["--data", str(tmp_path / "empty.txt")]
+    elif case == "outdir":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    elif case == "resume":
+        args += ["--resume_from", str(tmp_path / "no-state")]
+    elif case == "config":
+        (tmp_path / "cf.yaml").write_text("commfuse:\n  bucket_mbb: 4\n")
+        args += ["--commfuse", "--commfuse_config", str(tmp_path / "cf.yaml")]
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(SystemExit) as exc:
+        train_accelerate.main(args)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exc.value.code == 2 and len(lines) == 1 and word in lines[0], lines
+    if case == "outdir":
+        assert os.listdir(out) == ["keep.txt"]
+    else:
+        assert not out.exists(), "nothing may be written for bad input"
