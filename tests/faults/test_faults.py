@@ -182,10 +182,10 @@ def test_damaged_shard_file_is_refused_on_every_rank(tmp_path, saved, fault, nam
     fault.clean = True
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
+                    reason="a size-limited tmpfs needs root (mount -t tmpfs -o size=...)")
 def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path, saved, fault):
     fault.name = "full_disk"
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("a size-limited tmpfs needs root (mount -t tmpfs -o size=...)")
     with open(saved[0] / "ckpt" / "commfuse_complete") as f:
         size = sum(v[0] for v in json.load(f)["files"].values())
     disk = tmp_path / "disk"
