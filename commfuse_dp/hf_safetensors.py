@@ -1,0 +1,200 @@
+"""Hugging Face safetensors of a sharded model, slice by slice: the in-place writer behind
+``commfuse_dp.checkpoint.save_pretrained`` and the slice reader behind ``load_hf_weights``.
+
+A safetensors file is: 8 bytes (little-endian header length), a JSON header {name: {dtype, shape, data_offsets}}
+padded with spaces, then every tensor's bytes in row-major order at its data_offsets. Since every rank knows every
+tensor's global shape and dtype, the main rank writes the headers and sizes the files, and each rank writes the
+rows it owns at their offsets (a Shard(0) slice is one contiguous range; a Shard(1) slice one range per row).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def _streamable(model: torch.nn.Module) -> bool:
+    """True when transformers would write the state dict as it is (no conversion, adapter, quantizer, custom code)."""
+    if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None:
+        return False
+    is_remote = getattr(model, "is_remote_code", None)
+    if not hasattr(model, "config") or (callable(is_remote) and is_remote()):
+        return False
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return True
+    return not get_model_conversion_mapping(model, add_legacy=False)
+
+
+def _size_in_bytes(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    from transformers.utils.hub import convert_file_size_to_int
+
+    return convert_file_size_to_int(size)
+
+
+def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict tensors (parameters and persistent buffers) by name, as sharded (DTensors) or plain;
+    tied names map to the same object."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # FSDP2's sharded parameters registered (a no-grad forward may have left them full)
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
+def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, int | None, int, bool]:
+    """``(local tensor, sharded dim or None, first index along it, this rank writes it)`` of a DTensor on a 1-D
+    mesh (``Shard(d)``: ``torch.chunk``'s split; ``Replicate``) or a plain tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor):
+        return t.detach(), None, 0, True
+    mesh = t.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"a DTensor on a {mesh.ndim}-D mesh: only the 1-D data-parallel mesh is supported")
+    placement, local, rank = t.placements[0], t._local_tensor.detach(), mesh.get_local_rank()
+    if isinstance(placement, Replicate):
+        return local, None, 0, rank == 0
+    if not isinstance(placement, Shard):
+        raise TypeError(f"a DTensor placed {placement}: only Shard and Replicate can be written or loaded")
+    dim, size = placement.dim, t.shape[placement.dim]
+    chunk = -(-size // mesh.size())
+    lo = min(rank * chunk, size)
+    if local.shape[dim] != min(chunk, size - lo):
+        raise ValueError(f"a DTensor shard of {local.shape[dim]} rows along dim {dim} on rank {rank}, expected "
+                         f"{min(chunk, size - lo)} (torch.chunk's split of {size} over {mesh.size()})")
+    return local, dim, lo, True
+
+
+def _stored_keys(folder: str) -> dict[str, str]:
+    """``{key: file}`` of a Hugging Face folder's safetensors (the index's weight map, or the one file's keys)."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, _WEIGHTS)
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no {_WEIGHTS} (or {_INDEX}) in {folder}")
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_slice(f: Any, key: str, t: torch.Tensor) -> None:
+    stored = f.get_slice(key)
+    shape = tuple(stored.get_shape())
+    if shape != tuple(t.shape):
+        raise ValueError(f"{key}: the checkpoint holds shape {shape}, the model {tuple(t.shape)}")
+    local, dim, lo, _ = _local_part(t)
+    if local.numel() == 0:
+        return
+    if dim is None:
+        local.copy_(f.get_tensor(key))
+        return
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(lo, lo + local.shape[dim])
+    local.copy_(stored[tuple(index)])
+
+
+def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_bytes: int) -> None:
+    tensors = _named_tensors(model)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    chosen: dict[int, str] = {}
+    for name, t in tensors.items():  # one name per tensor: the first that transformers does not drop as tied
+        if name not in ignored and (id(t) not in chosen or (chosen[id(t)] in tied and name not in tied)):
+            chosen[id(t)] = name
+    entries = [(name, tensors[name]) for name in tensors if chosen.get(id(tensors[name])) == name]
+    for name, t in entries:
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"save_pretrained: {name} has dtype {t.dtype}, which safetensors cannot hold")
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in entries:  # greedy, in state-dict order, as transformers' split_torch_state_dict_into_shards
+        nbytes = t.numel() * t.element_size()
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((name, t))
+        size += nbytes
+    names = [_WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                                 for i in range(len(files))]
+    layouts = [_layout(items) for items in files]
+    if main:
+        for old in os.listdir(output_dir):  # weights of an earlier save that this one would not overwrite
+            if old.startswith("model") and (old.endswith(".safetensors") or old == _INDEX) and old not in names:
+                os.remove(os.path.join(output_dir, old))
+        for name, (header, total) in zip(names, layouts):
+            with open(os.path.join(output_dir, name), "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + total)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(total for _, total in layouts)},
+                     "weight_map": {k: n for n, items in zip(names, files) for k, _ in items}}
+            with open(os.path.join(output_dir, _INDEX), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+    if dist.is_initialized():
+        dist.barrier()  # the files exist at their full size before any rank writes into them
+    for name, items, (header, _) in zip(names, files, layouts):
+        fd = os.open(os.path.join(output_dir, name), os.O_WRONLY)
+        try:
+            offset = len(header)
+            for _, t in items:
+                _write_slice(fd, offset, t, main)
+                offset += t.numel() * t.element_size()
+        finally:
+            os.close(fd)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _layout(items: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int]:
+    """The header bytes (length prefix included) of one file and the size of its data section."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text, offset
+
+
+def _write_slice(fd: int, start: int, t: torch.Tensor, main: bool) -> None:
+    local, dim, lo, writes = _local_part(t)
+    if dim is None:
+        writes = writes and main  # a plain (or replicated) tensor: one rank writes it
+    if not writes or local.numel() == 0:
+        return
+    data = local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    item = t.element_size()
+    if dim is None:
+        _pwrite(fd, memoryview(data), start)
+        return
+    inner = math.prod(t.shape[dim + 1:]) * item  # bytes per index along dim
+    block, stride = local.shape[dim] * inner, t.shape[dim] * inner
+    for outer in range(math.prod(t.shape[:dim])):  # one contiguous range per index of the dims before dim
+        _pwrite(fd, memoryview(data[outer * block:(outer + 1) * block]), start + outer * stride + lo * inner)
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):  # one write() moves at most ~2 GiB on Linux
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
