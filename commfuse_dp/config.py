@@ -52,7 +52,9 @@ class CommFuseConfig:
 
     min_fuse_numel: int = 1 << 16
     """A linear whose weight shard has fewer elements than this is not fused (a ring step costs a fixed latency
-    that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead."""
+    that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead. Linears that read the same
+    input (q/k/v, gate/up) share their ring steps, so they are judged together, by the sum of their shards: GQA's
+    small ``k_proj``/``v_proj`` are fused with ``q_proj``."""
 
     param_dtype: torch.dtype | None = None
     """Dtype of the forward/backward compute and of the weight shards sent around the ring (e.g. ``bfloat16``).

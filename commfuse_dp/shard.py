@@ -48,6 +48,7 @@ from .describe import warn_if_little_fused
 from .engine import Engine
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
+from .fused.reads import ParamBindings, attach_reads
 from .fused.step import StepState
 from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
@@ -118,17 +119,22 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     tied = _tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
     fused = _fusable_linears(model, config, engine.ring.size, excluded, tied)
     fused_params: set[nn.Parameter] = set()
-    for _, module, transposed in fused:
+    bound: list[tuple[str, nn.Module, dict[str, int]]] = []  # fused modules and their sharded params' dims
+    for name, module, transposed in fused:
         fused_params.update(convert_linear(module, engine, transposed))
+        bound.append((name, module, {"weight": 1 if transposed else 0, "bias": 0}))
     for members in _shared_input_groups(fused):
-        attach_group(steps, members, [names[id(m)] for m in members])
+        attach_group(steps, [m for _, m, _ in members], [names[id(m)] for _, m, _ in members])
     for _, lm_head in tied.values():
         lm_head._cf_group.state.tied = True
     if config.ring_embeddings:
         for module in _ring_embeddings(model, config, engine.ring.size, excluded, tied):
             pair = tied.get(id(module.weight))  # the lm_head that shares this table was sharded above: use its shards
             fused_params.add(convert_embedding(module, steps, names[id(module)],
-                                               table=pair[1].weight if pair is not None else None))
+                                               table=pair[1]._parameters["weight"] if pair is not None else None))
+            bound.append((names[id(module)], module, {"weight": 0}))
+    for name, module, dims in bound:
+        attach_reads(steps, module, name, dims)  # module.weight read from outside: full value, summed gradient
 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
@@ -147,7 +153,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         register_fsdp_forward_method(model, "generate")
     lockstep.reduce_unused_params(model, data_dependent)
     lockstep.mark_fsdp_managed(model)
-    _install(model, steps)
+    _install(model, steps, ParamBindings(model, bound))
     if on_meta:
         _materialise(model, device)
     model._commfuse_excluded = dict(excluded.reasons)
@@ -181,7 +187,7 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclu
                      tied_tables: dict[int, tuple[nn.Embedding, nn.Linear]]) -> list[tuple[str, nn.Module, bool]]:
     conv1d = _conv1d_class()
     owners = _param_owners(model)
-    fused, small, tied, other = [], 0, 0, Counter()
+    fused, candidates, small, tied, other = [], [], 0, 0, Counter()
     for name, module in model.named_modules():
         if excluded.why(name):
             continue  # logged by lockstep.exclusions
@@ -191,15 +197,21 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclu
                 fused.append((name, module, False))  # the lm_head of a tied table (_tied_tables)
             elif owners[id(module.weight)] > 1 or (module.bias is not None and owners[id(module.bias)] > 1):
                 tied += 1  # shared with another module: FSDP2 keeps both uses in one unit
-            elif module.weight.numel() // world < config.min_fuse_numel:
-                small += 1
             else:
-                fused.append((name, module, kind is not nn.Linear))
+                candidates.append((name, module, kind is not nn.Linear))
         elif isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)):
             other[kind.__name__] += 1
+    # Linears that read the same input ride the same ring steps, so they are judged together: GQA's k_proj and
+    # v_proj, each below min_fuse_numel, are fused with q_proj when the group's shard is large enough.
+    for group in _shared_input_groups(candidates):
+        if sum(m.weight.numel() for _, m, _ in group) // world < config.min_fuse_numel:
+            small += len(group)
+        else:
+            fused += group
     if small:
-        logger.info("commfuse_dp: %d linears have weight shards below min_fuse_numel=%d elements and go through "
-                    "the bucketed rings instead", small, config.min_fuse_numel)
+        logger.info("commfuse_dp: %d linears have weight shards (summed with the linears that read the same input, "
+                    "q/k/v, gate/up) below min_fuse_numel=%d elements and go through the bucketed rings instead",
+                    small, config.min_fuse_numel)
     if tied:
         logger.info("commfuse_dp: %d linears share their weight with another module in a way that is not fused "
                     "(see _tied_tables) and go through the bucketed rings", tied)
@@ -272,29 +284,32 @@ def _ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int, exclu
     return chosen
 
 
-def _shared_input_groups(fused: list[tuple[str, nn.Module, bool]]) -> list[list[nn.Module]]:
-    """Linears that read the same input, by sibling names (a PEFT wrapper's ``base_layer`` counts as its wrapper)."""
-    by_parent: dict[str, dict[str, nn.Module]] = defaultdict(dict)
-    for name, module, _ in fused:
-        logical = name.removesuffix(".base_layer")
+def _shared_input_groups(linears: list[tuple[str, nn.Module, bool]]) -> list[list[tuple[str, nn.Module, bool]]]:
+    """Linears that read the same input, by sibling names (a PEFT wrapper's ``base_layer`` counts as its wrapper),
+    as groups of ``(name, module, transposed)``; every other linear is a group of its own. Order: the groups, then
+    the single linears, each in ``linears``' order (the same on every rank)."""
+    by_parent: dict[str, dict[str, tuple[str, nn.Module, bool]]] = defaultdict(dict)
+    for entry in linears:
+        logical = entry[0].removesuffix(".base_layer")
         parent, _, leaf = logical.rpartition(".")
-        by_parent[parent][leaf] = module
+        by_parent[parent][leaf] = entry
     groups, grouped = [], set()
     for siblings in by_parent.values():
         for names in SHARED_INPUT_GROUPS:
             members = [siblings.get(n) for n in names]
             if all(m is not None for m in members) and _compatible(members):
                 groups.append(members)
-                grouped.update(id(m) for m in members)
-    groups += [[m] for _, m, _ in fused if id(m) not in grouped]
-    return groups
+                grouped.update(id(m) for _, m, _ in members)
+    return groups + [[entry] for entry in linears if id(entry[1]) not in grouped]
 
 
-def _compatible(members: list[nn.Module]) -> bool:
+def _compatible(members: list[tuple[str, nn.Module, bool]]) -> bool:
+    def width(entry):  # in_features: Conv1D's weight is (in, out)
+        return entry[1].weight.shape[0] if entry[2] else entry[1].weight.shape[1]
+
     first = members[0]
-    width = lambda m: m.weight.shape[0] if m._cf_transposed else m.weight.shape[1]  # noqa: E731
-    return all(width(m) == width(first) and m.weight.dtype == first.weight.dtype
-               and m._cf_transposed == first._cf_transposed for m in members)
+    return all(width(m) == width(first) and m[1].weight.dtype == first[1].weight.dtype and m[2] == first[2]
+               for m in members)
 
 
 def _unfused_numel(unit: nn.Module, fused_params: set[nn.Parameter]) -> int:
@@ -424,9 +439,15 @@ def _non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tenso
                 yield f"{module_name}.{name}" if module_name else name, buf
 
 
+def _refuse_resize(*args, **kwargs) -> None:
+    raise RuntimeError("resize_token_embeddings after commfuse_dp.shard(): the embedding table and the lm_head are "
+                       "sharded over the ranks and cannot change shape. Resize before shard() (add the tokens to "
+                       "the tokenizer, call model.resize_token_embeddings(len(tokenizer)), then shard the model)")
+
+
 # ---- what the model gains ---------------------------------------------------------------------------------
 
-def _install(model: nn.Module, steps: StepState) -> None:
+def _install(model: nn.Module, steps: StepState, bindings: ParamBindings) -> None:
     engine = steps.engine
     fsdp_root = model if isinstance(model, FSDPModule) else None
     fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
@@ -434,6 +455,7 @@ def _install(model: nn.Module, steps: StepState) -> None:
 
     @torch.compiler.disable
     def begin_step(module, args) -> None:
+        bindings.check()  # a fused module replaced, or its parameter rebound, since shard(): refuse, say what
         if steps.begin_step() and fsdp_reset is not None:  # the previous step raised: FSDP2's part too
             fsdp_reset()
 
@@ -483,5 +505,7 @@ def _install(model: nn.Module, steps: StepState) -> None:
     model.no_sync = no_sync
     model.reset_iter_state = reset_iter_state
     model.__deepcopy__ = engine.__deepcopy__  # before FSDP2's own refusal, which does not say what to do
+    if callable(getattr(model, "resize_token_embeddings", None)):
+        model.resize_token_embeddings = _refuse_resize
     model._commfuse_engine = engine
     model._commfuse_steps = steps

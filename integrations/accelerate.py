@@ -62,9 +62,10 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, convert_to_fp32, get_mixed_precision_context_manager
 
 from commfuse_dp import checkpoint as ckpt
+from commfuse_dp.amp import autocast_root
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.ring.topology import drain_gloo_workers
 from commfuse_dp.shard import shard
@@ -161,8 +162,7 @@ class CommFuseAccelerator(Accelerator):
         if not self.commfuse_active or evaluation_mode or getattr(model, "_is_accelerate_prepared", False):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self._shard(model, device_placement)
-        # evaluation_mode=True: accelerate's mixed precision and compile wrappers, without the DDP wrap.
-        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        return prepare_sharded(self, model)
 
     def prepare(self, *args, device_placement=None):
         if self.distributed_type == DistributedType.DEEPSPEED:
@@ -287,3 +287,20 @@ class CommFuseAccelerator(Accelerator):
             handle.remove()
         ckpt.load_sharded(os.path.join(resolved[0], CHECKPOINT_SUBDIR), models, pairs)
         return result
+
+
+def prepare_sharded(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """``accelerator.prepare_model`` for a model ``shard()`` sharded: accelerate's compile and other wrappers
+    without the DDP wrap (``evaluation_mode=True``), and its mixed precision (autocast, outputs to fp32) entered by
+    the model's own forward hooks (``commfuse_dp.amp.autocast_root``) instead of a wrapper around
+    ``model.forward``, so that it holds when a library replaces ``forward`` afterwards (TRL's fused LM head)."""
+    amp = accelerator.native_amp
+    accelerator.native_amp = False  # read by prepare_model only to install the forward wrapper
+    try:
+        model = Accelerator.prepare_model(accelerator, model, device_placement=False, evaluation_mode=True)
+    finally:
+        accelerator.native_amp = amp
+    if amp:
+        handler = accelerator.autocast_handler
+        autocast_root(model, lambda: get_mixed_precision_context_manager(True, handler), convert_to_fp32)
+    return model

@@ -101,6 +101,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.integrations.accelerate import prepare_sharded
 from commfuse_dp.shard import shard
 
 __all__ = ["CommFuseCallback"]
@@ -390,9 +391,10 @@ class CommFuseCallback(TrainerCallback):
             shard(model, self.cfg)
         if trainer is not None:
             _take_over_checkpoints(trainer)
-            # accelerate's mixed precision (autocast around forward) is applied in prepare_model, which returns a
-            # model flagged as prepared untouched: apply it here, without the DDP wrap (evaluation_mode=True).
-            trainer.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+            # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
+            # untouched: apply it here, without the DDP wrap, from the model's own forward hooks (so that it holds
+            # when TRL replaces model.forward after this callback ran).
+            prepare_sharded(trainer.accelerator, model)
         elif getattr(args, "bf16", False) or getattr(args, "fp16", False):
             raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer's __init__, so the "
                              "callback cannot apply the Trainer's bf16/fp16 autocast; pass the callback in "

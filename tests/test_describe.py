@@ -102,3 +102,22 @@ def test_describe_and_little_fused_warning(world_size):
 def test_describe_needs_a_sharded_model():
     with pytest.raises(ValueError, match="not sharded with commfuse_dp.shard"):
         cf.describe(nn.Linear(2, 2))
+
+
+def _gqa_worker(rank, world_size):
+    # q: 64x64, k and v: 16x64 (one kv head). At 2 ranks with min_fuse_numel=2000: q's shard (2048) is big
+    # enough alone, k's and v's (512) are not, the q/k/v group's (3072) is.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=hf_models.VOCAB, hidden_size=64, intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=2000))
+    attn = model.model.layers[0].self_attn
+    return {name: (type(getattr(attn, name)).__name__, getattr(attn, name)._cf_group.names
+                   if hasattr(getattr(attn, name), "_cf_group") else None) for name in ("q_proj", "k_proj", "v_proj")}
+
+
+def test_small_projections_are_judged_with_the_linears_that_share_their_input():
+    result = run_ranks(_gqa_worker, 2, timeout=120)[0]
+    group = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
+    assert result == {name: ("RingLinear", group) for name in ("q_proj", "k_proj", "v_proj")}, result

@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
+from .exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce
+from .reads import guarded_class
 from .step import StepState
 
 
@@ -189,61 +191,6 @@ def _owned(state: EmbeddingState, ids_all: torch.Tensor, *, skip_padding: bool) 
     return out
 
 
-# ---- ring loops driven by the engine (timed, observed, with the ring's timeout) ---------------------------
-
-def _gather(state: EmbeddingState, mine: torch.Tensor, phase: str) -> torch.Tensor:
-    """All-gather a same-shape tensor from every rank: ``out[j]`` is rank j's."""
-    ring = state.engine.ring
-    out = mine.new_empty(ring.size, *mine.shape)
-    out[ring.rank].copy_(mine)
-    _gather_into(state, out, phase)
-    return out
-
-
-def _gather_into(state: EmbeddingState, out: torch.Tensor, phase: str, piece: Callable[[int], None] | None = None,
-                 then: Callable[[], None] | None = None) -> None:
-    """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring); ``piece(s)`` runs on each rank's
-    slot as soon as it is held, beside the ring step that brings the next one; ``then()`` right after the last
-    step started."""
-    engine = state.engine
-    ring = engine.ring
-    world = ring.size
-    op = state.steps.ring_op(state.op, phase) if world > 1 else None
-    for k in range(world):
-        s = ring.shard_held(k)
-        step = engine.start([out[s]], [out[(s - 1) % world]], op, k) if k < world - 1 else None
-        if then is not None and k == max(world - 2, 0):
-            then()
-        if piece is not None:
-            piece(s)
-        if step is not None:
-            engine.wait(step)
-
-
-def _reduce(state: EmbeddingState, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-            piece: Callable[[int, torch.Tensor], None], phase: str, then: Callable[[], None] | None = None
-            ) -> torch.Tensor:
-    """Reduce-scatter ring: ``piece(t, part)`` writes this rank's contribution for rank t into ``part`` beside the
-    step that brings the partial sum for t; returns the complete sum for this rank. ``then()`` runs right after
-    the last step started."""
-    engine = state.engine
-    ring = engine.ring
-    world = ring.size
-    parts = [torch.empty(shape, dtype=dtype, device=device) for _ in range(min(world, 2))]
-    racc = torch.empty(shape, dtype=dtype, device=device) if world > 1 else None
-    op = state.steps.ring_op(state.op, phase) if world > 1 else None
-    for k in range(world):
-        step = engine.start([parts[(k - 1) % 2]], [racc], op, k) if k > 0 else None
-        if then is not None and k == world - 1:
-            then()
-        part = parts[k % 2]
-        piece(ring.shard_reduced(k), part)
-        if step is not None:
-            engine.wait(step)
-            part.add_(racc)
-    return parts[(world - 1) % 2]
-
-
 # ---- the module ------------------------------------------------------------------------------------------
 
 @torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly
@@ -251,17 +198,17 @@ def _ring_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tens
     state = self._cf_embedding
     if state.engine.stats.enabled:
         state.engine.stats.mark()
-    return RingEmbeddingFn.apply(ids, state, self.weight.to_local())
+    return RingEmbeddingFn.apply(ids, state, self._parameters["weight"].to_local())
 
 
-class RingEmbedding(nn.Embedding):
-    """``nn.Embedding`` with a row-sharded DTensor table and the ring exchange above (made by ``convert_embedding``
-    from an existing module; names, state-dict keys and ``isinstance(m, nn.Embedding)`` are kept)."""
+def _refuse_deepcopy(self: nn.Embedding, memo) -> None:
+    self._cf_embedding.engine.__deepcopy__(memo)  # raises, saying why and what to do instead
 
-    forward = _ring_embedding_forward
 
-    def __deepcopy__(self, memo) -> None:
-        self._cf_embedding.engine.__deepcopy__(memo)  # raises, saying why and what to do instead
+# ``nn.Embedding`` with a row-sharded DTensor table and the ring exchange above (made by ``convert_embedding`` from
+# an existing module; names, state-dict keys and ``isinstance(m, nn.Embedding)`` are kept).
+RingEmbedding = guarded_class("RingEmbedding", nn.Embedding, {"forward": _ring_embedding_forward,
+                                                              "__deepcopy__": _refuse_deepcopy})
 
 
 def embedding_eligible(module: nn.Module) -> str | None:

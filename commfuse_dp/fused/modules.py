@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..engine import Engine
 from .layout import GroupLayout
 from .linear import Call, FusedRingLinearFn, accumulate_grad
+from .reads import guarded_class
 from .sliced import SlicedLinearFn, SlicingScheduler
 from .step import StepState
 
@@ -39,12 +40,14 @@ class FusedGroupState:
         self._index: list[tuple[int, ...]] = []
         i = 0
         for m in modules:
-            self._index.append((i, i + 1) if m.bias is not None else (i,))
-            i += 2 if m.bias is not None else 1
+            has_bias = m._parameters.get("bias") is not None
+            self._index.append((i, i + 1) if has_bias else (i,))
+            i += 2 if has_bias else 1
         self._unsynced: torch.Tensor | None = None
 
     def params(self) -> list[nn.Parameter]:
-        return [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
+        # ``_parameters`` itself: ``m.weight`` is the gathered read for code outside the fused forward (reads.py)
+        return [p for m in self.modules for p in (m._parameters["weight"], m._parameters.get("bias")) if p is not None]
 
     def local_params(self) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -91,9 +94,9 @@ class FusedGroup:
         steps.groups.append(self)
 
     def _state(self, modules: list[nn.Module], name: str) -> FusedGroupState:
-        shapes = [(m.weight.shape[1] if m._cf_transposed else m.weight.shape[0],
-                   m.weight.shape[0] if m._cf_transposed else m.weight.shape[1],
-                   m._cf_transposed, m.bias is not None) for m in modules]
+        weights = [m._parameters["weight"] for m in modules]
+        shapes = [(w.shape[1] if m._cf_transposed else w.shape[0], w.shape[0] if m._cf_transposed else w.shape[1],
+                   m._cf_transposed, m._parameters.get("bias") is not None) for m, w in zip(modules, weights)]
         return FusedGroupState(self.steps, GroupLayout.build(shapes, self.steps.engine.ring.size), modules, name)
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +155,8 @@ def _refuse_deepcopy(self: nn.Module, memo) -> None:
 @functools.cache
 def ring_class(cls: type) -> type:
     """``Ring<cls>``: ``cls`` with the fused forward (one class per original class, like FSDP2's)."""
-    return type(f"Ring{cls.__name__}", (cls,), {"forward": _ring_forward, "_cf_fused": True,
-                                                "__deepcopy__": _refuse_deepcopy})
+    return guarded_class(f"Ring{cls.__name__}", cls, {"forward": _ring_forward, "_cf_fused": True,
+                                                      "__deepcopy__": _refuse_deepcopy})
 
 
 def shard_parameter(module: nn.Module, name: str, dim: int, engine: Engine) -> nn.Parameter:

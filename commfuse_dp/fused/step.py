@@ -26,7 +26,8 @@ from .schedule import FusedSchedule
 
 logger = logging.getLogger("commfuse_dp")
 
-PHASES = ("forward", "backward", "embedding counts", "embedding ids", "embedding forward", "embedding backward")
+PHASES = ("forward", "backward", "embedding counts", "embedding ids", "embedding forward", "embedding backward",
+          "weight read", "weight read grad")
 _PHASE = {name: i for i, name in enumerate(PHASES)}
 
 # A ring op's tag: bit 29 set (the ring collectives' counter tags stay below it), then the step (10 bits), the
@@ -52,6 +53,9 @@ class StepState:
         self.forward_open = False  # a forward of the root began and has not returned
         self.backward_open = False  # a backward reached a fused layer and has not finished
         self.nonfinite = None  # NonfiniteCheck (``commfuse_dp/nonfinite.py``), set by shard() unless turned off
+        self.awaiting_backward = False  # a grad-enabled forward ended; its backward has not finished
+        self.reads: dict[int, object] = {}  # id(fused parameter) -> its ParamRead (``reads.py``)
+        self.read_cache: dict[int, torch.Tensor] = {}  # id(ParamRead) -> the full value gathered in this step
 
     # -- identity of ring operations -------------------------------------------------------------------------
 
@@ -72,6 +76,11 @@ class StepState:
 
     # -- the step's life ---------------------------------------------------------------------------------------
 
+    def reads_gathered(self) -> bool:
+        """Whether a read of a fused parameter from outside its fused forward gets the full value now
+        (``reads.py``): inside the root's forward, and from a grad-enabled forward to the end of its backward."""
+        return self.forward_open or self.awaiting_backward
+
     def begin_step(self) -> bool:
         """The root module's forward begins. Returns True if the previous step was left unfinished (and reset)."""
         aborted = self.forward_open or self.backward_open
@@ -83,6 +92,8 @@ class StepState:
         self.engine.stats.begin_step()
         self.step += 1
         self._calls.clear()
+        self.read_cache.clear()
+        self.awaiting_backward = False
         self.forward_open = True
         self.schedule.begin_step()
         for group in self.groups:
@@ -91,6 +102,9 @@ class StepState:
 
     def end_forward(self) -> None:
         self.forward_open = False
+        self.awaiting_backward = torch.is_grad_enabled()
+        if not self.awaiting_backward:
+            self.read_cache.clear()
 
     def backward_begins(self) -> None:
         """A fused backward runs: make sure the end of this backward is seen (``_end_of_backward``)."""
@@ -101,6 +115,8 @@ class StepState:
     def _end_of_backward(self) -> None:
         self.schedule.end_backward()  # the last deferred hop / background reduce-scatters
         self.backward_open = False
+        self.awaiting_backward = False
+        self.read_cache.clear()
 
     def reset(self) -> None:
         """Drop all per-step state (after a step that raised); the next step starts as a first step."""
@@ -110,4 +126,5 @@ class StepState:
         for state in self.states:
             state.take_unsynced()
         self._calls.clear()
-        self.forward_open = self.backward_open = False
+        self.read_cache.clear()
+        self.forward_open = self.backward_open = self.awaiting_backward = False
