@@ -4,6 +4,8 @@
     commfuse-dp plan  [--model ...]             predicted step time of the schedules on a real cluster
     commfuse-dp launch --config_file accel.yaml train.py ARGS
                                                 accelerate launch with a commfuse: block: unchanged scripts shard
+    commfuse-dp launch --config_file accel.yaml trl sft ARGS   (also accelerate launch ..., torchrun ...)
+                                                a launcher runs once; every worker it starts shards
 """
 
 from __future__ import annotations

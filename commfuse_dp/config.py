@@ -25,8 +25,10 @@ GRAD_DIVIDES = ("post", "pre", "split")
 NONFINITE_MODES = ("auto", "raise", "skip", "off")
 
 # ``COMMFUSE_*`` variables that are not config fields: read by the integrations (``COMMFUSE_ENABLE`` turns them on,
-# ``COMMFUSE_CONFIG`` names a YAML file). ``from_env`` accepts and ignores them; any other unknown one is a typo.
-ENV_RESERVED = ("COMMFUSE_ENABLE", "COMMFUSE_CONFIG")
+# ``COMMFUSE_CONFIG`` names a YAML file, ``COMMFUSE_LAUNCH_CONFIG`` the accelerate part of the config file of
+# ``commfuse-dp launch`` for a launcher it runs once). ``from_env`` accepts and ignores them; any other unknown one is
+# a typo.
+ENV_RESERVED = ("COMMFUSE_ENABLE", "COMMFUSE_CONFIG", "COMMFUSE_LAUNCH_CONFIG")
 
 # Names a user may write for a dtype (YAML, environment, CLI), and the torch dtype each means.
 _DTYPE_NAMES: dict[str, torch.dtype] = {

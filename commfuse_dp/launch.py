@@ -28,120 +28,33 @@ Which launcher starts the workers (accelerate 1.15, ``accelerate/commands/launch
   plain ``Accelerator()`` in a torchrun worker is ``MULTI_CPU`` with N processes (gloo). Without
   ``main_process_port`` a free port is taken.
 
+Commands that start their own workers (``trl sft ...``, ``accelerate launch ...``, ``torchrun ...``) run once
+instead, and reach their workers through the environment: a ``sitecustomize.py`` folder on ``PYTHONPATH``
+(``commfuse_dp/launch_commands.py`` says what runs once; ``commfuse_dp/integrations/autoload`` why the
+environment and what each process installs). An ``accelerate launch`` started that way comes back here
+(``run_nested``) with its own options, so it starts the ranks as above.
+
 The exit status is the workers' (the first failed rank's).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import difflib
-import inspect
-import itertools
 import json
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Mapping
 
+from commfuse_dp.launch_help import _EXAMPLE, help_text  # noqa: F401  (launch.help_text, launch._EXAMPLE)
+
 BOOTSTRAP = "commfuse_dp.integrations.bootstrap"
-
-_EXAMPLE = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: MULTI_GPU          # MULTI_CPU with use_cpu: true on a CPU machine
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: false
-commfuse:                            # read by commfuse-dp launch, removed before accelerate sees the file
-  schedule: fused
-  bucket_mb: 25
-  param_dtype: bf16
-  reduce_dtype: fp32
-  exclude: ["*.experts.*", "lm_head"]"""
-
 
 class LaunchError(Exception):
     """A wrong use found before anything was started: printed as one line, exit status 2."""
-
-
-def _field_docs() -> list[tuple[str, str, str]]:
-    """(name, default, first sentence of its docstring) of each ``CommFuseConfig`` field, read from config.py."""
-    from commfuse_dp import config
-
-    docs: dict[str, str] = {}
-    try:
-        tree = ast.parse(inspect.getsource(config))
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CommFuseConfig")
-        body = cls.body
-        for node, after in itertools.pairwise(body):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
-                text = " ".join(after.value.value.split()).replace("``", "")
-                docs[node.target.id] = re.split(r"\.\s+(?=[A-Z])", text)[0].rstrip(".") + "."
-    except (OSError, StopIteration, SyntaxError):  # no source (frozen install): names and defaults only
-        pass
-    out = []
-    for f in dataclasses.fields(config.CommFuseConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = "none" if default is None else str(default).lower() if isinstance(default, bool) else (
-            "[]" if default == () else str(default))
-        out.append((f.name, shown, docs.get(f.name, "")))
-    return out
-
-
-def help_text() -> str:
-    import textwrap
-
-    lines = [
-        "usage: commfuse-dp launch [ACCELERATE LAUNCH OPTIONS] [--config_file FILE] SCRIPT.py [SCRIPT ARGS]",
-        "       commfuse-dp launch [ACCELERATE LAUNCH OPTIONS] -m MODULE [MODULE ARGS]",
-        "",
-        "Runs an unchanged training script with commfuse sharding, the way a deepspeed_config block in an accelerate",
-        "config enables DeepSpeed: `accelerate launch` plus a `commfuse:` block in the same config file.",
-        "",
-        "In the workers a plain `accelerate.Accelerator()` becomes "
-        + "commfuse_dp.integrations.accelerate.CommFuseAccelerator",
-        "(prepare() shards the model and points the optimizer at the shards), and every plain `transformers.Trainer`",
-        "gets a CommFuseCallback (it shards the model before the Trainer prepares it). Nothing else in the script",
-        "changes.",
-        "",
-        "The config file (--config_file, else accelerate's default config if there is one) is an ordinary accelerate",
-        "config plus a `commfuse:` block. The block is validated first: an unknown key or a bad value prints one",
-        "line and exits with status 2 before any worker starts. The rest of the file goes to `accelerate launch`",
-        "untouched; all other options are those of `accelerate launch` (see `accelerate launch --help`). Without a",
-        "`commfuse:` block the defaults below apply.",
-        "",
-        "commfuse: keys (CommFuseConfig fields; default in brackets):",
-    ]
-    for name, default, doc in _field_docs():
-        lines.append(f"  {name} [{default}]")
-        if doc:
-            lines.extend(textwrap.wrap(doc, width=108, initial_indent="      ", subsequent_indent="      "))
-    lines += [
-        "  Dtypes: float32/fp32, bfloat16/bf16, float16/fp16 or none. exclude: a list of fnmatch patterns of module",
-        "  names, or one comma-separated string.",
-        "",
-        "Example accel.yaml:",
-        *("  " + line for line in _EXAMPLE.splitlines()),
-        "",
-        "  commfuse-dp launch --config_file accel.yaml train.py --epochs 1",
-        "",
-        "GPU: the workers are started by accelerate's own launcher, as `accelerate launch` would.",
-        "CPU (use_cpu: true or --cpu, or no GPU on the machine): `accelerate launch` itself starts one process",
-        "whatever num_processes says, so commfuse-dp launch starts the num_processes ranks itself with",
-        "torch.distributed.run (gloo), with ACCELERATE_USE_CPU=true and the environment accelerate gives its",
-        "workers; a free port unless main_process_port is set. A Trainer script on CPU needs nothing else.",
-        "",
-        "The workers receive COMMFUSE_ENABLE=1 and COMMFUSE_<FIELD> variables (CommFuseConfig.from_env() reads",
-        "them). With a DeepSpeed config (GPUs only) DeepSpeed partitions the model and its ZeRO collectives run on",
-        "the rings. FSDP and Megatron-LM configs are refused: commfuse shards the model itself.",
-        "Exit status: the workers' (the first failed rank's); 2 for a wrong config or wrong options.",
-    ]
-    return "\n".join(lines)
 
 
 # ---- argument handling --------------------------------------------------------------------------------------------
@@ -289,15 +202,112 @@ def _launch_cpu(args: argparse.Namespace) -> None:
         distrib_run.run(run_args)
 
 
+def _accelerate_part_file(path: str, accel_part: dict, tmp: str) -> str:
+    """Write the accelerate part of ``path`` into ``tmp`` and check it the way accelerate will read it."""
+    import yaml
+    from accelerate.commands.config import load_config_from_file
+
+    out = os.path.join(tmp, "accelerate" + (".json" if path.endswith(".json") else ".yaml"))
+    with open(out, "w", encoding="utf-8") as f:
+        if path.endswith(".json"):
+            json.dump(accel_part, f)
+        else:
+            yaml.safe_dump(accel_part, f, sort_keys=False)
+    try:
+        load_config_from_file(out)
+    except (ValueError, TypeError, KeyError) as e:
+        raise LaunchError(f"{path} (the accelerate part): {' '.join(str(e).split())}".replace(out, path)) from None
+    return out
+
+
+def _read_config(path: str | None, *, nested: bool = False):
+    """(accelerate part, CommFuseConfig, worker environment) of a config file. ``nested``: a file without a
+    ``commfuse:`` block keeps the configuration already in the environment (the outer commfuse-dp launch's)."""
+    from commfuse_dp.config import CommFuseConfig
+
+    accel_part, block = _load_config_file(path) if path else ({}, {})
+    if nested and not block:
+        try:
+            cfg = CommFuseConfig.from_env()
+        except ValueError as e:
+            raise LaunchError(f"environment: {' '.join(str(e).split())}") from None
+    else:
+        cfg = _commfuse_config(path, block)
+    return accel_part, cfg, _worker_env(cfg)
+
+
+def _is_cpu(args: argparse.Namespace, accel_part: dict) -> bool:
+    return (bool(getattr(args, "cpu", False)) or bool(accel_part.get("use_cpu"))
+            or accel_part.get("distributed_type") == "MULTI_CPU" or not _has_accelerator())
+
+
+def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
+    """Start the workers of ``args`` (accelerate launch's parsed options), each through the bootstrap."""
+    from accelerate.commands import launch as accelerate_launch
+    from accelerate.commands.config import default_config_file
+
+    from commfuse_dp.integrations.autoload import LAUNCH_CONFIG_ENV, pythonpath
+
+    if args.no_python:
+        raise LaunchError("--no_python: the workers must run a Python script or module for commfuse to hook "
+                          "accelerate and transformers in them; drop --no_python")
+    path = args.config_file
+    if path is None and nested and os.environ.get(LAUNCH_CONFIG_ENV):
+        path = os.environ[LAUNCH_CONFIG_ENV]  # the commfuse-dp launch config fills in what this launcher lacks
+    if path is None and os.path.isfile(default_config_file):
+        path = default_config_file  # what accelerate launch reads without --config_file
+    accel_part, _, env = _read_config(path, nested=nested)
+    env["PYTHONPATH"] = pythonpath()  # the activation: a launcher inside a worker is refused, not left to hang
+    with tempfile.TemporaryDirectory(prefix="commfuse-launch-") as tmp:
+        accel_config = _accelerate_part_file(path, accel_part, tmp) if path is not None else None
+        # The workers run the bootstrap module, which runs the user's script or module.
+        target = ["-m", args.training_script] if args.module else [args.training_script]
+        args.config_file = accel_config
+        args.module = True
+        args.training_script = BOOTSTRAP
+        args.training_script_args = target + list(args.training_script_args)
+        cpu = _is_cpu(args, accel_part)
+        # accelerate's own validation fills the options from the config file; on a copy, because
+        # launch_command validates the options it is given once more.
+        checked = argparse.Namespace(**vars(args))
+        if hasattr(args, "nondefault"):
+            checked.nondefault = set(args.nondefault)
+        with _environment(env):
+            checked, _, _ = accelerate_launch._validate_launch_command(checked)
+            _refuse_other_sharding(checked, cpu)
+            if cpu and not getattr(checked, "mpirun_hostfile", None):
+                _launch_cpu(checked)
+            else:  # a GPU, or mpirun on CPU: accelerate starts the N processes itself (its own launch_command,
+                # also where the activation replaced the module's name)
+                launch_command = accelerate_launch.launch_command
+                getattr(launch_command, "__wrapped__", launch_command)(args)
+
+
+def _status_of(fn) -> int:
+    """Run ``fn``; a LaunchError: one line, 2; the workers' failure: their status."""
+    try:
+        code = fn()
+    except LaunchError as e:
+        print(f"commfuse-dp launch: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the workers failed: their status is ours
+        if type(e).__name__ in ("ChildFailedError", "CalledProcessError"):
+            return _exit_status(e)
+        raise
+    return code or 0
+
+
+def run_nested(args: argparse.Namespace) -> int:
+    """accelerate's ``launch_command`` in a launcher that ``commfuse-dp launch`` ran once (``accelerate launch``,
+    ``trl sft``): the same launch as ``commfuse-dp launch`` with that launcher's options (its config file, else the
+    commfuse-dp launch one). See ``commfuse_dp/integrations/autoload``."""
+    return _status_of(lambda: _launch(args, nested=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from accelerate.commands.config import default_config_file
-        from accelerate.commands.launch import (
-            _validate_launch_command,
-            launch_command,
-            launch_command_parser,
-        )
+        from accelerate.commands.launch import launch_command_parser
     except ImportError as e:
         print(f"commfuse-dp launch needs accelerate ({e}); pip install 'commfuse_dp[accelerate]'", file=sys.stderr)
         return 2
@@ -306,62 +316,16 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0 if argv else 2
     args = parser.parse_args(argv)  # accelerate's own options; a wrong one: its usage line, exit 2
-    try:
-        if args.no_python:
-            raise LaunchError("--no_python: the workers must run a Python script or module for commfuse to hook "
-                              "accelerate and transformers in them; drop --no_python")
-        path = args.config_file
-        if path is None and os.path.isfile(default_config_file):
-            path = default_config_file  # what accelerate launch reads without --config_file
-        accel_part, block = _load_config_file(path) if path else ({}, {})
-        cfg = _commfuse_config(path, block)
-        env = _worker_env(cfg)
-        with tempfile.TemporaryDirectory(prefix="commfuse-launch-") as tmp:
-            accel_config = None
-            if path is not None:
-                import yaml
 
-                accel_config = os.path.join(tmp, "accelerate" + (".json" if path.endswith(".json") else ".yaml"))
-                with open(accel_config, "w", encoding="utf-8") as f:
-                    if path.endswith(".json"):
-                        json.dump(accel_part, f)
-                    else:
-                        yaml.safe_dump(accel_part, f, sort_keys=False)
-                try:
-                    from accelerate.commands.config import load_config_from_file
+    def run() -> int | None:
+        from commfuse_dp import launch_commands
 
-                    load_config_from_file(accel_config)
-                except (ValueError, TypeError, KeyError) as e:
-                    raise LaunchError(f"{path} (the accelerate part): {' '.join(str(e).split())}".replace(
-                        accel_config, path)) from None
-            # The workers run the bootstrap module, which runs the user's script or module.
-            target = ["-m", args.training_script] if args.module else [args.training_script]
-            args.config_file = accel_config
-            args.module = True
-            args.training_script = BOOTSTRAP
-            args.training_script_args = target + list(args.training_script_args)
-            cpu = (args.cpu or bool(accel_part.get("use_cpu")) or accel_part.get("distributed_type") == "MULTI_CPU"
-                   or not _has_accelerator())
-            # accelerate's own validation fills the options from the config file; on a copy, because
-            # launch_command validates the options it is given once more.
-            checked = argparse.Namespace(**vars(args))
-            if hasattr(args, "nondefault"):
-                checked.nondefault = set(args.nondefault)
-            with _environment(env):
-                checked, _, _ = _validate_launch_command(checked)
-                _refuse_other_sharding(checked, cpu)
-                if cpu and not getattr(checked, "mpirun_hostfile", None):
-                    _launch_cpu(checked)
-                else:  # a GPU, or mpirun on CPU: accelerate starts the N processes itself
-                    launch_command(args)
-    except LaunchError as e:
-        print(f"commfuse-dp launch: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the workers failed: their status is ours
-        if type(e).__name__ in ("ChildFailedError", "CalledProcessError"):
-            return _exit_status(e)
-        raise
-    return 0
+        command = launch_commands.launcher_command(args, parser)
+        if command is not None:  # accelerate launch, trl, torchrun: run once, the activation in its environment
+            return launch_commands.run_once(args, command)
+        return _launch(args)
+
+    return _status_of(run)
 
 
 if __name__ == "__main__":

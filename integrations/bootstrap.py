@@ -31,7 +31,6 @@ differ).
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
 import os
 import runpy
@@ -92,27 +91,36 @@ class _RunAfterExec:
         self._after(module)
 
 
-class _TrainerHook:
-    """``sys.meta_path`` finder that patches ``transformers.trainer`` right after its first import."""
+class _AfterImport:
+    """``sys.meta_path`` finder that runs ``after(module)`` right after the first import of one module."""
+
+    def __init__(self, fullname: str, after) -> None:
+        self.fullname, self.after = fullname, after
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TRAINER_MODULE:
+        if fullname != self.fullname:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        spec = importlib.util.find_spec(fullname)  # the other finders' answer (an editable install's too)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _RunAfterExec(spec.loader, _patch_trainer_module)
+        spec.loader = _RunAfterExec(spec.loader, self.after)
         return spec
+
+
+def after_import(fullname: str, after) -> None:
+    """Run ``after(module)`` once ``fullname`` is imported: now if it already is, else right after its import."""
+    module = sys.modules.get(fullname)
+    if module is not None:
+        after(module)
+    elif not any(isinstance(f, _AfterImport) and f.fullname == fullname and f.after == after
+                 for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(fullname, after))
 
 
 def install_trainer_callback() -> None:
     """Step 3: every ``transformers.Trainer`` starts with a ``CommFuseCallback`` (see the module docstring)."""
-    module = sys.modules.get(_TRAINER_MODULE)
-    if module is not None:
-        _patch_trainer_module(module)
-    elif not any(isinstance(f, _TrainerHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TrainerHook())
+    after_import(_TRAINER_MODULE, _patch_trainer_module)
 
 
 def _usage() -> str:

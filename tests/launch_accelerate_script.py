@@ -4,7 +4,7 @@
     commfuse-dp launch --config_file accel.yaml tests/launch_accelerate_script.py OUT_JSON
 
 tests/test_launch.py runs it both ways and compares. Rank 0 writes every rank's per-step losses and what the
-model, the optimizer and the Accelerator looked like.
+model, the optimizer and the Accelerator looked like; every rank writes OUT_JSON.rank<R> (its own view).
 """
 
 import json
@@ -37,6 +37,10 @@ def main(out: str) -> None:
         losses.append(loss.detach().reshape(1))
     all_losses = accelerator.gather(torch.cat(losses)).reshape(accelerator.num_processes, -1)
     params = list(model.parameters())
+    with open(f"{out}.rank{accelerator.process_index}", "w") as f:   # every rank: what it trained
+        json.dump({"rank": accelerator.process_index, "num_processes": accelerator.num_processes,
+                   "accelerator_class": type(accelerator).__name__,
+                   "param_types": sorted({type(p.data).__name__ for p in params})}, f)
     if accelerator.is_main_process:
         with open(out, "w") as f:
             json.dump({
