@@ -38,11 +38,10 @@ ACCELERATE_SCRIPT = os.path.join(HERE, "launch_accelerate_script.py")
 TIMEOUT = 420   # a hang fails the test after this many seconds (a run takes ~30-70 s on 2 shared cores)
 CPU_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "num_processes": 2,
               "use_cpu": True, "mixed_precision": "no", "debug": False}
-# TRL 1.16's SFTTrainer always patches the model with a fused LM head that reads lm_head.weight directly
-# (trl/trainer/utils.py add_fused_lm_head; no option turns it off), which bypasses a fused lm_head and its gradient
-# reduce-scatter; that is being fixed separately. So lm_head is kept out of the fused path (exclude: FSDP2 unshards
-# it around the forward), ring_embeddings is off and the model's embeddings are untied (sft_data).
-COMMFUSE = {"min_fuse_numel": 0, "ring_embeddings": False, "exclude": ["lm_head"]}
+# Everything fused, ring embeddings on (the default), and the model's embeddings tied (sft_data): TRL 1.16's
+# SFTTrainer patches the model with a fused LM head that reads lm_head.weight itself (add_fused_lm_head), which
+# then gets the full table with its gradient summed over the ranks (commfuse_dp/fused/reads.py).
+COMMFUSE = {"min_fuse_numel": 0}
 WORDS = "the a cat dog sat ran on mat log fast slow red big small and then".split()
 
 
@@ -56,7 +55,7 @@ def _sft_args(data, out):
 
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory):
-    """A tiny Llama (untied embeddings) with a word-level tokenizer, and a local JSONL data set (text field)."""
+    """A tiny Llama (tied embeddings) with a word-level tokenizer, and a local JSONL data set (text field)."""
     import random
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -71,7 +70,7 @@ def sft_data(tmp_path_factory):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     LlamaForCausalLM(cfg).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     rng = random.Random(0)
@@ -165,7 +164,7 @@ def test_trl_sft_is_sharded_on_every_rank(trl_runs):
 
 
 def test_trl_sft_losses_match_ddp(trl_runs):
-    # fp32 (--bf16 false), untied lm_head and ring_embeddings: false (see COMMFUSE); the ring reduce-scatter sums
+    # fp32 (--bf16 false), the tied table fused in the lm_head and the ring embedding (see COMMFUSE); the rings sum
     # in ring order rather than DDP's all-reduce order, so an fp32 ulp or two: rtol 1e-5 as in test_launch.py.
     cf, ddp = trl_runs["commfuse"][0], trl_runs["ddp"][0]
     assert cf["steps"] == ddp["steps"] == [1, 2, 3]
