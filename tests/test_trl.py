@@ -14,6 +14,7 @@ from harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = [f"{s}-{p}" for p in ("fp32", "bf16") for s in ("ddp", "fused", "slicing")]
+LORA = ["ddp-fp32-lora", "fused-fp32-lora"]
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +28,12 @@ def tokenizer_dir(tmp_path_factory):
     return str(folder)
 
 
-def _runs(tmp_path, tokenizer_dir, world_size):
+def _runs(tmp_path, tokenizer_dir, world_size, modes):
     out = tmp_path / "trl.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.join(HERE, "trl_worker.py"), str(out), tokenizer_dir,
-                           *MODES], env=env, capture_output=True, text=True, timeout=900)
+                           *modes], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -43,7 +44,7 @@ def _close(a, b, rtol, atol, what):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sft_trainer_matches_ddp(tmp_path, tokenizer_dir, world_size):
-    runs = _runs(tmp_path, tokenizer_dir, world_size)
+    runs = _runs(tmp_path, tokenizer_dir, world_size, MODES + (LORA if world_size == 2 else []))
     for precision in ("fp32", "bf16"):
         ddp = runs[f"ddp-{precision}"]
         assert len(ddp["losses"]) == 5
@@ -66,3 +67,9 @@ def test_sft_trainer_matches_ddp(tmp_path, tokenizer_dir, world_size):
                 assert rel(ours["losses"][0], ddp["losses"][0]) < 1e-6, label
                 assert rel(ours["losses"][0], runs[f"{schedule}-fp32"]["losses"][0]) > 5e-6, \
                     f"{label}: the bf16 run computed the fp32 numbers (autocast lost)"
+    if world_size == 2:  # LoRA: the adapters train, the fused base weights (and the tied table) are frozen
+        ddp, ours = runs["ddp-fp32-lora"], runs["fused-fp32-lora"]
+        _close(ours["losses"], ddp["losses"], 1e-5, 1e-5, "lora losses")
+        assert ddp["params"].keys() == ours["params"].keys() and any("lora_B" in n for n in ddp["params"])
+        for name, value in ddp["params"].items():
+            _close(ours["params"][name], value, 1e-5, 1e-5, f"lora {name}")

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node N tests/trl_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{fp32|bf16}``. Every mode trains a fresh tiny tied Llama (hidden 128, GQA) from the
+MODE is ``{ddp|fused|slicing}-{fp32|bf16}[-lora]`` (``-lora``: TRL's ``peft_config``, LoRA on the attention and
+MLP projections; the tied table is frozen). Every mode trains a fresh tiny tied Llama (hidden 128, GQA) from the
 same seed on the same pre-tokenized data, in this one process group, one after another: DDP is what
 ``SFTTrainer`` does without commfuse (accelerate wraps the model in DistributedDataParallel on multi-process
 CPU); the others pass ``CommFuseCallback`` (every linear fused, ring embeddings on, the tied table fused in both).
@@ -38,7 +39,7 @@ def run(mode: str, tokenizer_dir: str) -> dict:
     import commfuse_dp as cf
     from commfuse_dp.integrations.transformers import CommFuseCallback
 
-    schedule, precision = mode.split("-")
+    schedule, precision, *lora = mode.split("-")
     AcceleratorState._reset_state()  # each Trainer builds its Accelerator anew: another mixed precision is allowed
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
@@ -56,16 +57,21 @@ def run(mode: str, tokenizer_dir: str) -> dict:
         data_seed=0, dataloader_num_workers=0, disable_tqdm=True, max_length=32)
     callbacks = [] if schedule == "ddp" else [
         CommFuseCallback(cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0))]
+    peft = None
+    if lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
     trainer = SFTTrainer(model=model, args=args, train_dataset=data(len(tokenizer)), processing_class=tokenizer,
-                         callbacks=callbacks)
-    if schedule != "ddp":
+                         callbacks=callbacks, peft_config=peft)
+    if schedule != "ddp" and not lora:
         assert type(model.lm_head).__name__ == "RingLinear", type(model.lm_head)
         assert type(model.model.embed_tokens).__name__ == "RingEmbedding"
         assert model.lm_head._parameters["weight"] is model.model.embed_tokens._parameters["weight"]
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).float().tolist()
-              for n, p in unwrapped.named_parameters()}
+              for n, p in unwrapped.named_parameters() if p.requires_grad or not lora}
     logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
     return {"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs], "params": params}
 
