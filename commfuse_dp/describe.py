@@ -227,7 +227,8 @@ def _embedding_info(name: str, m: nn.Module, world: int, config: CommFuseConfig)
 def _unit_info(name: str, unit: nn.Module, model: nn.Module, fused: set[int], world: int,
                config: CommFuseConfig) -> UnitInfo:
     nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
-    own = [p for p in unit.parameters() if id(p) not in fused and id(p) not in nested]
+    # 0-d parameters are no unit's: replicated, averaged after backward (scalars.py)
+    own = [p for p in unit.parameters() if id(p) not in fused and id(p) not in nested and p.dim() > 0]
     gather = reduce = 0
     for p in own:
         padded = (world - 1) * _padded_shard(p, world)
@@ -239,8 +240,6 @@ def _unit_info(name: str, unit: nn.Module, model: nn.Module, fused: set[int], wo
 
 
 def _padded_shard(p: torch.Tensor, world: int) -> int:
-    if p.dim() == 0:
-        return 1
     rest = p.numel() // p.shape[0] if p.shape[0] else 0
     return -(-p.shape[0] // world) * rest
 

@@ -49,6 +49,7 @@ from .engine import Engine
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
 from .fused.reads import ParamBindings, attach_reads
+from .scalars import ScalarParams
 from .fused.step import StepState
 from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
@@ -136,16 +137,18 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     for name, module, dims in bound:
         attach_reads(steps, module, name, dims)  # module.weight read from outside: full value, summed gradient
 
+    scalars = ScalarParams(model, mesh, engine)  # 0-d: fully_shard refuses them; replicated, averaged (scalars.py)
+    kept_out = fused_params | scalars.params  # what fully_shard leaves alone
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
     if units is None:
         unit_modules = [u for u in unit_modules
-                        if _unfused_numel(u, fused_params) // engine.ring.size >= max(config.min_fuse_numel, 1)]
+                        if _unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
     for unit in unit_modules:
-        if any(p not in fused_params for p in unit.parameters()):
-            fully_shard(unit, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
-    if any(p not in fused_params for p in model.parameters()):
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=fused_params)
+        if any(p not in kept_out for p in unit.parameters()):
+            fully_shard(unit, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
+    if any(p not in kept_out for p in model.parameters()):
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         use_ring_collectives(model, config, recorder=engine.stats)
     if isinstance(model, FSDPModule) and callable(getattr(model, "generate", None)):
@@ -153,7 +156,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         register_fsdp_forward_method(model, "generate")
     lockstep.reduce_unused_params(model, data_dependent)
     lockstep.mark_fsdp_managed(model)
-    _install(model, steps, ParamBindings(model, bound))
+    _install(model, steps, ParamBindings(model, bound), scalars)
     if on_meta:
         _materialise(model, device)
     model._commfuse_excluded = dict(excluded.reasons)
@@ -447,7 +450,7 @@ def _refuse_resize(*args, **kwargs) -> None:
 
 # ---- what the model gains ---------------------------------------------------------------------------------
 
-def _install(model: nn.Module, steps: StepState, bindings: ParamBindings) -> None:
+def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalars: ScalarParams) -> None:
     engine = steps.engine
     fsdp_root = model if isinstance(model, FSDPModule) else None
     fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
@@ -458,6 +461,7 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings) -> Non
         bindings.check()  # a fused module replaced, or its parameter rebound, since shard(): refuse, say what
         if steps.begin_step() and fsdp_reset is not None:  # the previous step raised: FSDP2's part too
             fsdp_reset()
+        scalars.begin_step()
 
     fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if engine.config.nonfinite_grads != "off":
@@ -466,6 +470,7 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings) -> Non
     @torch.compiler.disable
     def end_forward(module, args, output) -> None:
         steps.end_forward()
+        scalars.end_forward(output)
         if steps.nonfinite is not None and torch.is_grad_enabled():
             steps.nonfinite.watch(output)  # the backward through these outputs ends with the check
         if not torch.is_grad_enabled():
@@ -481,6 +486,7 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings) -> Non
         gradients, prefetched weights and no-sync partials (and FSDP2's iteration state), so that the next step
         starts clean. The next forward does this by itself when it finds the previous step unfinished."""
         steps.reset()
+        scalars.unshadow()
         if fsdp_reset is not None:
             fsdp_reset()
 
