@@ -2,7 +2,7 @@
 
 Ranks that disagree on any of these would not fail at once: they would enter ring steps of different sizes, or
 in a different order, and hang or silently compute wrong gradients, far from the cause. So ``shard()`` starts
-with one ``all_gather_object`` over the world of, per rank:
+with one gather of Python objects over the world (pickled, on the world's ring: ``gather_objects``) of, per rank:
 
 - the ranks of the data-parallel group it was given,
 - its ``CommFuseConfig.to_dict()``,
@@ -12,18 +12,27 @@ Every rank gets the same answers and so raises the same ``ValueError`` on a mism
 config fields (``schedule: rank 0 has 'fused', rank 1 has 'slicing'``), or, after a second gather of the full
 parameter lists (only when the digests differ), the first few parameters whose shape, dtype or ``requires_grad``
 differ and the counts of missing and extra ones.
+
+The gathers run on the ring of the world with ``config.timeout_s`` per ring step, not through
+``dist.all_gather_object``, whose wait is the process group's timeout (30 minutes by default on gloo): a rank that never
+calls ``shard()`` (it stopped early, waits in a barrier, or died) makes the others raise ``RingCommError`` naming it
+within ``timeout_s``, instead of hanging.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections import defaultdict
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .config import CommFuseConfig
+from .ring.collectives import ring_all_gather
+from .ring.topology import get_ring
 
 _SHOWN = 3  # differing parameters named per rank
 
@@ -35,8 +44,7 @@ def check_ranks_agree(group: dist.ProcessGroup, config: CommFuseConfig, model: n
     the same parameters (names, shapes, dtypes, ``requires_grad``). Collective over the world."""
     params = parameter_list(model)
     mine = (dist.get_process_group_ranks(group), config.to_dict(), _digest(params))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather_objects(mine, config.timeout_s, _CHECK)
     groups = [g for g, _, _ in everyone]
     if any(g != groups[0] for g in groups):
         detail = "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(groups))
@@ -50,12 +58,35 @@ def check_ranks_agree(group: dist.ProcessGroup, config: CommFuseConfig, model: n
                          f"config on every rank (build it from the same YAML file, the same COMMFUSE_* environment "
                          f"or the same arguments everywhere)")
     if len({everyone[r][2] for r in members}) > 1:
-        lists: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(lists, params)  # every rank saw the same digests, so every rank gathers again
+        lists = gather_objects(params, config.timeout_s, _CHECK)  # every rank saw the same digests: all gather again
         raise ValueError(f"shard: the ranks are sharding different models: "
                          f"{'; '.join(model_differences({r: lists[r] for r in members}))}. Build the same model on "
                          f"every rank (same architecture config, same checkpoint, same adapters and frozen "
                          f"parameters) before shard()")
+
+
+_CHECK = ("shard()'s check that every rank passed the same group, config and model (every rank of the world must "
+          "call shard() at the same point)")
+
+
+def gather_objects(obj: Any, timeout_s: float, label: str) -> list[Any]:
+    """``obj`` of every rank of the world, rank-major: ``dist.all_gather_object`` on the world's ring, each ring step
+    bounded by ``timeout_s`` (a rank that does not take part makes the others raise ``RingCommError`` naming it,
+    in ``label``). Two ring all-gathers: the lengths of the pickled objects, then the bytes padded to the longest."""
+    ring = get_ring(None, op="shard")
+    device = torch.device("cpu") if "gloo" in ring.backend else torch.device("cuda", torch.cuda.current_device())
+    data = pickle.dumps(obj)
+    lengths = torch.zeros(ring.size, dtype=torch.int64, device=device)
+    ring_all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64, device=device), ring.group,
+                    timeout_s=timeout_s, label=label)
+    sizes = lengths.tolist()
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = torch.empty(ring.size * longest, dtype=torch.uint8, device=device)
+    ring_all_gather(everyone, mine.to(device), ring.group, timeout_s=timeout_s, label=label)
+    rows = everyone.view(ring.size, longest).cpu()
+    return [pickle.loads(rows[r, :size].numpy().tobytes()) for r, size in enumerate(sizes)]
 
 
 def parameter_list(model: nn.Module) -> list[ParamInfo]:

@@ -157,14 +157,17 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
 
 
 def _where_peers(ring: Ring, where: str, peers: tuple[int, ...], patience_s: float) -> str:
-    """After a timeout: publish where this rank is in the default store and read where ``peers`` said they were
-    when they timed out too (ranks that call different fused layers time out within moments of each other).
-    Waits up to ``patience_s`` (what is left of the step's timeout) for them; returns a sentence for the error
-    message."""
+    """After a timeout: publish where this rank is (and whom it waits on) in the default store and read where
+    ``peers`` said they were when they timed out too (ranks that call different fused layers time out within
+    moments of each other). Waits up to ``patience_s`` (what is left of the step's timeout) for them; returns a
+    sentence for the error message."""
     try:
         store = dist.distributed_c10d._get_default_store()
         prefix = f"commfuse/where/{getattr(ring.group, 'group_name', 'group')}/"
-        store.set(prefix + str(ring.rank), where)
+        # Also whom this rank waits on: a rank further along the ring, waiting on this one, then names the rank
+        # that stopped (a chain: rank 3 waits on rank 2, which waits on rank 1 that stopped early).
+        waiting = " and ".join(ring.peer_name(peer) for peer in peers)
+        store.set(prefix + str(ring.rank), f"{where}, waiting on {waiting}")
         patience = timedelta(seconds=max(patience_s, 0.05))
         said = []
         for peer in peers:
@@ -174,9 +177,11 @@ def _where_peers(ring: Ring, where: str, peers: tuple[int, ...], patience_s: flo
                 said.append(f"{name} was in {store.get(prefix + str(peer)).decode()}")
             except RuntimeError:
                 said.append(f"{name} did not say where it was within {patience.total_seconds():g}s (it may be "
-                            f"dead, or blocked outside the rings)")
+                            f"dead, have stopped early, or be blocked outside the rings: in a barrier or another "
+                            f"collective of the process group)")
     except Exception as err:  # the store is only a help for the message; never hide the real failure
         return f" (could not ask the peers where they were: {type(err).__name__})"
     lockstep = ("; ranks that run different layers at the same point (a data-dependent module, a config or model "
-                "that differs between ranks) break the lockstep the rings need")
+                "that differs between ranks) or different numbers of steps (uneven inputs: a rank that stopped "
+                "calling the model early) break the lockstep the rings need")
     return "; " + "; ".join(said) + lockstep
