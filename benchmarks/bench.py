@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=0, help="key/value heads (GQA); default: --heads")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "hidden", "intermediate", "layers", "heads", "vocab", "seq", "batch", "min_fuse_numel")]
+        "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []
@@ -195,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
     print_table(records, balanced)
     payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
-               "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "vocab", "seq",
-                                                        "batch")},
+               "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
+                                                        "seq", "batch")},
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE}, "wall_s": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as f:

@@ -46,7 +46,8 @@ def model_config(args):
 
     return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       num_key_value_heads=args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False)
+                       num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=args.seq,
+                       tie_word_embeddings=False)
 
 
 def build_model(args):
@@ -277,7 +278,8 @@ def main(argv=None) -> int:
                         help="also measure peak memory per variant (start the process with MMAP_ENV)")
     parser.add_argument("--timeline", help="write fused/slicing ring timelines of one step to this JSON file")
     parser.add_argument("--out", required=True)
-    for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("vocab", 4096),
+    for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
+                          ("vocab", 4096),
                           ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
