@@ -2,6 +2,7 @@
 
     commfuse-dp bench --quick --json bench.json        # about 4 minutes here: 2 ranks, 3 rates, all variants
     commfuse-dp bench --rates 1000,2000,4000 --world-size 2 --out-dir bench-out
+    commfuse-dp bench --compute emulated --tflops 0.02 --world-size 8   # 8 ranks on 2 cores (benchmarks/emulated.py)
 
 1. Calibration: compute alone at a reference rate, and communication alone at that rate and twice it, give the
    *balanced* rate, where the ZeRO-3 bytes of a step take as long as its compute (communication time fitted as
@@ -92,6 +93,7 @@ def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *
 
 
 def records_from(result: dict, rate: float, world: int) -> list[dict]:
+    """One record per variant; ``compute`` says whether the CPU computed or an emulated accelerator waited."""
     variants = result["variants"]
     compute = variants.get("compute_only", {}).get("step_s")
     comm = variants.get("comm_only", {}).get("step_s")
@@ -109,11 +111,13 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
         rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"],
-                     "waited_s": v.get("waited_s")})
+                     "waited_s": v.get("waited_s"), "compute": result.get("compute", "real")})
     return rows
 
 
 def print_table(records: list[dict], balanced: float) -> None:
+    if records:
+        print(f"\ncompute: {records[0]['compute']}")
     print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
           f"{'peak MiB':>9} {'x limit':>7}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
@@ -144,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the records to this JSON file")
     parser.add_argument("--out-dir", default="bench-out", help="PNG plots and traces go here (default bench-out)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one rate may take before it is killed")
+    parser.add_argument("--compute", choices=("real", "emulated"), default="real",
+                        help="real: the CPU computes (default). emulated: each GEMM and attention kernel waits its "
+                             "FLOPs at --tflops instead of computing, and returns zeros, so that 4-8 ranks run on 2 "
+                             "cores with only communication competing for them (times schedules; numbers are not "
+                             "a model's results)")
+    parser.add_argument("--tflops", type=float, default=0.02,
+                        help="--compute emulated: TFLOP/s of each emulated rank (default 0.02)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--layers", type=int, default=4)
@@ -161,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel")]
+        "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel", "compute",
+        "tflops")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
     print_table(records, balanced)
     payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
+               "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
                                                         "seq", "batch")},
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE}, "wall_s": time.monotonic() - started}

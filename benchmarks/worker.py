@@ -5,6 +5,10 @@ Every variant is built once, on the same model (same seed) and the same per-rank
 the same machine. A step is forward + backward + optimizer step (AdamW), timed on this rank between a barrier and
 its end; rank 0 gathers every rank's times and keeps the slowest rank per step.
 
+Compute: real (default; the CPU computes) or ``--compute emulated --tflops X`` (benchmarks/emulated.py: every GEMM
+and attention kernel waits its FLOPs at X TFLOP/s instead of using the CPU, and returns zeros; for timing schedules at
+more ranks than cores, not for training).
+
 Variants:
 - ``fused``, ``slicing``: ``commfuse_dp.shard`` with that schedule.
 - ``fsdp2``: stock ``fully_shard`` per decoder layer and root, its own gloo collectives. On CPU, FSDP2 runs them
@@ -70,6 +74,11 @@ class Runner:
         self.name, self.args, self.rank, self.world = name, args, rank, world
         self.batch = make_batch(args, rank)
         self.model = None
+        self.accelerator = None  # --compute emulated: an EmulatedAccelerator (benchmarks/emulated.py)
+        if getattr(args, "compute", "real") == "emulated":
+            from .emulated import EmulatedAccelerator
+
+            self.accelerator = EmulatedAccelerator(args.tflops)
         getattr(self, f"_build_{name}")()
 
     def _optimizer(self, params):
@@ -192,6 +201,13 @@ class Runner:
         self._compute_step()
 
     def _compute_step(self) -> None:
+        if self.accelerator is None:
+            self._compute()
+            return
+        with self.accelerator:  # this thread only: a communication thread (concurrent) is not affected
+            self._compute()
+
+    def _compute(self) -> None:
         if self.name == "deepspeed_zero3":
             loss = self.engine(**self.batch).loss
             self.engine.backward(loss)
@@ -278,6 +294,8 @@ def main(argv=None) -> int:
                         help="also measure peak memory per variant (start the process with MMAP_ENV)")
     parser.add_argument("--timeline", help="write fused/slicing ring timelines of one step to this JSON file")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--compute", choices=("real", "emulated"), default="real")
+    parser.add_argument("--tflops", type=float, default=0.02, help="--compute emulated: TFLOP/s of a rank")
     for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
                           ("vocab", 4096),
                           ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
@@ -340,6 +358,7 @@ def main(argv=None) -> int:
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
             }
         result["tokens_per_rank"] = args.batch * args.seq
+        result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"
         result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
                                for name in ("fused", "slicing") if name in names and args.timeline}
         with open(args.out, "w") as f:

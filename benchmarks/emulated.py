@@ -1,0 +1,105 @@
+"""The emulated accelerator (``commfuse-dp bench --compute emulated --tflops X``): compute that costs time, not CPU.
+
+A GPU computes without the host's CPU, so on a real cluster a rank's communication never competes with its compute
+for a core. Here 4 or 8 ranks share 2 cores. To time the schedules of such a cluster faithfully, each compute
+piece -- every GEMM (``mm``, ``addmm``, ``bmm``, ``baddbmm``: the fused linears' pieces, the FSDP2 units' layers,
+the lm_head and so the loss) and every attention kernel, forward and backward -- is replaced, under a
+``TorchDispatchMode``, by a wait of ``FLOPs / (X TFLOP/s)`` on this rank's own clock (the host sleeps: the GIL and
+the cores are free for the communication threads), and its output is a zero tensor of the right shape, dtype and
+strides. FLOPs are counted as ``torch.utils.flop_counter`` counts them (attention: the full ``L x S`` score
+matrix, causal or not).
+
+What is not emulated: everything else runs for real on the CPU (norms, activations, softmax, the optimizer,
+copies; small next to the GEMMs at the bench's shapes, and the same for every schedule), and every byte of
+communication moves over the emulated links. The numbers a model computes in this mode are zeros, not its
+results: the mode times schedules, it does not train (records say ``"compute": "emulated"``).
+
+Waits are kept on a running clock: a piece due before the previous one ended starts when that one ends, and the
+host sleeps only once the clock is ahead of it by more than ``MIN_SLEEP_S``, so thousands of small pieces still
+cost their sum and not the sleeps' granularity.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+MIN_SLEEP_S = 2e-4
+
+aten = torch.ops.aten
+_FLOPS = dict(flop_counter.flop_registry)
+# CPU attention kernels (not in the registry): same arguments, in order, as the CUDA flash kernels'.
+_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu] = \
+    flop_counter.flop_registry[aten._scaled_dot_product_flash_attention]
+_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = \
+    flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_backward]
+# In-place GEMMs (the fused backward's ``dx.addmm_(dy, w)``): as their out-of-place forms.
+_FLOPS[aten.addmm_] = flop_counter.flop_registry[aten.addmm]
+_FLOPS[aten.baddbmm_] = flop_counter.flop_registry[aten.baddbmm]
+
+
+class EmulatedAccelerator(TorchDispatchMode):
+    """Under ``with EmulatedAccelerator(tflops):``, GEMMs and attention cost time at ``tflops`` and return zeros."""
+
+    def __init__(self, tflops: float) -> None:
+        super().__init__()
+        if not tflops > 0:
+            raise ValueError(f"EmulatedAccelerator: tflops must be > 0, got {tflops!r}")
+        self.flops_per_s = tflops * 1e12
+        self.flops = 0  # FLOPs emulated so far
+        self.pieces = 0
+        self._due = 0.0  # perf_counter() time at which the emulated work issued so far ends
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        count = _FLOPS.get(func.overloadpacket)
+        if count is None or any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
+            return func(*args, **kwargs)
+        shapes = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # output shapes, no compute
+        flops = int(count(*args, **kwargs, out_val=shapes))
+        self.flops += flops
+        self.pieces += 1
+        self._wait(flops / self.flops_per_s)
+        written = _written(func, args, kwargs)
+        if written:
+            # ``out=`` (the fused linear's ``torch.mm(x, w.t(), out=y[:, lo:hi])``): the result is zeros, written
+            # where asked. In place (``dx.addmm_(dy, w)``): ``self`` plus a zero product is ``self``, left as is.
+            for name, tensor in written:
+                if name != "self":
+                    tensor.zero_()
+            tensors = [tensor for _, tensor in written]
+            return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return tree_map(lambda m: _zeros_like_meta(m, device), shapes)
+
+    def _wait(self, seconds: float) -> None:
+        now = time.perf_counter()
+        self._due = max(self._due, now) + seconds
+        ahead = self._due - now
+        if ahead > MIN_SLEEP_S:
+            time.sleep(ahead)
+
+
+def _written(func, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``func`` writes into (its ``out=`` arguments, or ``self`` of an in-place op), by schema."""
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                written.append((arg.name, value))
+    return written
+
+
+def _meta(value):
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def _zeros_like_meta(value, device: torch.device):
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.zeros_like(torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device))
