@@ -215,13 +215,19 @@ def recommend(cl: Cluster) -> dict:
             "min_fuse_numel": int(2 ** math.ceil(math.log2(max(fuse_bytes / cl.param_bytes, 1))))}
 
 
-def predict(model: tuple, cl: Cluster, tokens: int, seq: int) -> dict[str, dict]:
+def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: float | None = None
+            ) -> dict[str, dict]:
+    """Per schedule: step and compute seconds, exposed communication, ``mfu`` (model FLOPs per second against the
+    hardware's peak, ``peak_flops_per_s``; the achievable rate when none is given) and ``of_achievable`` (against
+    ``cl.flops_per_s``, what compute alone reaches: 1.0 means no exposed communication)."""
+    peak = peak_flops_per_s or cl.flops_per_s
     units = units_for(*model, tokens=tokens, seq=seq)
     out = {}
     for schedule in ("no_overlap", "slicing", "fused"):
         r = simulate(units, cl, schedule)
         r["exposed_s"] = max(r["step_s"] - r["compute_s"], 0.0)
-        r["mfu"] = r["flops"] / (r["step_s"] * cl.flops_per_s)
+        r["mfu"] = r["flops"] / (r["step_s"] * peak)
+        r["of_achievable"] = r["flops"] / (r["step_s"] * cl.flops_per_s)
         out[schedule] = r
     return out
 
@@ -307,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes)")
     parser.add_argument("--latency-us", type=float, default=15.0, help="fixed cost of one ring step, microseconds")
     parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the hardware's peak TFLOP/s per rank, for MFU (default 989: an H100 SXM, dense bf16)")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element")
@@ -317,18 +325,23 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ranks", "tokens", "seq", "dtype_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("link_gbps", "tflops"):
+    for name in ("link_gbps", "tflops", "peak_tflops"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.tflops > args.peak_tflops:
+        parser.error(f"--tflops {args.tflops:g} (achievable) is above --peak-tflops {args.peak_tflops:g} (the "
+                     f"hardware's peak); give the peak of the accelerator you plan for")
     model = load_model(args.model)
     cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
                  args.dtype_bytes, args.dtype_bytes)
-    results = predict(model, cl, args.tokens, args.seq)
+    results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
     print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
-          f"{args.tflops:g} TFLOP/s, {args.tokens} tokens per rank")
-    print(f"{'schedule':>11} {'step s':>8} {'exposed comm s':>14} {'MFU':>6}")
+          f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
+    print(f"{'schedule':>11} {'step s':>8} {'exposed comm s':>14} {'MFU':>6} {'of achievable':>13}")
     for schedule, r in results.items():
-        print(f"{schedule:>11} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['mfu']:>6.1%}")
+        print(f"{schedule:>11} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['mfu']:>6.1%} "
+              f"{r['of_achievable']:>13.1%}")
+    print("MFU: model FLOPs per second against --peak-tflops; of achievable: against --tflops (compute alone)")
     rec = recommend(cl)
     print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']})")
     return 0

@@ -77,6 +77,19 @@ def test_plan_command(tmp_path, capsys):
         plan.main(["--model", "no-such-model"])
     with pytest.raises(SystemExit):
         plan.main(["--ranks", "0"])
+    with pytest.raises(SystemExit):
+        plan.main(["--tflops", "500", "--peak-tflops", "400"])  # achievable above the peak
+    assert "above --peak-tflops" in capsys.readouterr().err
+
+
+def test_mfu_is_against_the_peak():
+    cl = _cluster(tflops=400.0)
+    model = plan.KNOWN_MODELS["llama3-8b"]
+    at_peak = plan.predict(model, cl, 4096, 4096, peak_flops_per_s=1000e12)
+    for r in at_peak.values():
+        assert r["mfu"] == pytest.approx(r["of_achievable"] * 400 / 1000)
+        assert 0 < r["of_achievable"] <= 1.0 + 1e-9  # no schedule beats compute alone
+    assert plan.predict(model, cl, 4096, 4096)["fused"]["mfu"] == pytest.approx(at_peak["fused"]["of_achievable"])
 
 
 def test_records_and_plots(tmp_path):
