@@ -297,8 +297,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compute", choices=("real", "emulated"), default="real")
     parser.add_argument("--tflops", type=float, default=0.02, help="--compute emulated: TFLOP/s of a rank")
     for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
-                          ("vocab", 4096),
-                          ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
+                          ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
 

@@ -49,11 +49,11 @@ from .engine import Engine
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
 from .fused.reads import ParamBindings, attach_reads
-from .scalars import ScalarParams
 from .fused.step import StepState
 from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
 from .ring.topology import get_ring
+from .scalars import ScalarParams
 from .stats import StepStats
 
 logger = logging.getLogger("commfuse_dp")
