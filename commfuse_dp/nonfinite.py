@@ -52,7 +52,7 @@ class NonfiniteCheck:
         self.fp16_params = (self.engine.config.param_dtype is torch.float16
                             or any(p.dtype is torch.float16 for _, p in self.params))
         self.fp16_forward = False  # the last forward of the root ran under fp16 autocast
-        self._armed_task: int | None = None  # graph task whose check is queued already
+        self._arm = OncePerBackward(self._queue_check)
         self._told_fp16 = False
 
     @property
@@ -81,11 +81,7 @@ class NonfiniteCheck:
 
     def arm(self) -> None:
         """Inside a backward: make sure this backward ends with the check (once per backward)."""
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._armed_task:
-            return
-        self._armed_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._queue_check)
+        self._arm()
 
     def _queue_check(self) -> None:
         # Runs as a final callback; what it queues runs after every callback this backward queued already.
@@ -94,7 +90,6 @@ class NonfiniteCheck:
     # -- what --------------------------------------------------------------------------------------------
 
     def check(self) -> None:
-        self._armed_task = None
         if not self.engine.requires_grad_sync:
             return  # an accumulation micro-batch: the shards are not final; the synced backward checks them
         mode = self.mode
@@ -163,6 +158,26 @@ def _any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not flags:
         return torch.zeros((), dtype=torch.bool, device=tensors[0].device)
     return torch.stack([f.to(flags[0].device) for f in flags]).any()
+
+
+class OncePerBackward:
+    """Calling it inside a backward queues ``callback`` as an autograd final callback of that backward, once
+    however often it is called there; outside a backward it does nothing."""
+
+    def __init__(self, callback) -> None:
+        self.callback = callback
+        self.task: int | None = None  # the graph task whose callback is queued already
+
+    def __call__(self, *_) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self.task:
+            return
+        self.task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self.task = None
+        self.callback()
 
 
 def _grad_tensors(output) -> Iterable[torch.Tensor]:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .nonfinite import _grad_tensors
+from .nonfinite import OncePerBackward, _grad_tensors
 from .ring.collectives import ring_all_gather
 
 
@@ -45,7 +45,7 @@ class ScalarParams:
         self.engine = engine
         self.mesh = mesh
         self.owners: list[tuple[nn.Module, str, nn.Parameter]] = []  # (module, name, DTensor parameter)
-        self._armed_task: int | None = None
+        self._on_grad = OncePerBackward(self.average)  # from the hooks below: average at this backward's end
         self._shadowed = False
         old = scalar_params(model)
         if not old:
@@ -107,16 +107,8 @@ class ScalarParams:
                 module.__dict__.pop(name, None)
             self._shadowed = False
 
-    def _on_grad(self, _) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._armed_task:
-            return
-        self._armed_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self.average)
-
     def average(self) -> None:
         """Final callback of a backward: the mean of each 0-d gradient over the ranks (synced backward only)."""
-        self._armed_task = None
         self.unshadow()
         if not self.engine.requires_grad_sync:
             return  # accumulate locally; the synced backward averages the sum
