@@ -82,6 +82,8 @@ class ScalarParams:
 
     def begin_step(self) -> None:
         """The root's forward begins: each owner's attribute becomes the plain local value, tracked to the DTensor."""
+        if not self.owners:
+            return  # the usual case: nothing to do on the step's path
         dtype = self.engine.config.param_dtype
         for module, name, p in self.owners:
             local = p.to_local()
@@ -91,6 +93,8 @@ class ScalarParams:
         self._shadowed = True
 
     def end_forward(self, output) -> None:
+        if not self.owners:
+            return  # no hooks, no callback per backward
         if not torch.is_grad_enabled():
             self.unshadow()  # no backward follows
             return
