@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--min-fuse-numel", type=int, default=1 << 16, help="CommFuseConfig.min_fuse_numel")
+    parser.add_argument("--lookahead-mb", default="auto",
+                        help="CommFuseConfig.lookahead_mb of the fused variant (fused_lockstep: always 0)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel", "compute",
-        "tflops")]
+        "tflops", "lookahead_mb")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []

@@ -19,6 +19,8 @@ Variants:
 - ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound): forward and
   backward of the whole model, the optimizer step on this rank's 1/N of every parameter, as a sharded rank does.
 - ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
+- ``fused_lockstep`` (only when asked for): ``fused`` with ``lookahead_mb=0``, each layer's ring steps beside its
+  own pieces (the schedule before the elastic lookahead).
 - ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
   the same time, with no dependency between them. The best any overlap can do on this machine, where the
   communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
-EXTRA_VARIANTS = ("fused_noprefetch", "concurrent")  # for before/after measurements; not in the default set
+EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "concurrent")  # for before/after measurements; not in the default set
 
 
 def model_config(args):
@@ -87,6 +89,9 @@ class Runner:
     def _build_fused(self, schedule="fused", **options):
         import commfuse_dp as cf
 
+        if schedule == "fused" and "lookahead_mb" not in options:
+            la = getattr(self.args, "lookahead_mb", "auto")
+            options["lookahead_mb"] = la if la == "auto" else float(la)
         config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
                                    **options)
         self.model = cf.shard(build_model(self.args), config)
@@ -94,6 +99,9 @@ class Runner:
 
     def _build_fused_noprefetch(self):
         self._build_fused(prefetch_next=False)
+
+    def _build_fused_lockstep(self):
+        self._build_fused(lookahead_mb=0)
 
     def _build_slicing(self):
         self._build_fused("slicing")
@@ -296,6 +304,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--compute", choices=("real", "emulated"), default="real")
     parser.add_argument("--tflops", type=float, default=0.02, help="--compute emulated: TFLOP/s of a rank")
+    parser.add_argument("--lookahead-mb", default="auto", help="CommFuseConfig.lookahead_mb of the fused variant")
     for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
                           ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
         parser.add_argument(f"--{name}", type=int, default=default)

@@ -80,6 +80,17 @@ class CommFuseConfig:
     holds one more packed weight shard of that layer; a deeper queue lets the link run ahead of compute where
     a layer's compute is short, so its bytes land by the time a longer layer needs them."""
 
+    lookahead_mb: float | str = "auto"
+    """Memory the fused schedule may spend to run the link ahead of compute (docs/design.md §7, "Elastic
+    lookahead"): the all-gather ring steps of coming layers go as soon as the link is free, into buffers that
+    hold those layers' gathered weights, up to this many MiB on top of the running layer's, and gradient partials
+    wait in their own buffers until the link sends them (they land during later compute). ``"auto"`` (default):
+    the largest fused layer's gathered weight, so that the gathered weights in flight never exceed what the
+    slicing schedule holds (the running layer's and the next one's). ``0``: lockstep, each layer's ring steps
+    beside its own compute pieces, with only the first ring step of the next ``prefetch_depth`` layers in flight
+    (two weight shards per layer live, the least memory). Needs ``prefetch_next``; the slicing schedule ignores
+    it."""
+
     ring_embeddings: bool = True
     """An ``nn.Embedding`` whose table shard has at least ``min_fuse_numel`` elements (and is not tied to another
     module) is sharded by rows and exchanges looked-up rows and their gradients instead of the table when the
@@ -141,6 +152,13 @@ class CommFuseConfig:
         if self.prefetch_depth < 1:
             raise ValueError(f"CommFuseConfig.prefetch_depth={self.prefetch_depth!r}: must be an integer >= 1 "
                              f"(turn the prefetch off with prefetch_next=false)")
+        if not (isinstance(self.lookahead_mb, str) and self.lookahead_mb.strip().lower() == "auto"):
+            self.lookahead_mb = _number("lookahead_mb", self.lookahead_mb, float)
+            if not self.lookahead_mb >= 0:
+                raise ValueError(f"CommFuseConfig.lookahead_mb={self.lookahead_mb!r}: must be \"auto\" or a number "
+                                 f"of MiB >= 0 (0: lockstep)")
+        else:
+            self.lookahead_mb = "auto"
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
@@ -289,7 +307,9 @@ def _parse_env(name: str, raw: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
-    if name in ("bucket_mb", "timeout_s", "min_fuse_numel", "prefetch_depth"):
+    if name == "lookahead_mb" and text.lower() == "auto":
+        return "auto"
+    if name in ("bucket_mb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb"):
         try:
             return float(text) if name not in ("min_fuse_numel", "prefetch_depth") else int(float(text))
         except ValueError:

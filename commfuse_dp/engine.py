@@ -1,7 +1,8 @@
-"""The per-model runtime of a sharded model: its ring, config, gradient-sync flag and step statistics.
+"""The per-model runtime of a sharded model: its ring, link scheduler, config, gradient-sync flag and statistics.
 
-``shard()`` makes one ``Engine`` per model; every fused layer reaches it. It is the only place where ring steps
-are started and waited for on behalf of the fused layers, so that timing lives in one spot. What a step leaves
+``shard()`` makes one ``Engine`` per model; every fused layer reaches it. Its ``link`` (``commfuse_dp/link.py``) is
+the only place where ring steps are requested and waited for on behalf of the fused layers, ring embeddings and
+weight reads, so that ordering, the CUDA stream discipline and timing live in one spot. What a step leaves
 between its phases (layer order, prefetched steps, deferred gradient hops, no-sync partials) is not here: it is
 the ``StepState`` of ``fused/step.py``, which has one ``reset()``.
 """
@@ -9,14 +10,13 @@ the ``StepState`` of ``fused/step.py``, which has one ``reset()``.
 from __future__ import annotations
 
 import math
-import time
 from typing import NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import CommFuseConfig
-from .ring import transport
+from .link import Link
 from .ring.topology import Ring
 from .stats import StatsRecorder
 
@@ -38,37 +38,18 @@ class RingOp(NamedTuple):
                 f"tag {self.tag})")
 
 
-class InFlight(NamedTuple):
-    handle: transport.StepHandle
-    started: float
-
-
 class Engine:
     def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig) -> None:
         self.ring, self.mesh, self.config = ring, mesh, config
         self.stats = StatsRecorder(config.stats)
+        self.link = Link(ring, config.timeout_s, self.stats)
         self.requires_grad_sync = True
-        self._steps = ring.size
 
     def __deepcopy__(self, memo) -> None:
         raise RuntimeError(
             "copy.deepcopy of a model sharded with commfuse_dp.shard() is not supported: its parameters are shards "
             "bound to a process group and its layers to one ring. Copy the model before shard() (and shard the copy "
             "too), or save its state dict (torch.distributed.checkpoint) and load it into a new sharded model.")
-
-    # -- ring steps, timed -------------------------------------------------------------------------------
-
-    def start(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op: RingOp, k: int) -> InFlight:
-        started = time.perf_counter()
-        handle = transport.start_step(self.ring, sends, recvs, tag=op.tag, op=op.phase, step=k, steps=self._steps,
-                                      timeout_s=self.config.timeout_s, label=op)
-        return InFlight(handle, started)
-
-    def wait(self, step: InFlight) -> None:
-        wait_began = time.perf_counter()
-        step.handle.wait()  # CPU/gloo: blocks until the step's bytes landed; CUDA: orders the stream only
-        if self.stats.enabled:
-            self.stats.ring_step(step.started, wait_began, time.perf_counter())
 
     # -- numerics ---------------------------------------------------------------------------------------
 

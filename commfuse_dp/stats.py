@@ -37,7 +37,7 @@ class StepStats:
 
 
 class StatsRecorder:
-    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "last", "skipped")
+    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "last", "skipped", "cuda_waits")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -47,6 +47,7 @@ class StatsRecorder:
         self.ring_steps = 0
         self.skipped = 0  # steps whose gradients were dropped as non-finite (counted even with stats off)
         self.last: StepStats | None = None
+        self.cuda_waits: list = []  # (event, event) pairs around the compute stream's waits on ring steps
 
     def begin_step(self) -> None:
         if not self.enabled:
@@ -57,6 +58,12 @@ class StatsRecorder:
         self.start = self.end = time.perf_counter()
         self.comm = self.exposed = 0.0
         self.ring_steps = 0
+        self.cuda_waits = []
+
+    def cuda_wait(self, before, after) -> None:
+        """CUDA: the compute stream waited on a ring step between these two timing events (read at the step's end:
+        on CUDA the host time of a wait is about zero, the stream's is what is exposed)."""
+        self.cuda_waits.append((before, after))
 
     def ring_step(self, started: float, wait_began: float, ended: float) -> None:
         """A ring step that started at ``started`` and whose wait ran from ``wait_began`` to ``ended``."""
@@ -75,6 +82,9 @@ class StatsRecorder:
         self.end = time.perf_counter()
 
     def current(self) -> StepStats:
+        if self.cuda_waits:  # resolved once per step (this synchronises the events, not the device)
+            waits, self.cuda_waits = self.cuda_waits, []
+            self.exposed += sum(b.elapsed_time(a) for b, a in waits) / 1e3
         wall = max(self.end - self.start, 0.0)
         return StepStats(step=self.step, wall_s=wall, compute_s=max(wall - self.exposed, 0.0), comm_s=self.comm,
                          exposed_comm_s=self.exposed, ring_steps=self.ring_steps,
@@ -112,9 +122,9 @@ def record_timeline() -> Iterator[Timeline]:
 
     def on_event(event: str, op: str, step: int) -> None:
         now, thread = time.perf_counter() - origin, threading.get_ident()
-        if event == "start":
+        if event in ("start", "issued"):  # issued/landed: a step the link worked (on its thread)
             open_steps[(thread, op, step)] = now
-        elif event == "done":
+        elif event in ("done", "landed"):
             t0 = open_steps.pop((thread, op, step), None)
             if t0 is not None:
                 lane = "ring" if thread == main else "ring-thread"

@@ -9,10 +9,10 @@ from commfuse_dp.ring import observe_ring
 from harness import run_ranks
 
 
-def _fused_worker(rank, world_size, steps=1, prefetch_next=True):
+def _fused_worker(rank, world_size, steps=1, prefetch_next=True, lookahead_mb=0):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_next=prefetch_next),
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_next=prefetch_next, lookahead_mb=lookahead_mb),
              mesh=init_device_mesh("cpu", (world_size,)))
     x = torch.randn(4, 16, requires_grad=True)
     for _ in range(steps):
@@ -44,6 +44,8 @@ def _sequence(events, op):
     shown = {"start": "S", "compute": "C", "wait": "W"}
     return [shown[e[0]] + str(e[2]) for e in events if e[1] == op and e[0] in shown]
 
+
+# Lockstep (lookahead_mb=0) first: each layer's ring steps beside its own pieces.
 
 def test_last_gradient_step_lands_during_the_next_layer():
     # The first step does not know the layer order yet (no prefetch), but a layer's last reduce-scatter hop (S2)
@@ -79,7 +81,7 @@ def test_no_backward_prefetch_without_grad():
 def _no_grad_worker(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0))
     x = torch.randn(4, 16, requires_grad=True)
     model(x).sum().backward()  # learns the order
     events = []
@@ -91,7 +93,7 @@ def _no_grad_worker(rank, world_size):
 def _depth_worker(rank, world_size, depth):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_depth=depth))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_depth=depth, lookahead_mb=0))
     x = torch.randn(4, 16)
     for _ in range(2):
         events = []
@@ -129,3 +131,50 @@ def test_slicing_prefetches_after_the_first_step():
     assert (hits1, started1) == (0, 7)
     assert (hits2 - hits1, started2 - started1) == (6, 6)
     assert (hits3 - hits2, started3 - started2) == (6, 6)
+
+
+# Elastic lookahead (the default, lookahead_mb="auto"): whole rings of coming layers requested ahead, gradient
+# partials lagging. Requests and compute-side waits are recorded on the compute thread, in program order.
+
+def test_elastic_requests_coming_rings_whole_and_lets_gradients_lag():
+    events = run_ranks(_fused_worker, 3, (2, True, "auto"))[0]
+    # Forward: layer 1 requests its own ring (S0 S1), then layer 2's whole ring (the budget: the larger layer's
+    # gathered weight), before its first piece; each piece waits only for the shard of the next one. Layer 2 is
+    # the last forward layer: it keeps its shards, and its start requests layer 1's backward ring instead.
+    assert _sequence(events, "forward") == ["S0", "S1", "S0", "S1", "C0", "W0", "C1", "W1", "C2",
+                                            "C0", "W0", "C1", "W1", "C2"]
+    in_order = [(e[0], e[1], e[2]) for e in events if e[0] in ("start", "compute")]
+    layer2_begins = [i for i, e in enumerate(in_order) if e == ("compute", "forward", 0)][1]
+    assert in_order[layer2_begins - 2:layer2_begins] == [("start", "backward", 0), ("start", "backward", 1)]
+    # Backward: layer 2 (kept weight) requests gradient partials beside pieces 1 and 2 and never waits for them
+    # there; layer 1 waits for its weight shards (W0, W1) only. Each layer's last hop (W2) is waited once it
+    # landed, at a piece boundary or when the backward ends; where exactly depends on the link's timing.
+    backward = _sequence(events, "backward")
+    assert [e for e in backward if e != "W2"] == ["S0", "S1", "C0", "S1", "C1", "S2", "C2",
+                                                   "C0", "W0", "S1", "C1", "W1", "S2", "C2"], backward
+    assert backward.count("W2") == 2 and backward.index("W2") > backward.index("C2")
+
+
+def _budget_worker(rank, world_size, lookahead_mb):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb))
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        events = []
+        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+            model(x).sum().backward()
+    return _sequence(events, "forward")
+
+
+def test_lookahead_budget_bounds_the_rings_requested_ahead():
+    # 2 ranks, 3 layers of 16x16 + bias: a gathered layer is 2 x 136 fp32 = 1088 bytes. Second step.
+    layer_mib = 1088 / 2**20
+    own = ["S0", "C0", "W0", "C1"]  # a layer whose ring is requested when it begins
+    ahead = ["C0", "W0", "C1"]  # one whose ring was requested ahead
+    assert run_ranks(_budget_worker, 2, (0.5 * layer_mib,))[0] == own * 3  # no layer fits: nothing ahead
+    # "auto" (one layer) and 1.5 layers: one layer ahead, requested when the layer before it begins.
+    for budget in ("auto", 1.5 * layer_mib):
+        assert run_ranks(_budget_worker, 2, (budget,))[0] == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
+    # Two layers: layer 1's start requests both following rings.
+    assert run_ranks(_budget_worker, 2, (2 * layer_mib,))[0] == ["S0", "S0", "S0", *ahead, *ahead, *ahead]

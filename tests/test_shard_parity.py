@@ -39,6 +39,8 @@ def _train(model, batches_of_step, steps, accum, lr=1e-3, clip=True):
 def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=None, compile=None):
     """Sharded run and single-process reference on every rank; returns (ours, reference) summaries.
     ``compile``: a wrapper (``torch.compile``) applied to the sharded model, which then trains and evaluates."""
+    if config is None and schedule == "lockstep":  # the fused schedule without the elastic lookahead
+        config = cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0)
     config = config or cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0)
     model, ref = hf_models.build(kind), hf_models.build(kind)
     if prepare is not None:
@@ -77,10 +79,16 @@ def assert_parity(result, tol=FP32, label=""):
         torch.testing.assert_close(ours[name], ref[name], **tol, msg=lambda m: f"{label} {name}: {m}")
 
 
+def _schedules(kind):
+    """The fused schedule (elastic lookahead, the default) and slicing for every kind; lockstep
+    (``lookahead_mb=0``) too for Llama, which has every fused shape."""
+    return ("fused", "slicing", "lockstep") if kind == "llama" else ("fused", "slicing")
+
+
 def _parity_worker(rank, world_size, kinds):
     summary = {}
     for kind in kinds:
-        for schedule in ("fused", "slicing"):
+        for schedule in _schedules(kind):
             result = run_case(rank, world_size, kind, schedule)
             assert_parity(result, label=f"{kind}/{schedule}")
             moved = max((result["params"][1][n] - p).abs().max().item() for n, p in result["initial"].items())
@@ -102,7 +110,7 @@ def test_hf_models_match_single_process(world_size, kinds):
 
 def _accumulation_worker(rank, world_size, kinds):
     for kind in kinds:
-        for schedule in ("fused", "slicing"):
+        for schedule in _schedules(kind):
             assert_parity(run_case(rank, world_size, kind, schedule, accum=2), label=f"{kind}/{schedule}/accum2")
     return True
 

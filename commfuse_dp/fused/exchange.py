@@ -1,5 +1,6 @@
-"""The ring loops of the row-exchanging ops (ring embedding, gathered weight reads), driven by the engine: each
-ring step timed, observed and bounded by the ring's timeout, and tagged with its owner's ring-op identity.
+"""The rings of the row-exchanging ops (ring embedding, gathered weight reads): the fused layers' own
+``WeightRing``/``GradRing`` and ``piece_steps`` (``schedule.py``), always lockstep, with their steps requested on the
+engine's link: timed, observed, bounded by the ring's timeout, and tagged with the owner's ring-op identity.
 
 ``state`` is any owner of ring operations: it has ``engine``, ``steps`` (the ``StepState``) and ``op`` (its index
 there, from ``StepState.register``).
@@ -8,11 +9,13 @@ there, from ``StepState.register``).
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from typing import Protocol
 
 import torch
 
 from ..engine import Engine
+from .schedule import GradRing, WeightRing, piece_steps
 
 
 class RingOwner(Protocol):
@@ -32,43 +35,40 @@ def gather(state: RingOwner, mine: torch.Tensor, phase: str) -> torch.Tensor:
 
 def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable[[int], None] | None = None,
                 then: Callable[[], None] | None = None) -> None:
-    """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring); ``piece(s)`` runs on each rank's
-    slot as soon as it is held, beside the ring step that brings the next one; ``then()`` right after the last
-    step started."""
+    """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring, lockstep); ``piece(s)`` runs on each
+    rank's slot as soon as it is held, beside the ring step that brings the next one; ``then()`` right after the
+    last step was requested."""
     engine = state.engine
-    ring = engine.ring
-    world = ring.size
-    op = state.steps.ring_op(state.op, phase) if world > 1 else None
+    world = engine.ring.size
+    sched = state.steps.schedule
+    weights = WeightRing(engine, state.steps.ring_op(state.op, phase) if world > 1 else None, out)
     for k in range(world):
-        s = ring.shard_held(k)
-        step = engine.start([out[s]], [out[(s - 1) % world]], op, k) if k < world - 1 else None
+        step = piece_steps(engine, k, weights, None)
         if then is not None and k == max(world - 2, 0):
             then()
         if piece is not None:
-            piece(s)
+            piece(engine.ring.shard_held(k))
         if step is not None:
-            engine.wait(step)
+            step.wait()
 
 
 def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            piece: Callable[[int, torch.Tensor], None], phase: str, then: Callable[[], None] | None = None
            ) -> torch.Tensor:
-    """Reduce-scatter ring: ``piece(t, part)`` writes this rank's contribution for rank t into ``part`` beside the
-    step that brings the partial sum for t; returns the complete sum for this rank. ``then()`` runs right after
-    the last step started."""
+    """Reduce-scatter ring (lockstep): ``piece(t, part)`` writes this rank's contribution for rank t into
+    ``part`` beside the step that brings the partial sum for t; returns the complete sum for this rank.
+    ``then()`` runs right after the last step was requested."""
     engine = state.engine
-    ring = engine.ring
-    world = ring.size
-    parts = [torch.empty(shape, dtype=dtype, device=device) for _ in range(min(world, 2))]
-    racc = torch.empty(shape, dtype=dtype, device=device) if world > 1 else None
+    world = engine.ring.size
+    numel = math.prod(shape)
     op = state.steps.ring_op(state.op, phase) if world > 1 else None
+    grads = GradRing(engine, op, numel, dtype, device, zeroed=False, communicates=True, lag=False)
+    sched = state.steps.schedule
     for k in range(world):
-        step = engine.start([parts[(k - 1) % 2]], [racc], op, k) if k > 0 else None
+        step = piece_steps(engine, k, None, grads)
         if then is not None and k == world - 1:
             then()
-        part = parts[k % 2]
-        piece(ring.shard_reduced(k), part)
+        piece(engine.ring.shard_reduced(k), grads.part(k).view(shape))
         if step is not None:
-            engine.wait(step)
-            part.add_(racc)
-    return parts[(world - 1) % 2]
+            step.wait()
+    return grads.final().view(shape)

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..ring import transport
 from .layout import GroupLayout
+from .schedule import Landing, WeightRing, piece_steps
 
 if TYPE_CHECKING:
     from .modules import FusedGroupState
@@ -135,37 +136,23 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
     """Run the forward ring over this rank's packed shards, writing every member's output columns. Returns the
     ``(N, numel)`` gathered shards (slot j: rank j's) when the group keeps them for its backward
     (``FusedSchedule.keeps_weight``), else None. ``recompute``: a forward recomputed during the backward, which
-    neither uses nor starts prefetched steps."""
-    engine, layout, sched = state.engine, state.layout, state.steps.schedule
-    ring, world = engine.ring, engine.ring.size
-    ahead = sched.take_ahead(state, op) if not recompute else None
-    if ahead is not None:  # step 0 started during the previous layer
-        buf, nbuf, ring_op, first, full = ahead.buf, ahead.nbuf, ahead.op, ahead.step, ahead.full
-    else:
-        keep = world > 1 and op == "forward" and not recompute and sched.keeps_weight(state)
-        buf, nbuf, full = sched.first_buffers(state, params, cdt, keep)
-        ring_op = state.steps.ring_op(state.op, op) if world > 1 else None
-        first = None
-    if full is not None:
-        sched.kept(state)
+    neither uses nor requests steps ahead."""
+    engine, sched = state.engine, state.steps.schedule
+    world = engine.ring.size
+    keep = world > 1 and op == "forward" and not recompute and sched.keeps_weight(state)
+    weights = sched.weights(state, params, cdt, op, keep, recompute)
     for k in range(world):
-        step = None
-        if k < world - 1:
-            step = first if k == 0 and first is not None else engine.start([buf], [nbuf], ring_op, k)
-        elif not recompute:
-            sched.start_next(state, op)  # the next layer's first ring step, beside this last piece
+        step = piece_steps(engine, k, weights, None)
+        if k == world - 1 and not recompute:
+            sched.start_next(state, op)  # lockstep: the next layers' first ring steps, beside this last piece
         if transport._OBSERVERS:
             transport.notify("compute_begin", op, k)
-        _forward_piece(layout, buf, x2, outs, ring.shard_held(k))
+        _forward_piece(state.layout, weights.held(k), x2, outs, engine.ring.shard_held(k))
         if transport._OBSERVERS:
             transport.notify("compute", op, k)
         if step is not None:
-            engine.wait(step)
-            if full is not None:  # every shard stays in its slot; the next one is received into its own
-                buf, nbuf = nbuf, (full[ring.shard_held(k + 2)] if k + 2 < world else None)
-            else:
-                buf, nbuf = nbuf, buf
-    return full
+            step.wait()
+    return weights.slots if keep else None
 
 
 def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
@@ -191,61 +178,42 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     engine, layout, sched = state.engine, state.layout, state.steps.schedule
     ring, world = engine.ring, engine.ring.size
     cdt = x2.dtype
-    members = layout.members
-    dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, members)]
-    train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j))
-             for j, dy in enumerate(dys)]
-    train_any = any(train)
+    dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, layout.members)]
+    train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j)) for j, dy in enumerate(dys)]
     sync = engine.requires_grad_sync
-    rdt = call.rdt
-
-    gather = need_dx and full is None  # the weight shards travel the ring again
-    ahead = sched.take_ahead(state, "backward") if gather else None
-    if ahead is not None:  # step 0 (weight shards only) started during the previous layer's backward
-        wbuf, nwbuf, first = ahead.buf, ahead.nbuf, ahead.step
-    else:
-        wbuf, nwbuf, _ = sched.first_buffers(state, params, cdt, False) if gather else (None, None, None)
-        first = None
-    dx = x2.new_zeros(x2.shape) if need_dx else None
-    # Every element of the gradient buffers is written before it is sent, except padding rows (out_features not
-    # a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
-    # uninitialised travels the ring.
-    alloc = x2.new_zeros if any(m.out_features % world for m in members) or not all(train) else x2.new_empty
-    parts = [alloc(layout.numel, dtype=rdt) for _ in range(2)] if train_any else None
-    racc = x2.new_empty(layout.numel, dtype=rdt) if train_any and sync and world > 1 else None
-    pending = state.take_unsynced() if train_any and sync else None  # partials kept by no-sync backwards
-    communicates = world > 1 and (gather or (train_any and sync))
-    ring_op = ahead.op if ahead is not None else state.steps.ring_op(state.op, "backward") if communicates else None
+    weights = None
+    if need_dx:
+        weights = WeightRing(engine, None, full) if full is not None else sched.weights(state, params, cdt,
+                                                                                         "backward")
+    grads = None
+    if any(train):
+        # Every element of the gradient buffers is written before it is sent, except padding rows (out_features
+        # not a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
+        # uninitialised travels the ring.
+        zeroed = any(m.out_features % world for m in layout.members) or not all(train)
+        grads = sched.grads(state, layout.numel, call.rdt, x2.device, zeroed, sync, weights)
+    pending = state.take_unsynced() if grads is not None and sync else None  # partials kept by no-sync backwards
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
-    defer = sched.defer_last_reduce and train_any and sync and accumulates(state, call)
+    later = sched.defer_last_reduce and grads is not None and grads.racc is not None and accumulates(state, call)
+    dx = x2.new_zeros(x2.shape) if need_dx else None
 
     for k in range(world):
-        sends, recvs = [], []
-        if gather and k < world - 1:
-            sends.append(wbuf)
-            recvs.append(nwbuf)
-        if train_any and sync and k > 0:
-            sends.append(parts[(k - 1) % 2])
-            recvs.append(racc)
-        if k == 0 and first is not None:
-            step = first
-        else:
-            step = engine.start(sends, recvs, ring_op, k) if sends else None
+        step = piece_steps(engine, k, weights, grads)
         if k == world - 1:
             sched.start_next(state, "backward")
         if transport._OBSERVERS:
             transport.notify("compute_begin", "backward", k)
         if need_dx:
             s = ring.shard_held(k)
-            held = full[s] if full is not None else wbuf
+            held = weights.held(k)
             held = held if held.dtype == cdt else held.to(cdt)
-            for m, dy in zip(members, dys):
+            for m, dy in zip(layout.members, dys):
                 lo, hi = m.rows(s)
                 if dy is not None and hi > lo:
                     dx.addmm_(dy[:, lo:hi], m.weight(held, hi - lo))
-        if train_any:
+        if grads is not None:
             t = ring.shard_reduced(k)
-            part = parts[k % 2]
+            part = grads.part(k)
             _grad_piece(layout, part, dys, train, x2, t)
             if not sync:
                 state.keep_unsynced(t, part, world)
@@ -256,27 +224,24 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
                     part.div_(pre)
         if transport._OBSERVERS:
             transport.notify("compute", "backward", k)
-        if k == 0:
-            sched.finish_deferred()  # the previous layer's last gradient step, which had this piece to land
-        last_deferred = step is not None and k == world - 1 and defer
-        if step is not None and not last_deferred:
-            engine.wait(step)
-            if gather and k < world - 1:
-                wbuf, nwbuf = nwbuf, wbuf
-        if train_any and sync and k > 0 and not last_deferred:
-            part.add_(racc)
+        # The gradient rings of earlier layers that have landed (lockstep: the previous layer's last step, which had
+        # this first piece to land, waited for here).
+        sched.land(block=k == 0 and not sched.elastic)
+        last_later = later and k == world - 1 and step is grads.last
+        if step is not None and not last_later:
+            step.wait()
 
-    grads: list[torch.Tensor | None] = [None] * len(params)
-    if train_any and sync:
-        final = parts[(world - 1) % 2]  # shard t == r
-        if last_deferred:  # completed by sched.finish_deferred, which adds racc and accumulates the grads
-            sched.defer(DeferredReduce(step, state, final, racc, post, tuple(p.dtype for p in params),
-                                       tuple(train)))
-            return dx, grads
-        if post != 1.0:
-            final.div_(post)
-        grads = unpack_grads(state, final, params, train, params_need_grad)
-    return dx, grads
+    if grads is None or not sync:
+        return dx, [None] * len(params)
+    if later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
+        sched.land_later(Landing(grads, state, post, tuple(p.dtype for p in params), tuple(train)))
+        return dx, [None] * len(params)
+    if grads.last is not None:
+        grads.last.wait()
+    final = grads.final()
+    if post != 1.0:
+        final.div_(post)
+    return dx, unpack_grads(state, final, params, train, params_need_grad)
 
 
 def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.Tensor], train,
@@ -292,26 +257,6 @@ def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.
         for idx, g in zip((w_idx, *b_idx), unpacked):
             grads[idx] = g if params_need_grad[idx] else None
     return grads
-
-
-class DeferredReduce(NamedTuple):
-    """A fused layer's last reduce-scatter step, left in flight when its backward returned
-    (``FusedSchedule.defer_last_reduce``): it lands during the next layer's first piece, and then
-    ``complete()`` adds the received partial sum and puts the finished shard into the parameters' grads."""
-
-    step: object  # engine.InFlight
-    state: FusedGroupState
-    final: torch.Tensor  # this rank's own partial of shard r
-    racc: torch.Tensor  # receives the rest of the ring's sum
-    post: float
-    dtypes: tuple[torch.dtype, ...]
-    train: tuple[bool, ...]
-
-    def complete(self) -> None:
-        self.final.add_(self.racc)
-        if self.post != 1.0:
-            self.final.div_(self.post)
-        self.state.accumulate_grads(self.final, self.dtypes, self.train)
 
 
 def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor | None], train: list[bool],

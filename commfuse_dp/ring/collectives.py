@@ -59,7 +59,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     def run() -> None:
         _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label)
 
-    return _dispatch(ring, run, output.device, async_op)
+    return _dispatch(ring, run, output.device, async_op, (output, input))
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -80,7 +80,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     def run() -> None:
         _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label)
 
-    return _dispatch(ring, run, output.device, async_op)
+    return _dispatch(ring, run, output.device, async_op, (output, input))
 
 
 def ring_all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -190,19 +190,41 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
 
 # ---- dispatch: sync, async on the ring thread (CPU), or on the ring stream (CUDA) -----------------------
 
-def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_op: bool) -> dist.Work | None:
+def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_op: bool,
+              tensors: tuple[torch.Tensor, ...] = ()) -> dist.Work | None:
     if device.type == "cuda":
         current = torch.cuda.current_stream(device)
         stream = ring.comm_stream(device)
         stream.wait_stream(current)  # inputs written by earlier compute
         with torch.cuda.stream(stream):
             run()
-        current.wait_stream(stream)  # later compute reads the outputs; the host never waits
+            done = stream.record_event()
+        for t in tensors:  # the allocator must not hand their memory out before the ring stream is done with it
+            t.record_stream(stream)
+        if async_op:  # the caller's wait() orders its stream after the op: compute until then overlaps it
+            return StreamWork(done)
+        current.wait_event(done)  # later compute reads the outputs; the host never waits
         return None
     if not async_op or ring.size == 1:
         run()
         return None
     return RingWork(ring.executor.submit(run))
+
+
+class StreamWork(dist.Work):
+    """An async ring op on the ring's CUDA stream: ``wait()`` makes the current stream wait for it (the host goes
+    on), so the compute issued between the call and ``wait()`` overlaps it."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        super().__init__()
+        self._event = event
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        torch.cuda.current_stream().wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.query()
 
 
 class RingWork(dist.Work):

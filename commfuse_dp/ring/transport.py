@@ -33,8 +33,10 @@ _OBSERVERS: list[Observer] = []
 def observe_ring(callback: Observer) -> Iterator[None]:
     """Call ``callback(event, op, step)`` for every ring step's ``"start"``, ``"wait"`` (the wait begins) and
     ``"done"`` (it ended), and for the fused layers' compute pieces, ``"compute_begin"`` and ``"compute"`` (the
-    piece ended), reported through ``notify``. Called on the thread doing the work. For schedule tests and
-    timelines."""
+    piece ended), reported through ``notify``. Called on the thread doing the work. A step requested on the link
+    scheduler (``commfuse_dp/link.py``) reports ``"start"`` when it is requested and ``"wait"``/``"done"`` when
+    compute waits for it, on the compute thread, and ``"issued"``/``"landed"`` from the link's thread when the
+    link works it. For schedule tests and timelines."""
     _OBSERVERS.append(callback)
     try:
         yield
@@ -67,10 +69,12 @@ class StepHandle:
         self.timeout_s, self.cuda = timeout_s, cuda
         self.deadline = time.monotonic() + timeout_s
 
-    def wait(self) -> None:
+    def wait(self, observed: bool = True) -> None:
         """CPU: block until the step's bytes have landed (or raise by the deadline). CUDA: order the current
-        stream after the step, without blocking the host."""
-        if _OBSERVERS:
+        stream after the step, without blocking the host. ``observed``: report it to ``observe_ring`` (the link
+        scheduler reports its steps itself, on the compute side)."""
+        observed = observed and bool(_OBSERVERS)
+        if observed:
             notify("wait", self.op, self.step)
         if self.cuda:
             for work in self.recvs:
@@ -79,7 +83,7 @@ class StepHandle:
                 work.wait()
         else:
             self._wait_host()
-        if _OBSERVERS:
+        if observed:
             notify("done", self.op, self.step)
 
     def _wait_host(self) -> None:
@@ -124,15 +128,16 @@ class StepHandle:
 
 
 def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], *,
-               tag: int, op: str, step: int, steps: int, timeout_s: float, label: object = None) -> StepHandle:
+               tag: int, op: str, step: int, steps: int, timeout_s: float, label: object = None,
+               observed: bool = True) -> StepHandle:
     """Start one ring step: every tensor in ``sends`` goes to ``ring.next``, every tensor in ``recvs`` is
     filled from ``ring.prev``. Tensors must be contiguous and stay untouched until ``wait()`` returns.
     On CUDA the caller must be inside ``torch.cuda.stream(ring.comm_stream(device))``. ``label``: what this
-    step belongs to (a fused layer's ``RingOp``), named in errors."""
+    step belongs to (a fused layer's ``RingOp``), named in errors. ``observed``: as for ``StepHandle.wait``."""
     if ring.broken is not None:
         raise RingCommError(f"commfuse ring {op}: the ring broke earlier and cannot be used: {ring.broken}",
                             op=op, step=step, peer=None, reason="broken")
-    if _OBSERVERS:
+    if observed and _OBSERVERS:
         notify("start", op, step)
     tensor = sends[0] if sends else recvs[0]
     if tensor.is_cuda:
