@@ -111,7 +111,8 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
         rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"],
-                     "waited_s": v.get("waited_s"), "compute": result.get("compute", "real")})
+                     "waited_s": v.get("waited_s"), "compute": result.get("compute", "real"),
+                     **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows
 
 

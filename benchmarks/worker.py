@@ -367,6 +367,7 @@ def main(argv=None) -> int:
             }
         result["tokens_per_rank"] = args.batch * args.seq
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"
+        result["lookahead_mb"] = args.lookahead_mb  # the fused variant's (fused_lockstep: 0)
         result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
                                for name in ("fused", "slicing") if name in names and args.timeline}
         with open(args.out, "w") as f:

@@ -3,6 +3,7 @@
     commfuse-dp plan --model llama-7b --ranks 8 --link-gbps 50 --tflops 400 --tokens 8192
     commfuse-dp plan --model path/to/config.json --ranks 16 --link-gbps 25 --latency-us 20 --tflops 300
     commfuse-dp plan --calibrate bench.json          # predictions against the emulated cluster's measurements
+    commfuse-dp plan --model llama3-8b --sweep      # fused / slicing over ranks, links and tokens per rank
 
 The model is a list of units in execution order: the embedding, per decoder layer the fused groups (q/k/v,
 o, gate/up, down; attention itself as compute only), the final norm and the lm_head. Each group has forward
@@ -11,9 +12,13 @@ resources per rank, the compute stream and the link, and plays each schedule on 
 - ``no_overlap``: every collective, then the compute that needs it.
 - ``slicing``: the link all-gathers unit i+1 while unit i computes (one unit ahead), and reduce-scatters unit i
   during unit i-1's backward; the first all-gather and the last reduce-scatter are exposed.
-- ``fused``: inside each unit N compute pieces run beside N-1 ring steps (forward) or N ring steps (backward:
-  weight shards and gradient partial sums together); a piece waits for the ring step before it. Parameters that are
-  not fused (embedding, norms) take the bucketed path at the unit's edges, as ``shard()`` does.
+- ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
+  N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
+  before it; step 0 of the next ``prefetch_depth`` groups goes during a group's last piece.
+- ``fused`` (the default, elastic lookahead): when a group begins, the whole weight rings of the following groups
+  are requested while they fit the lookahead budget; gradient partials lag (``_elastic``).
+  For both, parameters that are not fused (norms) and the ring embedding's exchanges are exposed at the step's
+  head and tail.
 Calibration fits F (compute alone) and B (communication alone) per rate from a ``commfuse-dp bench`` JSON, and
 one figure for the machine where the JSON has the ``concurrent`` bound: the CPU time communication takes from
 compute per byte. It compares the prediction for fused and slicing with their measured step times.
@@ -31,6 +36,7 @@ KNOWN_MODELS = {
     "llama-7b": (4096, 11008, 32, 32, 32, 32000),
     "llama-13b": (5120, 13824, 40, 40, 40, 32000),
     "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+    "llama3-70b": (8192, 28672, 80, 64, 8, 128256),
     "gpt2": (768, 3072, 12, 12, 12, 50257),
     "gpt2-xl": (1600, 6400, 48, 25, 25, 50257),
     "bench": (512, 1408, 4, 8, 8, 4096),  # the default model of ``commfuse-dp bench``
@@ -63,7 +69,8 @@ class Cluster:
     param_bytes: int = 2
     grad_bytes: int = 2
     cpu_s_per_byte: float = 0.0  # compute time the communication's CPU work takes per byte (shared cores)
-    prefetch_depth: int = 2  # CommFuseConfig.prefetch_depth
+    prefetch_depth: int = 2  # CommFuseConfig.prefetch_depth (lockstep)
+    lookahead_bytes: float | None = None  # CommFuseConfig.lookahead_mb in bytes; None: "auto"; 0: lockstep
 
 
 def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
@@ -79,21 +86,9 @@ def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads:
     return units
 
 
-def _fused(units: list[Unit], cl: Cluster) -> float:
-    """Step time of the fused schedule: compute pieces and a FIFO link per rank, as ``shard()`` runs them.
-
-    Each fused group (q/k/v, o, gate/up, down, lm_head) computes N pieces; ring step k is issued when piece k
-    starts and waited when it ends, except that a group's step 0 (its own weight shards) is issued during the last
-    piece of the group ``prefetch_depth`` before it, and in backward a group's last step (gradient partials only)
-    is waited after the next group's first piece. Attention runs as compute with no ring step. Parameters that
-    are not fused go through one bucketed all-gather before the forward and one reduce-scatter after the
-    backward, both exposed; so do a ring embedding's two exchanges."""
-    n, depth = cl.ranks, cl.prefetch_depth
-    other = sum(u.other_numel for u in units if not u.table)
-    bucketed = lambda nbytes: (n - 1) * (cl.latency_s + other / n * nbytes / cl.bytes_per_s)  # noqa: E731
-    tables = lambda nbytes: sum((n - 1) * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s)  # noqa
-                                for u in units if u.table)
-    # (weight elements, forward seconds) per group, and compute-only gaps (attention), in forward order.
+def _gemm_items(units: list[Unit], cl: Cluster) -> list[tuple[int, float]]:
+    """(weight elements, forward seconds) per fused group, and compute-only gaps (attention; numel 0), in forward
+    order."""
     items: list[tuple[int, float]] = []
     for u in units:
         if not u.groups:
@@ -103,6 +98,96 @@ def _fused(units: list[Unit], cl: Cluster) -> float:
         items += [(g, f) for g, f in zip(u.groups, gemm)]
         if u.flops / cl.flops_per_s > sum(gemm):
             items.insert(len(items) - len(u.groups) + 1, (0, u.flops / cl.flops_per_s - sum(gemm)))
+    return items
+
+
+def _edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
+    """The exposed exchanges at a step's head (nbytes: parameter bytes) or tail (gradient bytes): parameters that
+    are not fused, through one bucketed ring, and each ring embedding's exchange."""
+    n = cl.ranks
+    other = sum(u.other_numel for u in units if not u.table)
+    tables = sum((n - 1) * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s) for u in units if u.table)
+    return (n - 1) * (cl.latency_s + other / n * nbytes / cl.bytes_per_s) + tables
+
+
+def _elastic(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the fused schedule with elastic lookahead (``fused/schedule.py``), played on one FIFO link.
+
+    When a fused group begins, its whole weight ring (N-1 steps) is requested unless it was requested ahead, and
+    then the whole rings of the groups that follow it (in forward order, then, after the last forward group, the
+    backward's), in order, while their gathered weights fit ``lookahead_bytes`` (auto: the largest group's).
+    Piece k of a group waits for its ring's step k-1. In the backward, the gradient step k (k ≥ 1) is requested
+    when piece k starts and never waited for until the backward ends. The last forward group (the lm_head) keeps
+    its weight: its backward sends gradient partials only. Unfused parameters and ring embeddings as in
+    ``_lockstep``."""
+    n = cl.ranks
+    items = _gemm_items(units, cl)
+    fused = [i for i, (g, _) in enumerate(items) if g]
+    full = {i: items[i][0] * cl.param_bytes for i in fused}  # a group's gathered weight
+    budget = max(full.values()) if cl.lookahead_bytes is None else cl.lookahead_bytes
+    link = [0.0]
+
+    def send(at: float, nbytes: float) -> float:
+        link[0] = max(at, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
+        return link[0]
+
+    def ring(at: float, i: int) -> list[float]:  # the landing time of each step of group i's weight ring
+        return [send(at, items[i][0] / n * cl.param_bytes) for _ in range(n - 1)]
+
+    kept = fused[-1]
+    order = [(i, "forward") for i in fused] + [(i, "backward") for i in reversed(fused) if i != kept]
+    ahead: dict[tuple[int, str], list[float]] = {}
+
+    def begin(i: int, phase: str, t: float) -> list[float]:
+        steps = ahead.pop((i, phase), None)
+        if steps is None:
+            steps = [] if (i, phase) == (kept, "backward") else ring(t, i)
+        held = sum(full[j] for j, _ in ahead)
+        at = order.index((i, phase)) if (i, phase) in order else len(order)
+        for key in order[at + 1:]:
+            if key in ahead:
+                continue
+            if held + full[key[0]] > budget:
+                break
+            ahead[key] = ring(t, key[0])
+            held += full[key[0]]
+        return steps
+
+    t = link[0] = _edges(units, cl, cl.param_bytes)
+    for i, (numel, seconds) in enumerate(items):  # forward
+        if not numel:
+            t += seconds
+            continue
+        steps = begin(i, "forward", t)
+        for k in range(n):
+            if k:
+                t = max(t, steps[k - 1])
+            t += seconds / n
+    for i, (numel, seconds) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
+        if not numel:
+            t += 2 * seconds
+            continue
+        steps = begin(i, "backward", t)
+        for k in range(n):
+            if k:
+                if steps:
+                    t = max(t, steps[k - 1])
+                send(t, numel / n * cl.grad_bytes)  # lags: nothing waits for it before the end
+            t += 2 * seconds / n
+    return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
+
+
+def _lockstep(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the fused schedule in lockstep (``lookahead_mb=0``): compute pieces and a FIFO link per rank.
+
+    Each fused group (q/k/v, o, gate/up, down, lm_head) computes N pieces; ring step k is issued when piece k
+    starts and waited when it ends, except that a group's step 0 (its own weight shards) is issued during the last
+    piece of the group ``prefetch_depth`` before it, and in backward a group's last step (gradient partials only)
+    is waited after the next group's first piece. Attention runs as compute with no ring step. Parameters that
+    are not fused go through one bucketed all-gather before the forward and one reduce-scatter after the
+    backward, both exposed; so do a ring embedding's two exchanges."""
+    n, depth = cl.ranks, cl.prefetch_depth
+    items = _gemm_items(units, cl)
     link = [0.0]
 
     def send(issue: float, nbytes: float) -> float:
@@ -140,11 +225,10 @@ def _fused(units: list[Unit], cl: Cluster) -> float:
                     deferred = done
         return max(t, deferred) if deferred is not None else t
 
-    t = link[0] = bucketed(cl.param_bytes) + tables(cl.param_bytes)
+    t = link[0] = _edges(units, cl, cl.param_bytes)
     t = phase(items, t, backward=False)
     t = phase([(g, 2 * f) for g, f in reversed(items)], t, backward=True)
-    t = max(t, link[0]) + bucketed(cl.grad_bytes) + tables(cl.grad_bytes)
-    return t
+    return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
 
 
 def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
@@ -201,8 +285,9 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
             comp = start + bwd[i]
             link = max(link, comp) + rs[i]
         return {"step_s": max(comp, link), "compute_s": compute, "flops": flops}
-    if schedule == "fused":
-        t = compute if n == 1 else _fused(units, cl)
+    if schedule in ("fused", "lockstep"):
+        play = _lockstep if schedule == "lockstep" or cl.lookahead_bytes == 0 else _elastic
+        t = compute if n == 1 else play(units, cl)
         return {"step_s": t, "compute_s": compute, "flops": flops}
     raise ValueError(f"unknown schedule {schedule!r}")
 
@@ -223,7 +308,7 @@ def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: 
     peak = peak_flops_per_s or cl.flops_per_s
     units = units_for(*model, tokens=tokens, seq=seq)
     out = {}
-    for schedule in ("no_overlap", "slicing", "fused"):
+    for schedule in ("no_overlap", "slicing", "lockstep", "fused"):
         r = simulate(units, cl, schedule)
         r["exposed_s"] = max(r["step_s"] - r["compute_s"], 0.0)
         r["mfu"] = r["flops"] / (r["step_s"] * peak)
@@ -266,7 +351,7 @@ def calibrate(path: str, latency_us: float) -> int:
                       3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
     # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
     # are slower than the rings the planner models.
-    names = {"fused": "fused", "slicing": "slicing"}
+    names = {"fused": "fused", "slicing": "slicing", "lockstep": "fused_lockstep"}
     print(f"calibration against {path}: {world} ranks, fp32, {tokens} tokens per rank")
     # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
     # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
@@ -304,6 +389,34 @@ def calibrate(path: str, latency_us: float) -> int:
     return 0
 
 
+SWEEP_RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SWEEP_LINKS_GBPS = (6.25, 12.5, 25.0, 50.0, 100.0, 200.0, 450.0)
+SWEEP_TOKENS = (2048, 4096, 8192, 16384)
+
+
+def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int) -> int:
+    """Fused step time over slicing's for every (ranks, link, tokens per rank) of the sweep grid; prints a table and
+    returns the number of cells where fused is slower than slicing."""
+    model = load_model(model_name)
+    print(f"{model_name}: fused (elastic lookahead) step time / slicing's; {latency_us:g} us per ring step, "
+          f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}; tokens per rank across, ranks x GB/s down")
+    print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
+    slower = 0
+    for ranks in SWEEP_RANKS:
+        for gbps in SWEEP_LINKS_GBPS:
+            cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes)
+            cells = []
+            for tokens in SWEEP_TOKENS:
+                r = predict(model, cl, tokens, min(seq, tokens))
+                ratio = r["fused"]["step_s"] / r["slicing"]["step_s"]
+                slower += ratio > 1.0 + 1e-9
+                cells.append(f"{ratio:>6.3f}{'*' if ratio > 1.0 + 1e-9 else ' '}")
+            print(f"{ranks:>6} {gbps:>6g} " + " ".join(cells))
+    total = len(SWEEP_RANKS) * len(SWEEP_LINKS_GBPS) * len(SWEEP_TOKENS)
+    print(f"{model_name}: fused slower than slicing (*) in {slower} of {total} cells")
+    return slower
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -319,9 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096, help="sequence length")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element")
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
+                             f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
+                             f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
     args = parser.parse_args(argv)
     if args.calibrate:
         return calibrate(args.calibrate, args.latency_us)
+    if args.sweep:
+        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq)
+        return 0
     for name in ("ranks", "tokens", "seq", "dtype_bytes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -12,7 +12,7 @@ from commfuse_dp import plan
 from commfuse_dp.benchmarks.bench import balanced_rate, records_from
 from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
 
-SCHEDULES = ("no_overlap", "slicing", "fused")
+SCHEDULES = ("no_overlap", "slicing", "lockstep", "fused")
 
 
 def _cluster(ranks=4, gbps=25.0, latency_us=10.0, tflops=300.0):
@@ -80,6 +80,29 @@ def test_plan_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plan.main(["--tflops", "500", "--peak-tflops", "400"])  # achievable above the peak
     assert "above --peak-tflops" in capsys.readouterr().err
+
+
+def test_planner_plays_the_elastic_lookahead():
+    from dataclasses import replace
+
+    units = plan.units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=4096, seq=4096)
+    cl = _cluster(ranks=8, gbps=25.0)
+    lockstep = plan.simulate(units, cl, "lockstep")["step_s"]
+    # A budget of 0 is lockstep; the default budget runs the link ahead and is faster here (8 ranks: lockstep
+    # prefetches only 1/7 of each coming ring).
+    assert plan.simulate(units, replace(cl, lookahead_bytes=0), "fused")["step_s"] == lockstep
+    assert plan.simulate(units, cl, "fused")["step_s"] < lockstep
+    # A budget smaller than any group requests nothing ahead: slower than the default.
+    tiny = plan.simulate(units, replace(cl, lookahead_bytes=1.0), "fused")["step_s"]
+    assert tiny > plan.simulate(units, cl, "fused")["step_s"]
+
+
+def test_plan_sweep(capsys):
+    assert plan.main(["--model", "gpt2", "--sweep"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert len(rows) == len(plan.SWEEP_RANKS) * len(plan.SWEEP_LINKS_GBPS)
+    assert "fused slower than slicing (*) in" in out
 
 
 def test_mfu_is_against_the_peak():
