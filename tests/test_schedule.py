@@ -102,6 +102,11 @@ def _depth_worker(rank, world_size, depth):
     return _sequence(events, "forward")
 
 
+def test_auto_lookahead_is_lockstep_at_two_ranks():
+    # A ring has one step at 2 ranks: lockstep's prefetch (depth 2) already requests the next layers' whole rings.
+    assert run_ranks(_budget_worker, 2, ("auto",))[0] == run_ranks(_depth_worker, 2, (2,))[0]
+
+
 def test_prefetch_depth_keeps_that_many_layers_in_flight():
     # 2 ranks, 3 layers, second step. Depth 1: each layer's step 0 starts during the previous layer's last piece.
     # Depth 2: the first layer's last piece starts both following layers' step 0; nothing starts after that.
@@ -138,14 +143,16 @@ def test_slicing_prefetches_after_the_first_step():
 
 def test_elastic_requests_coming_rings_whole_and_lets_gradients_lag():
     events = run_ranks(_fused_worker, 3, (2, True, "auto"))[0]
-    # Forward: layer 1 requests its own ring (S0 S1), then layer 2's whole ring (the budget: the larger layer's
-    # gathered weight), before its first piece; each piece waits only for the shard of the next one. Layer 2 is
-    # the last forward layer: it keeps its shards, and its start requests layer 1's backward ring instead.
-    assert _sequence(events, "forward") == ["S0", "S1", "S0", "S1", "C0", "W0", "C1", "W1", "C2",
+    # Forward: layer 1 requests its own ring (S0 S1) when it begins; layer 2's whole ring is chosen ahead (the
+    # budget: the larger layer's gathered weight) and its steps are requested beside layer 1's pieces, spread over
+    # them (S0 before piece 0, S1 before piece 1); each piece waits only for the shard of the next one. Layer 2 is
+    # the last forward layer: it keeps its shards, and its pieces request layer 1's backward ring instead.
+    assert _sequence(events, "forward") == ["S0", "S1", "S0", "C0", "W0", "S1", "C1", "W1", "C2",
                                             "C0", "W0", "C1", "W1", "C2"]
     in_order = [(e[0], e[1], e[2]) for e in events if e[0] in ("start", "compute")]
-    layer2_begins = [i for i, e in enumerate(in_order) if e == ("compute", "forward", 0)][1]
-    assert in_order[layer2_begins - 2:layer2_begins] == [("start", "backward", 0), ("start", "backward", 1)]
+    layer2 = [i for i, e in enumerate(in_order) if e == ("compute", "forward", 0)][1]
+    assert in_order[layer2 - 1:layer2 + 3] == [("start", "backward", 0), ("compute", "forward", 0),
+                                               ("start", "backward", 1), ("compute", "forward", 1)]
     # Backward: layer 2 (kept weight) requests gradient partials beside pieces 1 and 2 and never waits for them
     # there; layer 1 waits for its weight shards (W0, W1) only. Each layer's last hop (W2) is waited once it
     # landed, at a piece boundary or when the backward ends; where exactly depends on the link's timing.
@@ -173,8 +180,9 @@ def test_lookahead_budget_bounds_the_rings_requested_ahead():
     own = ["S0", "C0", "W0", "C1"]  # a layer whose ring is requested when it begins
     ahead = ["C0", "W0", "C1"]  # one whose ring was requested ahead
     assert run_ranks(_budget_worker, 2, (0.5 * layer_mib,))[0] == own * 3  # no layer fits: nothing ahead
-    # "auto" (one layer) and 1.5 layers: one layer ahead, requested when the layer before it begins.
-    for budget in ("auto", 1.5 * layer_mib):
+    # 1 and 1.5 layers: one layer ahead, requested when the layer before it begins.
+    for budget in (layer_mib, 1.5 * layer_mib):
         assert run_ranks(_budget_worker, 2, (budget,))[0] == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
-    # Two layers: layer 1's start requests both following rings.
-    assert run_ranks(_budget_worker, 2, (2 * layer_mib,))[0] == ["S0", "S0", "S0", *ahead, *ahead, *ahead]
+    # Two layers: both following rings are chosen when layer 1 begins; their steps go beside its two pieces.
+    assert run_ranks(_budget_worker, 2, (2 * layer_mib,))[0] == ["S0", "S0", "C0", "W0", "S0", "C1",
+                                                                 *ahead, *ahead]

@@ -143,6 +143,8 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
     weights = sched.weights(state, params, cdt, op, keep, recompute)
     for k in range(world):
         step = piece_steps(engine, k, weights, None)
+        if not recompute:
+            sched.pace(world - k)
         if k == world - 1 and not recompute:
             sched.start_next(state, op)  # lockstep: the next layers' first ring steps, beside this last piece
         if transport._OBSERVERS:
@@ -199,6 +201,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
 
     for k in range(world):
         step = piece_steps(engine, k, weights, grads)
+        sched.pace(world - k)
         if k == world - 1:
             sched.start_next(state, "backward")
         if transport._OBSERVERS:

@@ -11,9 +11,10 @@ first after a ``reset()``, run without looking ahead). Two ways to use it, one l
   requested (``start_next``; ``start_first`` from a ring embedding); after the last layer of the forward the
   backward's first layers follow, so their weight shards land during the loss. A layer's last gradient step is
   waited after the next layer's first piece (``Landing``), or at the end of the backward.
-- *Elastic* (``lookahead_mb`` > 0, default ``"auto"``). When a layer begins, all the all-gather steps of the
-  layers that follow it are requested, in order, as long as their gathered weights fit in the budget; the link
-  runs them while compute works, so it never idles while a ring step of a coming layer could go. A layer's weight
+- *Elastic* (``lookahead_mb`` > 0, default ``"auto"``). When a layer begins, the whole all-gather rings of the
+  layers that follow it are chosen, in order, as long as their gathered weights fit in the budget; their steps
+  are requested beside the layer's pieces, spread over them (``pace``), so they queue between its own gradient
+  steps; the link runs them while compute works, so it idles less where compute has no ring step beside it. A layer's weight
   ring gathers into an ``(N, numel)`` buffer; piece k still starts as soon as shard k has landed, so the first
   layer's head stays fused. Gradient partials go into an ``(N, numel)`` buffer each and are requested beside the
   next piece, but not waited for: they lag behind the all-gathers queued before them and land during later
@@ -63,13 +64,20 @@ class WeightRing:
         """What step k sends and receives (the row held at piece k goes out; the next one comes in)."""
         return [self.held(k)], [self.held(k + 1)]
 
-    def request_all(self) -> None:
-        """Request every step now (elastic: the link gathers the whole row set ahead of the pieces)."""
-        while self.requested < self.world - 1:
+    def request(self, steps: int | None = None) -> int:
+        """Request the next ``steps`` steps (default: all that are left); returns how many were requested."""
+        left = self.world - 1 - self.requested
+        count = left if steps is None else min(steps, left)
+        for _ in range(count):
             k = self.requested
             sends, recvs = self.io(k)
             self.pending[k] = self.engine.link.step(sends, recvs, self.op, k, self.world - 1)
             self.requested += 1
+        return count
+
+    @property
+    def unrequested(self) -> int:
+        return self.world - 1 - self.requested
 
     @property
     def nbytes(self) -> int:
@@ -168,8 +176,11 @@ class FusedSchedule:
         self.engine, self.steps = engine, steps
         config = engine.config
         self.prefetch = config.prefetch_next and engine.ring.size > 1
-        self.elastic = self.prefetch and config.lookahead_mb != 0
         self.budget_auto = config.lookahead_mb == "auto"
+        # At 2 ranks a ring has one step, so lockstep's prefetch already runs the coming layers' whole rings ahead
+        # (prefetch_depth of them); "auto" keeps lockstep there, whose gradient partial rides its weight step.
+        self.elastic = self.prefetch and config.lookahead_mb != 0 and not (self.budget_auto
+                                                                           and engine.ring.size == 2)
         self.budget = 0 if self.budget_auto else int(float(config.lookahead_mb) * (1 << 20))
         self.defer_last_reduce = self.prefetch
         self.keep_last_weight = self.prefetch  # see keeps_weight
@@ -180,6 +191,7 @@ class FusedSchedule:
         self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
         self._kept: set[int] = set()  # groups of this step whose forward kept the gathered weight (keeps_weight)
         self._landing: list[Landing] = []
+        self._paced: list[WeightRing] = []  # rings chosen ahead whose steps are requested piece by piece (pace)
 
     def begin_step(self) -> None:
         if self._current:
@@ -192,6 +204,7 @@ class FusedSchedule:
             for pending in ring.pending.values():
                 pending.wait()
         self._ahead.clear()
+        self._paced = []
 
     def end_backward(self) -> None:
         self.land(block=True)
@@ -202,6 +215,7 @@ class FusedSchedule:
         rings, landing = list(self._ahead.values()), self._landing
         self._ahead.clear()
         self._landing = []
+        self._paced = []
         for ring in rings:
             ring.settle()
         for land in landing:
@@ -220,7 +234,10 @@ class FusedSchedule:
         if ring is None:
             ring = self.new_weights(state, params, cdt, phase, keep)
             if self.elastic and not recompute:
-                ring.request_all()
+                ring.request()
+        elif self.elastic and ring.unrequested:  # chosen ahead, not all requested yet: its pieces need them now
+            ring.request()
+            self._paced.remove(ring)
         if ring.slots is not None and keep:
             self.kept(state)
         if self.elastic and not recompute:
@@ -246,6 +263,17 @@ class FusedSchedule:
             op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.op,
                                                                                                       "backward")
         return GradRing(self.engine, op, numel, rdt, device, zeroed, communicates, self.elastic)
+
+    def pace(self, pieces_left: int) -> None:
+        """Elastic, beside each fused piece: request the next steps of the rings chosen ahead, spread over the
+        running group's pieces (``pieces_left`` with this one), so that they queue on the link between its own
+        steps (the gradient partials requested beside the pieces) instead of all before them. By counts only."""
+        left = sum(ring.unrequested for ring in self._paced)
+        quota = -(-left // max(pieces_left, 1))
+        while quota and self._paced:
+            quota -= self._paced[0].request(quota)
+            if not self._paced[0].unrequested:
+                self._paced.pop(0)
 
     # -- gradient rings that land later ------------------------------------------------------------------------
 
@@ -290,6 +318,9 @@ class FusedSchedule:
         request that group's first ring step and those of the following ones (elastic: their whole rings)."""
         if self.prefetch and phase == "forward" and not self._current and self._order:
             self._following(None, phase, self._request_whole if self.elastic else self._request_first)
+            for ring in self._paced:  # no pieces run before the first group: the link takes them at once
+                ring.request()
+            self._paced = []
 
     def _look_ahead(self, state: FusedGroupState, phase: str) -> None:
         self._following(state, phase, self._request_whole)
@@ -341,7 +372,7 @@ class FusedSchedule:
             if ahead + nbytes > self.budget:
                 return False
             ring = self._prepared(following, phase)
-            ring.request_all()
+            self._paced.append(ring)  # its steps are requested beside the coming pieces (pace)
             ahead += nbytes
             self._ahead[key] = ring
         return True
