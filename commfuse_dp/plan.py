@@ -113,13 +113,14 @@ def _edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
 def _elastic(units: list[Unit], cl: Cluster) -> float:
     """Step time of the fused schedule with elastic lookahead (``fused/schedule.py``), played on one FIFO link.
 
-    When a fused group begins, its whole weight ring (N-1 steps) is requested unless it was requested ahead, and
-    then the whole rings of the groups that follow it (in forward order, then, after the last forward group, the
-    backward's), in order, while their gathered weights fit ``lookahead_bytes`` (auto: the largest group's).
-    Piece k of a group waits for its ring's step k-1. In the backward, the gradient step k (k ≥ 1) is requested
-    when piece k starts and never waited for until the backward ends. The last forward group (the lm_head) keeps
-    its weight: its backward sends gradient partials only. Unfused parameters and ring embeddings as in
-    ``_lockstep``."""
+    When a fused group begins, its whole weight ring (N-1 steps) is requested unless it was chosen ahead (then
+    what is left of it), and the whole rings of the groups that follow it (in forward order, then, after the last
+    forward group, the backward's) are chosen, in order, while their gathered weights fit ``lookahead_bytes``
+    (auto: the largest group's). The chosen rings' steps are requested beside the group's pieces, spread over
+    them (``FusedSchedule.pace``). Piece k of a group waits for its ring's step k-1. In the backward, the gradient
+    step k (k ≥ 1) is requested when piece k starts, before the paced steps, and never waited for until the
+    backward ends. The last forward group (the lm_head) keeps its weight: its backward sends gradient partials
+    only. Unfused parameters and ring embeddings as in ``_lockstep``."""
     n = cl.ranks
     items = _gemm_items(units, cl)
     fused = [i for i, (g, _) in enumerate(items) if g]
@@ -131,27 +132,47 @@ def _elastic(units: list[Unit], cl: Cluster) -> float:
         link[0] = max(at, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
         return link[0]
 
-    def ring(at: float, i: int) -> list[float]:  # the landing time of each step of group i's weight ring
-        return [send(at, items[i][0] / n * cl.param_bytes) for _ in range(n - 1)]
+    def request(at: float, i: int, steps: list[float], count: int) -> int:
+        """Request up to ``count`` more steps of group i's weight ring (landing times appended to ``steps``)."""
+        count = min(count, n - 1 - len(steps))
+        for _ in range(count):
+            steps.append(send(at, items[i][0] / n * cl.param_bytes))
+        return count
 
     kept = fused[-1]
     order = [(i, "forward") for i in fused] + [(i, "backward") for i in reversed(fused) if i != kept]
     ahead: dict[tuple[int, str], list[float]] = {}
+    paced: list[tuple[int, str]] = []
 
     def begin(i: int, phase: str, t: float) -> list[float]:
-        steps = ahead.pop((i, phase), None)
+        key = (i, phase)
+        steps = ahead.pop(key, None)
         if steps is None:
-            steps = [] if (i, phase) == (kept, "backward") else ring(t, i)
+            steps = []
+            if key != (kept, "backward"):
+                request(t, i, steps, n - 1)
+        elif key in paced:
+            request(t, i, steps, n - 1)
+            paced.remove(key)
         held = sum(full[j] for j, _ in ahead)
-        at = order.index((i, phase)) if (i, phase) in order else len(order)
-        for key in order[at + 1:]:
-            if key in ahead:
+        at = order.index(key) if key in order else len(order)
+        for following in order[at + 1:]:
+            if following in ahead:
                 continue
-            if held + full[key[0]] > budget:
+            if held + full[following[0]] > budget:
                 break
-            ahead[key] = ring(t, key[0])
-            held += full[key[0]]
+            ahead[following] = []
+            paced.append(following)
+            held += full[following[0]]
         return steps
+
+    def pace(t: float, pieces_left: int) -> None:
+        left = sum(n - 1 - len(ahead[key]) for key in paced)
+        quota = -(-left // pieces_left)
+        while quota and paced:
+            quota -= request(t, paced[0][0], ahead[paced[0]], quota)
+            if len(ahead[paced[0]]) == n - 1:
+                paced.pop(0)
 
     t = link[0] = _edges(units, cl, cl.param_bytes)
     for i, (numel, seconds) in enumerate(items):  # forward
@@ -162,6 +183,7 @@ def _elastic(units: list[Unit], cl: Cluster) -> float:
         for k in range(n):
             if k:
                 t = max(t, steps[k - 1])
+            pace(t, n - k)
             t += seconds / n
     for i, (numel, seconds) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
         if not numel:
@@ -173,6 +195,7 @@ def _elastic(units: list[Unit], cl: Cluster) -> float:
                 if steps:
                     t = max(t, steps[k - 1])
                 send(t, numel / n * cl.grad_bytes)  # lags: nothing waits for it before the end
+            pace(t, n - k)
             t += 2 * seconds / n
     return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
 
@@ -286,7 +309,9 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
             link = max(link, comp) + rs[i]
         return {"step_s": max(comp, link), "compute_s": compute, "flops": flops}
     if schedule in ("fused", "lockstep"):
-        play = _lockstep if schedule == "lockstep" or cl.lookahead_bytes == 0 else _elastic
+        # "auto" is lockstep at 2 ranks (fused/schedule.py: lockstep's prefetch is there the whole ring)
+        lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0 or (cl.lookahead_bytes is None and n == 2)
+        play = _lockstep if lockstep else _elastic
         t = compute if n == 1 else play(units, cl)
         return {"step_s": t, "compute_s": compute, "flops": flops}
     raise ValueError(f"unknown schedule {schedule!r}")
