@@ -24,13 +24,14 @@ both in one loop::
         wait; acc_k = part_k + racc  (part_k at k = 0)
     dW_r = acc_{N-1}                            # t == r at k == N-1: complete, nothing sent after it
 
-Across layers (``prefetch_next``): step 0 of the next ``prefetch_depth`` layers starts during this layer's last
-piece, and in backward the last step (gradient partials only) is waited after the next layer's first piece rather
-than beside this layer's last one (``DeferredReduce``), so it has a whole piece more to land.
-
-Only two weight-shard buffers are live (never the full W), plus two gradient-shard buffers; the one exception is
-the last layer of the forward (the lm_head), which keeps all N shards from its forward for its backward
-(``FusedSchedule.keeps_weight``), so that its backward sends gradient partials only. The reduction order is
+Across layers (``schedule.py``): when each ring step is requested and which buffers hold the shards. Lockstep
+(``lookahead_mb=0``) is the pseudocode above, with step 0 of the next layers requested during this layer's last
+piece and the last gradient step landing during the next layer's first piece (``Landing``): two weight-shard and
+two gradient-shard buffers live, never the full W, except for the last layer of the forward (the lm_head), which
+keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
+partials only. Elastic (the default from 3 ranks): the weight ring of a layer is requested ahead, into an
+``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both: ``piece_steps``
+requests what goes beside piece k and returns what to wait for at its end. The reduction order is
 fixed by the ring, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
 steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
 each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
