@@ -41,6 +41,8 @@ def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=Non
     ``compile``: a wrapper (``torch.compile``) applied to the sharded model, which then trains and evaluates."""
     if config is None and schedule == "lockstep":  # the fused schedule without the elastic lookahead
         config = cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0)
+    if config is None and schedule == "elastic":  # the elastic lookahead where "auto" would be lockstep (2 ranks)
+        config = cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=64)
     config = config or cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0)
     model, ref = hf_models.build(kind), hf_models.build(kind)
     if prepare is not None:
@@ -79,16 +81,19 @@ def assert_parity(result, tol=FP32, label=""):
         torch.testing.assert_close(ours[name], ref[name], **tol, msg=lambda m: f"{label} {name}: {m}")
 
 
-def _schedules(kind):
-    """The fused schedule (elastic lookahead, the default) and slicing for every kind; lockstep
-    (``lookahead_mb=0``) too for Llama, which has every fused shape."""
-    return ("fused", "slicing", "lockstep") if kind == "llama" else ("fused", "slicing")
+def _schedules(kind, world_size):
+    """The fused schedule (its default, ``lookahead_mb="auto"``) and slicing for every kind; for Llama, which has
+    every fused shape, also the other way of the fused schedule: lockstep (``lookahead_mb=0``) from 3 ranks,
+    where "auto" is elastic, and the elastic lookahead at 2 ranks, where "auto" is lockstep."""
+    if kind != "llama":
+        return ("fused", "slicing")
+    return ("fused", "slicing", "elastic" if world_size == 2 else "lockstep")
 
 
 def _parity_worker(rank, world_size, kinds):
     summary = {}
     for kind in kinds:
-        for schedule in _schedules(kind):
+        for schedule in _schedules(kind, world_size):
             result = run_case(rank, world_size, kind, schedule)
             assert_parity(result, label=f"{kind}/{schedule}")
             moved = max((result["params"][1][n] - p).abs().max().item() for n, p in result["initial"].items())
@@ -110,7 +115,7 @@ def test_hf_models_match_single_process(world_size, kinds):
 
 def _accumulation_worker(rank, world_size, kinds):
     for kind in kinds:
-        for schedule in _schedules(kind):
+        for schedule in _schedules(kind, world_size):
             assert_parity(run_case(rank, world_size, kind, schedule, accum=2), label=f"{kind}/{schedule}/accum2")
     return True
 
