@@ -90,10 +90,11 @@ def _no_grad_worker(rank, world_size):
     return events
 
 
-def _depth_worker(rank, world_size, depth):
+def _three_layers_worker(rank, world_size, options):
+    """The forward's requests, waits and pieces in the second step of 3 layers sharded with ``options``."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_depth=depth, lookahead_mb=0))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, **options))
     x = torch.randn(4, 16)
     for _ in range(2):
         events = []
@@ -102,18 +103,23 @@ def _depth_worker(rank, world_size, depth):
     return _sequence(events, "forward")
 
 
+def _forward(**options):
+    """Rank 0's sequence of ``_three_layers_worker`` at 2 ranks."""
+    return run_ranks(_three_layers_worker, 2, (options,))[0]
+
+
 def test_auto_lookahead_is_lockstep_at_two_ranks():
     # A ring has one step at 2 ranks: lockstep's prefetch (depth 2) already requests the next layers' whole rings.
-    assert run_ranks(_budget_worker, 2, ("auto",))[0] == run_ranks(_depth_worker, 2, (2,))[0]
+    assert _forward(lookahead_mb="auto") == _forward(prefetch_depth=2, lookahead_mb=0)
 
 
 def test_prefetch_depth_keeps_that_many_layers_in_flight():
     # 2 ranks, 3 layers, second step. Depth 1: each layer's step 0 starts during the previous layer's last piece.
     # Depth 2: the first layer's last piece starts both following layers' step 0; nothing starts after that.
-    assert run_ranks(_depth_worker, 2, (1,))[0] == ["S0", "C0", "W0", "S0", "C1", "C0", "W0", "S0", "C1",
-                                                    "C0", "W0", "C1"]
-    assert run_ranks(_depth_worker, 2, (2,))[0] == ["S0", "C0", "W0", "S0", "S0", "C1", "C0", "W0", "C1",
-                                                    "C0", "W0", "C1"]
+    assert _forward(prefetch_depth=1, lookahead_mb=0) == ["S0", "C0", "W0", "S0", "C1", "C0", "W0", "S0", "C1",
+                                                          "C0", "W0", "C1"]
+    assert _forward(prefetch_depth=2, lookahead_mb=0) == ["S0", "C0", "W0", "S0", "S0", "C1", "C0", "W0", "C1",
+                                                          "C0", "W0", "C1"]
 
 
 def _slicing_worker(rank, world_size):
@@ -162,27 +168,14 @@ def test_elastic_requests_coming_rings_whole_and_lets_gradients_lag():
     assert backward.count("W2") == 2 and backward.index("W2") > backward.index("C2")
 
 
-def _budget_worker(rank, world_size, lookahead_mb):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb))
-    x = torch.randn(4, 16)
-    for _ in range(2):
-        events = []
-        with observe_ring(lambda event, op, step: events.append((event, op, step))):
-            model(x).sum().backward()
-    return _sequence(events, "forward")
-
-
 def test_lookahead_budget_bounds_the_rings_requested_ahead():
     # 2 ranks, 3 layers of 16x16 + bias: a gathered layer is 2 x 136 fp32 = 1088 bytes. Second step.
     layer_mib = 1088 / 2**20
     own = ["S0", "C0", "W0", "C1"]  # a layer whose ring is requested when it begins
     ahead = ["C0", "W0", "C1"]  # one whose ring was requested ahead
-    assert run_ranks(_budget_worker, 2, (0.5 * layer_mib,))[0] == own * 3  # no layer fits: nothing ahead
+    assert _forward(lookahead_mb=0.5 * layer_mib) == own * 3  # no layer fits: nothing ahead
     # 1 and 1.5 layers: one layer ahead, requested when the layer before it begins.
     for budget in (layer_mib, 1.5 * layer_mib):
-        assert run_ranks(_budget_worker, 2, (budget,))[0] == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
+        assert _forward(lookahead_mb=budget) == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
     # Two layers: both following rings are chosen when layer 1 begins; their steps go beside its two pieces.
-    assert run_ranks(_budget_worker, 2, (2 * layer_mib,))[0] == ["S0", "S0", "C0", "W0", "S0", "C1",
-                                                                 *ahead, *ahead]
+    assert _forward(lookahead_mb=2 * layer_mib) == ["S0", "S0", "C0", "W0", "S0", "C1", *ahead, *ahead]

@@ -40,7 +40,6 @@ def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable
     last step was requested."""
     engine = state.engine
     world = engine.ring.size
-    sched = state.steps.schedule
     weights = WeightRing(engine, state.steps.ring_op(state.op, phase) if world > 1 else None, out)
     for k in range(world):
         step = piece_steps(engine, k, weights, None)
@@ -63,7 +62,6 @@ def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device:
     numel = math.prod(shape)
     op = state.steps.ring_op(state.op, phase) if world > 1 else None
     grads = GradRing(engine, op, numel, dtype, device, zeroed=False, communicates=True, lag=False)
-    sched = state.steps.schedule
     for k in range(world):
         step = piece_steps(engine, k, None, grads)
         if then is not None and k == world - 1:

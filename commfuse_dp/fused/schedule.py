@@ -268,6 +268,8 @@ class FusedSchedule:
         """Elastic, beside each fused piece: request the next steps of the rings chosen ahead, spread over the
         running group's pieces (``pieces_left`` with this one), so that they queue on the link between its own
         steps (the gradient partials requested beside the pieces) instead of all before them. By counts only."""
+        if not self._paced:  # lockstep, or nothing chosen ahead
+            return
         left = sum(ring.unrequested for ring in self._paced)
         quota = -(-left // max(pieces_left, 1))
         while quota and self._paced:
