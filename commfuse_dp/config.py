@@ -83,10 +83,10 @@ class CommFuseConfig:
     lookahead_mb: float | str = "auto"
     """Memory the fused schedule may spend to run the link ahead of compute (docs/design.md §7, "Elastic
     lookahead"): the all-gather ring steps of coming layers go as soon as the link is free, into buffers that
-    hold those layers' gathered weights, up to this many MiB on top of the running layer's, and gradient partials
+    hold those layers' gathered weights, up to this many MiB with the running layer's, and gradient partials
     wait in their own buffers until the link sends them (they land during later compute). ``"auto"`` (default):
-    the largest fused layer's gathered weight, so that the gathered weights in flight never exceed what the
-    slicing schedule holds (the running layer's and the next one's); at 2 ranks, lockstep (a ring is one step
+    two of the largest unit's (decoder layer's) gathered fused weights, what slicing by FSDP2 unit holds (the
+    unit computed and the next one); at 2 ranks, lockstep (a ring is one step
     there, so lockstep's prefetch already gathers the next layers whole). ``0``: lockstep, each layer's ring steps
     beside its own compute pieces, with only the first ring step of the next ``prefetch_depth`` layers in flight
     (two weight shards per layer live, the least memory). Needs ``prefetch_next``; the slicing schedule ignores

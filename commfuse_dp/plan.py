@@ -15,8 +15,9 @@ resources per rank, the compute stream and the link, and plays each schedule on 
 - ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
   N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
   before it; step 0 of the next ``prefetch_depth`` groups goes during a group's last piece.
-- ``fused`` (the default, elastic lookahead): when a group begins, the whole weight rings of the following groups
-  are requested while they fit the lookahead budget; gradient partials lag (``_elastic``).
+- ``fused`` (the default, elastic lookahead): when a group begins, the whole weight rings of the following units
+  are chosen while they fit the lookahead budget, a unit's rings sharing their steps (a bundle); gradient partials
+  lag and go as one ring per unit (``_elastic``).
   For both, parameters that are not fused (norms) and the ring embedding's exchanges are exposed at the step's
   head and tail.
 Calibration fits F (compute alone) and B (communication alone) per rate from a ``commfuse-dp bench`` JSON, and
@@ -86,18 +87,18 @@ def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads:
     return units
 
 
-def _gemm_items(units: list[Unit], cl: Cluster) -> list[tuple[int, float]]:
-    """(weight elements, forward seconds) per fused group, and compute-only gaps (attention; numel 0), in forward
-    order."""
-    items: list[tuple[int, float]] = []
-    for u in units:
+def _gemm_items(units: list[Unit], cl: Cluster) -> list[tuple[int, float, int]]:
+    """(weight elements, forward seconds, unit index) per fused group, and compute-only gaps (attention; numel 0),
+    in forward order."""
+    items: list[tuple[int, float, int]] = []
+    for at, u in enumerate(units):
         if not u.groups:
-            items.append((0, u.flops / cl.flops_per_s))
+            items.append((0, u.flops / cl.flops_per_s, at))
             continue
         gemm = [2.0 * u.tokens * g / cl.flops_per_s for g in u.groups]
-        items += [(g, f) for g, f in zip(u.groups, gemm)]
+        items += [(g, f, at) for g, f in zip(u.groups, gemm)]
         if u.flops / cl.flops_per_s > sum(gemm):
-            items.insert(len(items) - len(u.groups) + 1, (0, u.flops / cl.flops_per_s - sum(gemm)))
+            items.insert(len(items) - len(u.groups) + 1, (0, u.flops / cl.flops_per_s - sum(gemm), at))
     return items
 
 
@@ -113,90 +114,166 @@ def _edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
 def _elastic(units: list[Unit], cl: Cluster) -> float:
     """Step time of the fused schedule with elastic lookahead (``fused/schedule.py``), played on one FIFO link.
 
-    When a fused group begins, its whole weight ring (N-1 steps) is requested unless it was chosen ahead (then
-    what is left of it), and the whole rings of the groups that follow it (in forward order, then, after the last
-    forward group, the backward's) are chosen, in order, while their gathered weights fit ``lookahead_bytes``
-    (auto: the largest group's). The chosen rings' steps are requested beside the group's pieces, spread over
-    them (``FusedSchedule.pace``). Piece k of a group waits for its ring's step k-1. In the backward, the gradient
-    step k (k ≥ 1) is requested when piece k starts, before the paced steps, and never waited for until the
-    backward ends. The last forward group (the lm_head) keeps its weight: its backward sends gradient partials
-    only. Unfused parameters and ring embeddings as in ``_lockstep``."""
+    Rings ahead go by unit (a decoder layer, an FSDP2 unit): the groups of one unit chosen together share their
+    ring steps (a bundle: step k carries shard k of each), so a layer pays one ring's latency, as slicing's
+    per-layer gather does. When a fused group begins, its own weight ring (N-1 steps) is requested unless it was
+    chosen ahead (then what is left of its bundle); then the following units are chosen whole, in order (the
+    forward's, then after the last forward group the backward's), while the gathered weights held (the running
+    group's and those ahead) fit ``lookahead_bytes`` (auto: two of the largest unit's, what slicing per layer
+    holds: the layer computed and the next). The step starts with the first group's own ring, then the rest of its
+    unit as a bundle (``start_first``, before any piece); the chosen bundles' steps are requested beside the pieces
+    left in the running unit, spread over them (``FusedSchedule.pace``). Piece k of a group waits for its ring's
+    step k-1. In the backward a unit's gradient partials stay in their buffers and go as one reduce-scatter ring
+    (a gradient bundle) paced over the next unit's pieces, never waited before the backward ends; the last unit
+    of the backward sends its partials beside its own pieces (gradient step k when piece k starts), so the step
+    ends with one hop at most. The last forward group (the lm_head) keeps its weight: its backward sends gradient
+    partials only. Unfused parameters and ring embeddings as in ``_lockstep``."""
     n = cl.ranks
     items = _gemm_items(units, cl)
-    fused = [i for i, (g, _) in enumerate(items) if g]
+    fused = [i for i, (g, _, _) in enumerate(items) if g]
+    unit_of = {i: items[i][2] for i in fused}
     full = {i: items[i][0] * cl.param_bytes for i in fused}  # a group's gathered weight
-    budget = max(full.values()) if cl.lookahead_bytes is None else cl.lookahead_bytes
+    per_unit: dict[int, float] = {}
+    for i in fused:
+        per_unit[unit_of[i]] = per_unit.get(unit_of[i], 0.0) + full[i]
+    budget = 2 * max(per_unit.values()) if cl.lookahead_bytes is None else cl.lookahead_bytes
     link = [0.0]
 
     def send(at: float, nbytes: float) -> float:
         link[0] = max(at, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
         return link[0]
 
-    def request(at: float, i: int, steps: list[float], count: int) -> int:
-        """Request up to ``count`` more steps of group i's weight ring (landing times appended to ``steps``)."""
-        count = min(count, n - 1 - len(steps))
-        for _ in range(count):
-            steps.append(send(at, items[i][0] / n * cl.param_bytes))
-        return count
+    class Bundle:
+        """Ring steps shared by groups of one unit: weight rings (``keys``) or gradient partials (``grad``)."""
+
+        def __init__(self, keys: list, step_bytes: float, left: int) -> None:
+            self.keys, self.step_bytes, self.left = keys, step_bytes, left
+
+        def request(self, at: float, count: int) -> int:
+            count = min(count, self.left)
+            for _ in range(count):
+                done = send(at, self.step_bytes)
+                for key in self.keys:
+                    ahead[key].append(done)
+            self.left -= count
+            return count
 
     kept = fused[-1]
     order = [(i, "forward") for i in fused] + [(i, "backward") for i in reversed(fused) if i != kept]
+    last_unit = unit_of[fused[0]]  # the backward's last: its partials go beside its own pieces
     ahead: dict[tuple[int, str], list[float]] = {}
-    paced: list[tuple[int, str]] = []
+    bundle_of: dict[tuple[int, str], Bundle] = {}
+    paced: list[Bundle] = []
+
+    def weight_bundle(keys: list) -> Bundle:
+        bundle = Bundle(keys, sum(items[i][0] for i, _ in keys) / n * cl.param_bytes, n - 1)
+        for key in keys:
+            ahead[key], bundle_of[key] = [], bundle
+        return bundle
+
+    def choose(at: int, held: float) -> None:
+        """Choose the units after order[at] whole while they fit (a unit partly ahead: the rest of it)."""
+        j = at + 1
+        while j < len(order):
+            run = [order[j]]
+            while j + len(run) < len(order) and (unit_of[order[j + len(run)][0]], order[j + len(run)][1]) == (
+                    unit_of[order[j][0]], order[j][1]):
+                run.append(order[j + len(run)])
+            j += len(run)
+            keys = [key for key in run if key not in ahead]
+            if not keys:
+                continue
+            nbytes = sum(full[i] for i, _ in keys)
+            if held + nbytes > budget:
+                return
+            paced.append(weight_bundle(keys))
+            held += nbytes
 
     def begin(i: int, phase: str, t: float) -> list[float]:
         key = (i, phase)
-        steps = ahead.pop(key, None)
-        if steps is None:
+        if key in ahead:
+            steps, bundle = ahead.pop(key), bundle_of.pop(key)
+            if bundle in paced:  # its pieces need the rest now
+                bundle.request(t, n - 1)
+                paced.remove(bundle)
+        elif key == (kept, "backward"):
             steps = []
-            if key != (kept, "backward"):
-                request(t, i, steps, n - 1)
-        elif key in paced:
-            request(t, i, steps, n - 1)
-            paced.remove(key)
-        held = sum(full[j] for j, _ in ahead)
-        at = order.index(key) if key in order else len(order)
-        for following in order[at + 1:]:
-            if following in ahead:
-                continue
-            if held + full[following[0]] > budget:
-                break
-            ahead[following] = []
-            paced.append(following)
-            held += full[following[0]]
+        else:
+            weight_bundle([key]).request(t, n - 1)
+            steps = ahead.pop(key)
+        held = full[i] + sum(full[j] for j, _ in ahead)
+        if key in order:
+            choose(order.index(key), held)
         return steps
 
+    def rest(i: int, phase: str) -> int:
+        """Groups after group i in its unit's run of ``order`` (its pieces and theirs are what pace spreads over)."""
+        if (i, phase) not in order:
+            return 0
+        at = count = order.index((i, phase)) + 1
+        while count < len(order) and order[count][1] == phase and unit_of[order[count][0]] == unit_of[i]:
+            count += 1
+        return count - at
+
     def pace(t: float, pieces_left: int) -> None:
-        left = sum(n - 1 - len(ahead[key]) for key in paced)
+        left = sum(b.left for b in paced)
         quota = -(-left // pieces_left)
         while quota and paced:
-            quota -= request(t, paced[0][0], ahead[paced[0]], quota)
-            if len(ahead[paced[0]]) == n - 1:
+            quota -= paced[0].request(t, quota)
+            if not paced[0].left:
                 paced.pop(0)
 
     t = link[0] = _edges(units, cl, cl.param_bytes)
-    for i, (numel, seconds) in enumerate(items):  # forward
+    if units[0].table:  # start_first: the ring embedding's exchange is under way; nothing to pace over
+        first = weight_bundle([order[0]])
+        first.request(t, n - 1)
+        held = full[order[0][0]]
+        rest_of_first = [key for key in order[1:1 + rest(*order[0])]]
+        if rest_of_first:
+            weight_bundle(rest_of_first).request(t, n - 1)
+            held += sum(full[i] for i, _ in rest_of_first)
+        choose(len(rest_of_first), held)
+        for bundle in paced:
+            bundle.request(t, n - 1)
+        paced.clear()
+    for i, (numel, seconds, _) in enumerate(items):  # forward
         if not numel:
             t += seconds
             continue
         steps = begin(i, "forward", t)
+        after = rest(i, "forward")
         for k in range(n):
             if k:
                 t = max(t, steps[k - 1])
-            pace(t, n - k)
+            pace(t, n - k + n * after)
             t += seconds / n
-    for i, (numel, seconds) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
+    grads: Bundle | None = None  # the running unit's gradient bundle, paced from the next unit's first group on
+    for i, (numel, seconds, unit) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
         if not numel:
             t += 2 * seconds
             continue
+        if grads is not None and grads.unit != unit:
+            paced.append(grads)
+            grads = None
         steps = begin(i, "backward", t)
+        after = rest(i, "backward")
+        own = unit == last_unit
         for k in range(n):
             if k:
                 if steps:
                     t = max(t, steps[k - 1])
-                send(t, numel / n * cl.grad_bytes)  # lags: nothing waits for it before the end
-            pace(t, n - k)
+                if own:
+                    send(t, numel / n * cl.grad_bytes)  # lags: nothing waits for it before the end
+            pace(t, n - k + n * after)
             t += 2 * seconds / n
+        if not own:
+            if grads is None:
+                grads = Bundle([], 0.0, n - 1)
+                grads.unit = unit
+            grads.step_bytes += numel / n * cl.grad_bytes
+    for bundle in paced + ([grads] if grads is not None else []):  # the backward ends: the rest goes now
+        if not bundle.keys:
+            bundle.request(t, bundle.left)
     return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
 
 
@@ -217,11 +294,11 @@ def _lockstep(units: list[Unit], cl: Cluster) -> float:
         link[0] = max(issue, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
         return link[0]
 
-    def phase(seq: list[tuple[int, float]], t: float, backward: bool) -> float:
-        groups = [i for i, (g, _) in enumerate(seq) if g]
+    def phase(seq: list[tuple[int, float, int]], t: float, backward: bool) -> float:
+        groups = [i for i, (g, _, _) in enumerate(seq) if g]
         first_done: dict[int, float] = {}
         deferred = None
-        for i, (numel, seconds) in enumerate(seq):
+        for i, (numel, seconds, _) in enumerate(seq):
             if not numel:
                 t += seconds
                 continue
@@ -250,7 +327,7 @@ def _lockstep(units: list[Unit], cl: Cluster) -> float:
 
     t = link[0] = _edges(units, cl, cl.param_bytes)
     t = phase(items, t, backward=False)
-    t = phase([(g, 2 * f) for g, f in reversed(items)], t, backward=True)
+    t = phase([(g, 2 * f, u) for g, f, u in reversed(items)], t, backward=True)
     return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
 
 

@@ -141,6 +141,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     kept_out = fused_params | scalars.params  # what fully_shard leaves alone
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
+    _bundle_units(steps, unit_modules)
     if units is None:
         unit_modules = [u for u in unit_modules
                         if _unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
@@ -317,6 +318,18 @@ def _compatible(members: list[tuple[str, nn.Module, bool]]) -> bool:
 
 def _unfused_numel(unit: nn.Module, fused_params: set[nn.Parameter]) -> int:
     return sum(p.numel() for p in unit.parameters() if p not in fused_params)
+
+
+def _bundle_units(steps: StepState, unit_modules: list[nn.Module]) -> None:
+    """Each fused group's unit (``FusedGroupState.unit``): the innermost unit module around it, also where that
+    unit is too small to be an FSDP2 unit of its own. The elastic schedule bundles the ring steps of a unit's
+    groups (``fused/schedule.py``)."""
+    innermost: dict[int, int] = {}
+    for at, unit in enumerate(unit_modules):  # innermost first
+        for module in unit.modules():
+            innermost.setdefault(id(module), at)
+    for state in steps.states:
+        state.unit = innermost.get(id(state.modules[0]))
 
 
 def _units(model: nn.Module, units: tuple[type[nn.Module], ...] | None, not_units: set[int]) -> list[nn.Module]:

@@ -95,6 +95,12 @@ def test_planner_plays_the_elastic_lookahead():
     # A budget smaller than any group requests nothing ahead: slower than the default.
     tiny = plan.simulate(units, replace(cl, lookahead_bytes=1.0), "fused")["step_s"]
     assert tiny > plan.simulate(units, cl, "fused")["step_s"]
+    # Where latency bounds (256 ranks, 2048 tokens), a layer's four rings share their steps (a bundle per unit, per
+    # phase, for weights and gradients): fused pays about one ring per layer like slicing, not four (2.4x before).
+    units = plan.units_for(*plan.KNOWN_MODELS["llama-7b"], tokens=2048, seq=2048)
+    cl = _cluster(ranks=256, gbps=100.0)
+    ratio = plan.simulate(units, cl, "fused")["step_s"] / plan.simulate(units, cl, "slicing")["step_s"]
+    assert ratio < 1.05, ratio
 
 
 def test_plan_sweep(capsys):

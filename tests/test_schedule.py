@@ -159,23 +159,68 @@ def test_elastic_requests_coming_rings_whole_and_lets_gradients_lag():
     layer2 = [i for i, e in enumerate(in_order) if e == ("compute", "forward", 0)][1]
     assert in_order[layer2 - 1:layer2 + 3] == [("start", "backward", 0), ("compute", "forward", 0),
                                                ("start", "backward", 1), ("compute", "forward", 1)]
-    # Backward: layer 2 (kept weight) requests gradient partials beside pieces 1 and 2 and never waits for them
-    # there; layer 1 waits for its weight shards (W0, W1) only. Each layer's last hop (W2) is waited once it
-    # landed, at a piece boundary or when the backward ends; where exactly depends on the link's timing.
+    # Backward: layer 2 (kept weight) computes its gradient partials and sends none beside its pieces: it is not
+    # the backward's last unit, so its partials go as one gradient ring (the unit's bundle), paced over layer 1's
+    # pieces (S1 before piece 0, S2 before piece 1, queued after layer 1's own gradient step S1). Layer 1, the last
+    # unit, sends its partials beside its own pieces and waits for its weight shards (W0, W1) only. Each ring's
+    # last hop (W2) is waited once it landed, at a piece boundary or when the backward ends; where exactly depends
+    # on the link's timing.
     backward = _sequence(events, "backward")
-    assert [e for e in backward if e != "W2"] == ["S0", "S1", "C0", "S1", "C1", "S2", "C2",
-                                                   "C0", "W0", "S1", "C1", "W1", "S2", "C2"], backward
+    assert [e for e in backward if e != "W2"] == ["S0", "S1", "C0", "C1", "C2",
+                                                   "S1", "C0", "W0", "S1", "S2", "C1", "W1", "S2", "C2"], backward
     assert backward.count("W2") == 2 and backward.index("W2") > backward.index("C2")
 
 
 def test_lookahead_budget_bounds_the_rings_requested_ahead():
-    # 2 ranks, 3 layers of 16x16 + bias: a gathered layer is 2 x 136 fp32 = 1088 bytes. Second step.
+    # 2 ranks, 3 layers of 16x16 + bias: a gathered layer is 2 x 136 fp32 = 1088 bytes. Second step. The budget
+    # bounds the gathered weights held at once: the running layer's and those requested ahead.
     layer_mib = 1088 / 2**20
     own = ["S0", "C0", "W0", "C1"]  # a layer whose ring is requested when it begins
     ahead = ["C0", "W0", "C1"]  # one whose ring was requested ahead
-    assert _forward(lookahead_mb=0.5 * layer_mib) == own * 3  # no layer fits: nothing ahead
-    # 1 and 1.5 layers: one layer ahead, requested when the layer before it begins.
-    for budget in (layer_mib, 1.5 * layer_mib):
-        assert _forward(lookahead_mb=budget) == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
-    # Two layers: both following rings are chosen when layer 1 begins; their steps go beside its two pieces.
-    assert _forward(lookahead_mb=2 * layer_mib) == ["S0", "S0", "C0", "W0", "S0", "C1", *ahead, *ahead]
+    for budget in (0.5, 1, 1.5):  # the running layer and the next one do not fit: nothing ahead
+        assert _forward(lookahead_mb=budget * layer_mib) == own * 3
+    # 2 and 2.5 layers: one layer ahead, chosen when the layer before it begins.
+    for budget in (2, 2.5):
+        assert _forward(lookahead_mb=budget * layer_mib) == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
+    # Three layers: both following rings are chosen when layer 1 begins; their steps go beside its two pieces.
+    assert _forward(lookahead_mb=3 * layer_mib) == ["S0", "S0", "C0", "W0", "S0", "C1", *ahead, *ahead]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _blocks_worker(rank, world_size, lookahead_mb):
+    """Second step of 3 blocks (units) of two linears each: ring steps requested per phase, and the gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([_Block() for _ in range(3)]))
+    model.forward = lambda x: model[0][2](model[0][1](model[0][0](x)))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model.zero_grad()
+        events = []
+        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+            model(x).square().sum().backward()
+    starts = {phase: sum(1 for e in events if e[0] == "start" and e[1] == phase) for phase in ("forward", "backward")}
+    return starts, [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_elastic_bundles_the_ring_steps_of_a_unit():
+    # 3 ranks (2 steps per ring), 3 blocks a/b. Forward: block 1's a gathers alone (2 steps) and chooses b1 and
+    # block 2 whole while two blocks' weights fit (auto), block 2's two rings as one bundle; block 2 then chooses
+    # block 3 as one bundle: 4 rings of 2 steps, not 6. Backward: weight rings a3 | b2+a2 | b1 (a1's input needs no
+    # gradient) and gradient rings b3+a3 | b2+a2 bundled per block, block 1's (the last unit) one per group:
+    # 3 + 4 rings of 2 steps. The gradients are the lockstep schedule's (no bundles).
+    world = 3
+    elastic = run_ranks(_blocks_worker, world, ("auto",))
+    lockstep = run_ranks(_blocks_worker, world, (0,))
+    assert elastic[0][0] == {"forward": 8, "backward": 14}, elastic[0][0]
+    for (_, got), (_, want) in zip(elastic, lockstep):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

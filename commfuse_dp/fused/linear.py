@@ -145,7 +145,7 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
     for k in range(world):
         step = piece_steps(engine, k, weights, None)
         if not recompute:
-            sched.pace(world - k)
+            sched.pace(state, op, world - k)
         if k == world - 1 and not recompute:
             sched.start_next(state, op)  # lockstep: the next layers' first ring steps, beside this last piece
         if transport._OBSERVERS:
@@ -184,6 +184,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, layout.members)]
     train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j)) for j, dy in enumerate(dys)]
     sync = engine.requires_grad_sync
+    sched.backward_begins(state)
     weights = None
     if need_dx:
         weights = WeightRing(engine, None, full) if full is not None else sched.weights(state, params, cdt,
@@ -198,11 +199,13 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     pending = state.take_unsynced() if grads is not None and sync else None  # partials kept by no-sync backwards
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
     later = sched.defer_last_reduce and grads is not None and grads.racc is not None and accumulates(state, call)
+    if later and sched.bundles_grads(state):
+        grads.bundled = True  # its steps go with its unit's other gradient rings, after the unit's backward
     dx = x2.new_zeros(x2.shape) if need_dx else None
 
     for k in range(world):
         step = piece_steps(engine, k, weights, grads)
-        sched.pace(world - k)
+        sched.pace(state, "backward", world - k)
         if k == world - 1:
             sched.start_next(state, "backward")
         if transport._OBSERVERS:
@@ -239,6 +242,8 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         return dx, [None] * len(params)
     if later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
         sched.land_later(Landing(grads, state, post, tuple(p.dtype for p in params), tuple(train)))
+        if grads.bundled:
+            sched.add_grads(state, grads)
         return dx, [None] * len(params)
     if grads.last is not None:
         grads.last.wait()

@@ -54,6 +54,7 @@ class WeightRing:
         self.world = engine.ring.size
         self.pending: dict[int, Pending] = {}
         self.requested = 0  # steps requested so far
+        self.bundle: Bundle | None = None  # the rings whose steps it shares (elastic, chosen ahead)
 
     def held(self, k: int) -> torch.Tensor:
         if self.slots is None:
@@ -65,15 +66,9 @@ class WeightRing:
         return [self.held(k)], [self.held(k + 1)]
 
     def request(self, steps: int | None = None) -> int:
-        """Request the next ``steps`` steps (default: all that are left); returns how many were requested."""
-        left = self.world - 1 - self.requested
-        count = left if steps is None else min(steps, left)
-        for _ in range(count):
-            k = self.requested
-            sends, recvs = self.io(k)
-            self.pending[k] = self.engine.link.step(sends, recvs, self.op, k, self.world - 1)
-            self.requested += 1
-        return count
+        """Request the next ``steps`` steps (default: all that are left) of this ring and of those it shares
+        its steps with; returns how many were requested."""
+        return (self.bundle or Bundle([self])).request(steps)
 
     @property
     def unrequested(self) -> int:
@@ -88,6 +83,38 @@ class WeightRing:
             pending.settle()
 
 
+class Bundle:
+    """Weight rings of one unit (a decoder layer) chosen ahead together: step k of all of them travels as one
+    request, so a unit pays one ring's latency per phase, as slicing's per-layer gather does."""
+
+    def __init__(self, rings: list[WeightRing]) -> None:
+        self.rings = rings
+        for ring in rings:
+            ring.bundle = self
+
+    @property
+    def unrequested(self) -> int:
+        return self.rings[0].unrequested
+
+    def request(self, steps: int | None = None) -> int:
+        first = self.rings[0]
+        count = first.unrequested if steps is None else min(steps, first.unrequested)
+        for _ in range(count):
+            k = first.requested
+            sends, recvs = [], []
+            for ring in self.rings:
+                ring_sends, ring_recvs = ring.io(k)
+                sends, recvs = sends + ring_sends, recvs + ring_recvs
+            pending = first.engine.link.step(sends, recvs, first.op, k, first.world - 1)
+            for ring in self.rings:
+                ring.pending[k], ring.requested = pending, k + 1
+        return count
+
+    def settle(self) -> None:
+        for ring in self.rings:
+            ring.settle()
+
+
 class GradRing:
     """A reduce-scatter ring of gradient partials: piece k writes ``part(k)``, this rank's share of rank
     ``t = (r - k - 1) mod N``'s shard; step k (k ≥ 1) sends ``part(k-1)`` plus the partial sum received by step
@@ -99,10 +126,11 @@ class GradRing:
                  zeroed: bool, communicates: bool, lag: bool) -> None:
         world = engine.ring.size
         alloc = torch.zeros if zeroed else torch.empty
-        self.world, self.op, self.lag = world, op, lag and communicates
+        self.world, self.op, self.lag, self.link = world, op, lag and communicates, engine.link
         self.parts = alloc(world if self.lag else min(world, 2), numel, dtype=dtype, device=device)
         self.racc = torch.empty(numel, dtype=dtype, device=device) if communicates and world > 1 else None
         self.last: Pending | None = None
+        self.bundled = False  # its steps go later, with its unit's other rings (GradBundle), not beside its pieces
 
     def part(self, k: int) -> torch.Tensor:
         return self.parts[k if self.lag else k % 2]
@@ -122,13 +150,50 @@ class GradRing:
         return out
 
 
+class GradBundle:
+    """The gradient rings of one unit's backward (elastic; every unit but the backward's last): their partials wait
+    in their buffers, and once the unit's backward is done they travel as one reduce-scatter ring, its steps paced
+    over the next unit's pieces (one ring's latency per unit, as slicing's per-layer reduce-scatter)."""
+
+    def __init__(self, unit) -> None:
+        self.unit, self.rings, self.pending = unit, [], []
+        self.next = 1  # the next step to request (a gradient ring's steps are 1 .. N-1)
+
+    @property
+    def unrequested(self) -> int:
+        return self.rings[0].world - self.next
+
+    def request(self, steps: int | None = None) -> int:
+        count = self.unrequested if steps is None else min(steps, self.unrequested)
+        first = self.rings[0]
+        for _ in range(count):
+            k, sends, recvs, befores = self.next, [], [], []
+            for ring in self.rings:
+                ring_sends, ring_recvs, before = ring.io(k)
+                sends, recvs = sends + ring_sends, recvs + ring_recvs
+                if before is not None:
+                    befores.append(before)
+            step = first.link.step(sends, recvs, first.op, k, first.world - 1,
+                                   (lambda adds=befores: [add() for add in adds]) if befores else None)
+            self.pending.append(step)
+            self.next += 1
+            if self.next == first.world:
+                for ring in self.rings:
+                    ring.last = step
+        return count
+
+    def settle(self) -> None:
+        for pending in self.pending:
+            pending.settle()
+
+
 def piece_steps(engine: Engine, k: int, weights: WeightRing | None, grads: GradRing | None) -> Pending | None:
     """Request what goes beside piece k and return what to wait for at its end (the step that brings the row
     of piece k+1, and in lockstep the gradient partial too). ``weights``/``grads``: None where that ring does
     not travel."""
     world, link = engine.ring.size, engine.link
     gather = weights is not None and weights.op is not None and k < world - 1
-    reduce = grads is not None and grads.racc is not None and k > 0
+    reduce = grads is not None and grads.racc is not None and k > 0 and not grads.bundled
     sends, recvs, before = [], [], None
     new_gather = gather and weights.requested <= k  # else requested ahead (the link may have run it already)
     if new_gather:
@@ -191,35 +256,71 @@ class FusedSchedule:
         self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
         self._kept: set[int] = set()  # groups of this step whose forward kept the gathered weight (keeps_weight)
         self._landing: list[Landing] = []
-        self._paced: list[WeightRing] = []  # rings chosen ahead whose steps are requested piece by piece (pace)
+        self._paced: list[Bundle | GradBundle] = []  # chosen ahead, their steps requested piece by piece (pace)
+        self._grads: GradBundle | None = None  # the gradient rings of the unit whose backward runs
+        self._rest: dict[tuple[int, str], int] = {}  # groups after a group in its unit, in the phase's order
+        self._last_unit = None  # the backward's last unit: its gradient steps go beside its own pieces
+        self._held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
 
     def begin_step(self) -> None:
         if self._current:
             self._order, self._current = self._current, []
-            if self.budget_auto:  # the largest layer's gathered weight (as the slicing schedule holds one ahead)
-                self.budget = max(s.layout.numel * self.engine.ring.size * self._dtype(s).itemsize
-                                  for s in self._order)
+            self._units_of_order()
         self._kept.clear()
         for ring in self._ahead.values():  # requested on every rank alike but not used (another path was taken)
             for pending in ring.pending.values():
                 pending.wait()
         self._ahead.clear()
         self._paced = []
+        self._grads = None
+
+    def _units_of_order(self) -> None:
+        """From the recorded order: each group's run in its unit (``_rest``), the backward's last unit, and the
+        "auto" budget: two of the largest unit's gathered weights, what slicing per layer holds (the unit computed
+        and the next one)."""
+        unit_bytes: dict = {}
+        for state in self._order:
+            nbytes = state.layout.numel * self.engine.ring.size * self._dtype(state).itemsize
+            unit_bytes[unit_key(state)] = unit_bytes.get(unit_key(state), 0) + nbytes
+        if self.budget_auto:
+            self.budget = 2 * max(unit_bytes.values())
+        self._last_unit = unit_key(self._order[0])
+        self._rest.clear()
+        for phase, order in (("forward", self._order), ("backward", self._order[::-1])):
+            after = 0
+            for at in range(len(order) - 1, -1, -1):
+                same = at + 1 < len(order) and unit_key(order[at + 1]) == unit_key(order[at])
+                after = after + 1 if same else 0
+                self._rest[(id(order[at]), phase)] = after
 
     def end_backward(self) -> None:
+        """The backward is done: the gradient rings still waiting to go are requested now, in order (the weight
+        rings chosen ahead and not requested are dropped: no layer follows), and every landing completed."""
+        if self._grads is not None:
+            self._paced.append(self._grads)
+            self._grads = None
+        for item in self._paced:
+            if isinstance(item, GradBundle):
+                item.request()
+        self._paced = []
         self.land(block=True)
 
     def reset(self) -> None:
         """Drop everything of an aborted step: requested steps are waited for (every rank requested them alike)
         and their bytes dropped; the layer order is forgotten (the next step runs as a first step)."""
         rings, landing = list(self._ahead.values()), self._landing
+        bundles = [b for b in (*self._paced, self._grads) if isinstance(b, GradBundle)]
         self._ahead.clear()
         self._landing = []
         self._paced = []
+        self._grads = None
         for ring in rings:
             ring.settle()
+        for bundle in bundles:
+            bundle.settle()
         for land in landing:
-            land.grads.last.settle()
+            if land.grads.last is not None:
+                land.grads.last.settle()
         self._order, self._current = [], []
         self._needs_dx.clear()
         self._kept.clear()
@@ -237,11 +338,12 @@ class FusedSchedule:
                 ring.request()
         elif self.elastic and ring.unrequested:  # chosen ahead, not all requested yet: its pieces need them now
             ring.request()
-            self._paced.remove(ring)
+            self._paced.remove(ring.bundle)
         if ring.slots is not None and keep:
             self.kept(state)
         if self.elastic and not recompute:
-            self._look_ahead(state, phase)
+            self._held = ring.nbytes + sum(ahead.nbytes for ahead in self._ahead.values())
+            self._following(state, phase, self._request_whole)
         return ring
 
     def new_weights(self, state: FusedGroupState, params, cdt: torch.dtype, phase: str, keep: bool) -> WeightRing:
@@ -264,18 +366,40 @@ class FusedSchedule:
                                                                                                       "backward")
         return GradRing(self.engine, op, numel, rdt, device, zeroed, communicates, self.elastic)
 
-    def pace(self, pieces_left: int) -> None:
-        """Elastic, beside each fused piece: request the next steps of the rings chosen ahead, spread over the
-        running group's pieces (``pieces_left`` with this one), so that they queue on the link between its own
-        steps (the gradient partials requested beside the pieces) instead of all before them. By counts only."""
+    def pace(self, state: FusedGroupState, phase: str, pieces_left: int) -> None:
+        """Elastic, beside each fused piece: request the next steps of the rings chosen ahead (weight bundles, and
+        in the backward the previous unit's gradient bundle), spread over the pieces left in the running unit
+        (``pieces_left`` of this group, with this one, and all of the unit's groups after it), so that they queue
+        on the link between the pieces' own steps instead of all before them. By counts only."""
         if not self._paced:  # lockstep, or nothing chosen ahead
             return
-        left = sum(ring.unrequested for ring in self._paced)
+        pieces_left += self.engine.ring.size * self._rest.get((id(state), phase), 0)
+        left = sum(item.unrequested for item in self._paced)
         quota = -(-left // max(pieces_left, 1))
         while quota and self._paced:
             quota -= self._paced[0].request(quota)
             if not self._paced[0].unrequested:
                 self._paced.pop(0)
+
+    # -- gradient rings by unit ---------------------------------------------------------------------------------
+
+    def backward_begins(self, state: FusedGroupState) -> None:
+        """A fused group's backward begins: a gradient bundle of another unit is complete, its steps paced from
+        here on."""
+        if self._grads is not None and self._grads.unit != unit_key(state):
+            self._paced.append(self._grads)
+            self._grads = None
+
+    def bundles_grads(self, state: FusedGroupState) -> bool:
+        """Whether ``state``'s gradient partials wait for its unit's gradient bundle (elastic, the order known,
+        not the backward's last unit, whose partials go beside its own pieces so that the step ends with one hop
+        at most)."""
+        return self.elastic and bool(self._order) and unit_key(state) != self._last_unit
+
+    def add_grads(self, state: FusedGroupState, grads: GradRing) -> None:
+        if self._grads is None:
+            self._grads = GradBundle(unit_key(state))
+        self._grads.rings.append(grads)
 
     # -- gradient rings that land later ------------------------------------------------------------------------
 
@@ -284,7 +408,8 @@ class FusedSchedule:
 
     def land(self, block: bool) -> None:
         """Complete the landings whose last step arrived (``block``: all of them, waiting), in request order."""
-        while self._landing and (block or self._landing[0].grads.last.done()):
+        while self._landing and (block or (self._landing[0].grads.last is not None
+                                           and self._landing[0].grads.last.done())):
             self._landing.pop(0).complete()
 
     # -- across layers ---------------------------------------------------------------------------------------
@@ -319,13 +444,12 @@ class FusedSchedule:
         """Before the first fused group of a forward (from a ring embedding, once its own exchange is under way):
         request that group's first ring step and those of the following ones (elastic: their whole rings)."""
         if self.prefetch and phase == "forward" and not self._current and self._order:
-            self._following(None, phase, self._request_whole if self.elastic else self._request_first)
-            for ring in self._paced:  # no pieces run before the first group: the link takes them at once
-                ring.request()
+            self._held = 0
+            whole = lambda groups, phase: self._request_whole(groups, phase, split_first=True)  # noqa: E731
+            self._following(None, phase, whole if self.elastic else self._request_first)
+            for item in self._paced:  # no pieces run before the first group: the link takes them at once
+                item.request()
             self._paced = []
-
-    def _look_ahead(self, state: FusedGroupState, phase: str) -> None:
-        self._following(state, phase, self._request_whole)
 
     def _following(self, state: FusedGroupState | None, phase: str, request: Callable) -> None:
         order = self._order if phase == "forward" else self._order[::-1]
@@ -362,21 +486,30 @@ class FusedSchedule:
                 self._ahead[key] = ring
         return True
 
-    def _request_whole(self, groups, phase: str) -> bool:
-        """Request the whole weight rings of ``groups`` in order while their gathered weights fit the budget;
-        False once one does not (nothing after it is requested either: the link works in order)."""
-        ahead = sum(ring.nbytes for ring in self._ahead.values())
+    def _request_whole(self, groups, phase: str, split_first: bool = False) -> bool:
+        """Choose the whole weight rings of ``groups`` unit by unit, in order, while the gathered weights held
+        (``_held``: the running group's and those ahead) fit the budget; a unit's rings chosen together share
+        their steps (``Bundle``). Before the first group (``start_first``) that group's ring goes alone, so its
+        first pieces wait for its own shards only (``split_first``). False once a unit does not fit (nothing after it is chosen
+        either: the link works in order)."""
+        runs: list[list[FusedGroupState]] = []
         for following in self._wanted(groups, phase):
-            key = (id(following), phase)
-            if key in self._ahead:
-                continue
-            nbytes = following.layout.numel * self.engine.ring.size * self._dtype(following).itemsize
-            if ahead + nbytes > self.budget:
+            if runs and unit_key(runs[-1][-1]) == unit_key(following) and not (split_first and len(runs) == 1
+                                                                               and len(runs[0]) == 1):
+                runs[-1].append(following)
+            else:
+                runs.append([following])
+        for run in runs:
+            run = [state for state in run if (id(state), phase) not in self._ahead]
+            nbytes = sum(state.layout.numel * self.engine.ring.size * self._dtype(state).itemsize for state in run)
+            if self._held + nbytes > self.budget:
                 return False
-            ring = self._prepared(following, phase)
-            self._paced.append(ring)  # its steps are requested beside the coming pieces (pace)
-            ahead += nbytes
-            self._ahead[key] = ring
+            rings = [self._prepared(state, phase) for state in run]
+            for state, ring in zip(run, rings):
+                self._ahead[(id(state), phase)] = ring
+            if rings:
+                self._paced.append(Bundle(rings))  # its steps are requested beside the coming pieces (pace)
+            self._held += nbytes
         return True
 
     def _dtype(self, state: FusedGroupState) -> torch.dtype:
@@ -385,3 +518,9 @@ class FusedSchedule:
     def _prepared(self, state: FusedGroupState, phase: str) -> WeightRing:
         keep = phase == "forward" and self.keeps_weight(state)
         return self.new_weights(state, state.local_params(), self._dtype(state), phase, keep)
+
+
+def unit_key(state: FusedGroupState):
+    """The unit whose groups share ring steps: the innermost FSDP2 unit around the group (``shard()`` sets
+    ``state.unit``), or the group alone."""
+    return state.unit if state.unit is not None else ("group", id(state))
