@@ -43,8 +43,9 @@ CPU_NOTES = {
     "compute_only": "same per-rank work (optimizer on 1/N of the parameters), no communication",
     "concurrent": "compute alone and communication alone at once, independent: the CPU-shared limit",
 }
-SHAPING_NOTE = ("tbf token buckets (1 MB) refill while a link is idle, so schedules with compute gaps get some "
-                "bytes above the rate that back-to-back communication alone does not (tbf shaping)")
+SHAPING_NOTE = ("tbf token buckets ({burst} KiB, --burst-kb) refill while a link is idle, so schedules with compute "
+                "gaps get up to that many bytes above the rate after each gap, which back-to-back communication alone "
+                "does not (tbf shaping); a real link has no such credit")
 
 
 def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *, memory=False,
@@ -116,7 +117,7 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
     return rows
 
 
-def print_table(records: list[dict], balanced: float) -> None:
+def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
     if records:
         print(f"\ncompute: {records[0]['compute']}")
     print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
@@ -132,7 +133,7 @@ def print_table(records: list[dict], balanced: float) -> None:
             print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
                   f"{mem:>9} {ratio:>7}  {note}{mark}")
             mark = ""
-    print(f"\nnote: {SHAPING_NOTE}")
+    print(f"\nnote: {SHAPING_NOTE.format(burst=burst_kb)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--min-fuse-numel", type=int, default=1 << 16, help="CommFuseConfig.min_fuse_numel")
+    parser.add_argument("--burst-kb", type=int, default=128,
+                        help="tc tbf burst of every link, KiB (default 128; the results before 2026-11-25 evening used "
+                             "1024). After an idle gap a link sends up to this much above its rate: schedules that "
+                             "leave the link idle get those bytes free, so keep it small")
     parser.add_argument("--lookahead-mb", default="auto",
                         help="CommFuseConfig.lookahead_mb of the fused variant (fused_lockstep: always 0)")
     args = parser.parse_args(argv)
@@ -180,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []
-    with EmulatedCluster(args.world_size, args.reference_rate) as cluster:
+    if args.burst_kb * 1024 < 2 * 65000:
+        parser.error("--burst-kb must hold two 65000-byte packets (the links' MTU): at least 127")
+    with EmulatedCluster(args.world_size, args.reference_rate, burst_bytes=args.burst_kb * 1024) as cluster:
         if args.rates:
             rates = [float(r) for r in args.rates.split(",")]
             balanced = rates[len(rates) // 2]
@@ -209,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
             records += records_from(result, rate, args.world_size)
             if at_balance and result.get("timelines"):
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
-    print_table(records, balanced)
+    print_table(records, balanced, args.burst_kb)
     payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
+               "tbf_burst_kb": args.burst_kb,
                "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
                                                         "seq", "batch")},
-               "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE}, "wall_s": time.monotonic() - started}
+               "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE.format(burst=args.burst_kb)}, "wall_s": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

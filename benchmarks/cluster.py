@@ -7,8 +7,10 @@ shaped with ``tc tbf rate R``.
 
 - Rank r lives in namespace ``cf<id>r<r>`` with address 198.18.0.<r+1>/24 (198.18.0.0/15 is reserved for
   benchmarking) on a veth whose other end sits on the bridge ``cf<id>br``. Nothing else is addressed.
-- MTU 65000 on every veth and on the bridge, and a ``tbf`` burst of about 1 MB: with 1500-byte packets the kernel's
-  per-packet work stole the cores from compute.
+- MTU 65000 on every veth and on the bridge: with 1500-byte packets the kernel's per-packet work stole the cores
+  from compute. The ``tbf`` burst (default 128 KiB, two such packets at least) is the credit a link gathers while
+  idle and then sends above its rate; at 1 MB (the default before) it gave gappy schedules (lockstep) whole ring
+  steps for free at 4 ranks, which no real link does.
 - Each rank's egress is shaped to R (both directions of its link: the ring sends to ``next`` and receives from
   ``prev`` at once). ``GLOO_SOCKET_IFNAME=eth0`` makes gloo use the shaped link.
 - Needs root (``ip netns``, ``tc``). Everything is torn down on exit, on an exception, and on SIGINT/SIGTERM.
@@ -31,7 +33,7 @@ def _run(*cmd: str) -> None:
 
 
 class EmulatedCluster:
-    def __init__(self, world_size: int, rate_mbit: float, *, mtu: int = 65000, burst_bytes: int = 1 << 20) -> None:
+    def __init__(self, world_size: int, rate_mbit: float, *, mtu: int = 65000, burst_bytes: int = 128 << 10) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("the emulated cluster needs root (ip netns, tc); run the benchmark as root")
         if not 1 <= world_size <= 200:

@@ -124,8 +124,8 @@ def _elastic(units: list[Unit], cl: Cluster) -> float:
     unit as a bundle (``start_first``, before any piece); the chosen bundles' steps are requested beside the pieces
     left in the running unit, spread over them (``FusedSchedule.pace``). Piece k of a group waits for its ring's
     step k-1. In the backward a unit's gradient partials stay in their buffers and go as one reduce-scatter ring
-    (a gradient bundle) paced over the next unit's pieces, never waited before the backward ends; the last unit
-    of the backward sends its partials beside its own pieces (gradient step k when piece k starts), so the step
+    (a gradient bundle), step k requested beside piece k of the unit's last group, never waited before the backward
+    ends; the last unit of the backward sends its partials beside its own pieces (gradient step k when piece k starts), so the step
     ends with one hop at most. The last forward group (the lm_head) keeps its weight: its backward sends gradient
     partials only. Unfused parameters and ring embeddings as in ``_lockstep``."""
     n = cl.ranks
@@ -247,33 +247,27 @@ def _elastic(units: list[Unit], cl: Cluster) -> float:
                 t = max(t, steps[k - 1])
             pace(t, n - k + n * after)
             t += seconds / n
-    grads: Bundle | None = None  # the running unit's gradient bundle, paced from the next unit's first group on
+    grads = 0.0  # the running unit's gradient bundle: bytes per step so far
     for i, (numel, seconds, unit) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
         if not numel:
             t += 2 * seconds
             continue
-        if grads is not None and grads.unit != unit:
-            paced.append(grads)
-            grads = None
         steps = begin(i, "backward", t)
         after = rest(i, "backward")
         own = unit == last_unit
+        grads += 0.0 if own else numel / n * cl.grad_bytes
         for k in range(n):
             if k:
                 if steps:
                     t = max(t, steps[k - 1])
                 if own:
                     send(t, numel / n * cl.grad_bytes)  # lags: nothing waits for it before the end
+                elif not after:  # the unit's last group: a step of the unit's gradient bundle
+                    send(t, grads)
             pace(t, n - k + n * after)
             t += 2 * seconds / n
-        if not own:
-            if grads is None:
-                grads = Bundle([], 0.0, n - 1)
-                grads.unit = unit
-            grads.step_bytes += numel / n * cl.grad_bytes
-    for bundle in paced + ([grads] if grads is not None else []):  # the backward ends: the rest goes now
-        if not bundle.keys:
-            bundle.request(t, bundle.left)
+        if not after:
+            grads = 0.0
     return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
 
 

@@ -159,15 +159,13 @@ def test_elastic_requests_coming_rings_whole_and_lets_gradients_lag():
     layer2 = [i for i, e in enumerate(in_order) if e == ("compute", "forward", 0)][1]
     assert in_order[layer2 - 1:layer2 + 3] == [("start", "backward", 0), ("compute", "forward", 0),
                                                ("start", "backward", 1), ("compute", "forward", 1)]
-    # Backward: layer 2 (kept weight) computes its gradient partials and sends none beside its pieces: it is not
-    # the backward's last unit, so its partials go as one gradient ring (the unit's bundle), paced over layer 1's
-    # pieces (S1 before piece 0, S2 before piece 1, queued after layer 1's own gradient step S1). Layer 1, the last
-    # unit, sends its partials beside its own pieces and waits for its weight shards (W0, W1) only. Each ring's
-    # last hop (W2) is waited once it landed, at a piece boundary or when the backward ends; where exactly depends
-    # on the link's timing.
+    # Backward: layer 2 (kept weight) requests gradient partials beside pieces 1 and 2 (its unit's gradient ring:
+    # it is the unit's only and last group) and never waits for them there; layer 1 waits for its weight shards
+    # (W0, W1) only. Each ring's last hop (W2) is waited once it landed, at a piece boundary or when the backward
+    # ends; where exactly depends on the link's timing.
     backward = _sequence(events, "backward")
-    assert [e for e in backward if e != "W2"] == ["S0", "S1", "C0", "C1", "C2",
-                                                   "S1", "C0", "W0", "S1", "S2", "C1", "W1", "S2", "C2"], backward
+    assert [e for e in backward if e != "W2"] == ["S0", "S1", "C0", "S1", "C1", "S2", "C2",
+                                                   "C0", "W0", "S1", "C1", "W1", "S2", "C2"], backward
     assert backward.count("W2") == 2 and backward.index("W2") > backward.index("C2")
 
 
@@ -215,8 +213,8 @@ def test_elastic_bundles_the_ring_steps_of_a_unit():
     # 3 ranks (2 steps per ring), 3 blocks a/b. Forward: block 1's a gathers alone (2 steps) and chooses b1 and
     # block 2 whole while two blocks' weights fit (auto), block 2's two rings as one bundle; block 2 then chooses
     # block 3 as one bundle: 4 rings of 2 steps, not 6. Backward: weight rings a3 | b2+a2 | b1 (a1's input needs no
-    # gradient) and gradient rings b3+a3 | b2+a2 bundled per block, block 1's (the last unit) one per group:
-    # 3 + 4 rings of 2 steps. The gradients are the lockstep schedule's (no bundles).
+    # gradient) and gradient rings b3+a3 | b2+a2 bundled per block (beside the block's last group, a), block 1's
+    # (the last unit) one per group: 3 + 4 rings of 2 steps. The gradients are the lockstep schedule's (no bundles).
     world = 3
     elastic = run_ranks(_blocks_worker, world, ("auto",))
     lockstep = run_ranks(_blocks_worker, world, (0,))

@@ -200,11 +200,14 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
     later = sched.defer_last_reduce and grads is not None and grads.racc is not None and accumulates(state, call)
     if later and sched.bundles_grads(state):
-        grads.bundled = True  # its steps go with its unit's other gradient rings, after the unit's backward
+        grads.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
+        sched.add_grads(state, grads)
     dx = x2.new_zeros(x2.shape) if need_dx else None
 
     for k in range(world):
         step = piece_steps(engine, k, weights, grads)
+        if grads is not None and grads.bundled:
+            sched.unit_grads_step(state, k)
         sched.pace(state, "backward", world - k)
         if k == world - 1:
             sched.start_next(state, "backward")
@@ -242,8 +245,6 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         return dx, [None] * len(params)
     if later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
         sched.land_later(Landing(grads, state, post, tuple(p.dtype for p in params), tuple(train)))
-        if grads.bundled:
-            sched.add_grads(state, grads)
         return dx, [None] * len(params)
     if grads.last is not None:
         grads.last.wait()

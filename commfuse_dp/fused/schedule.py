@@ -152,8 +152,9 @@ class GradRing:
 
 class GradBundle:
     """The gradient rings of one unit's backward (elastic; every unit but the backward's last): their partials wait
-    in their buffers, and once the unit's backward is done they travel as one reduce-scatter ring, its steps paced
-    over the next unit's pieces (one ring's latency per unit, as slicing's per-layer reduce-scatter)."""
+    in their buffers and travel as one reduce-scatter ring (one ring's latency per unit, as slicing's per-layer
+    reduce-scatter), step k requested beside piece k of the unit's last group; if that group does not run (the
+    order changed), the steps left are paced over the next unit's pieces."""
 
     def __init__(self, unit) -> None:
         self.unit, self.rings, self.pending = unit, [], []
@@ -397,9 +398,20 @@ class FusedSchedule:
         return self.elastic and bool(self._order) and unit_key(state) != self._last_unit
 
     def add_grads(self, state: FusedGroupState, grads: GradRing) -> None:
+        """``grads`` (before its group's pieces) joins its unit's gradient bundle."""
+        self.backward_begins(state)
         if self._grads is None:
             self._grads = GradBundle(unit_key(state))
         self._grads.rings.append(grads)
+
+    def unit_grads_step(self, state: FusedGroupState, k: int) -> None:
+        """Beside piece k (k ≥ 1) of the unit's last group in the backward (by the recorded order): request step k
+        of the unit's gradient bundle; every group's partial k-1 is written by then. So a unit's gradients travel
+        during its own last group, one ring for the unit, as early as their bytes exist."""
+        if k and self._grads is not None and not self._rest.get((id(state), "backward"), 0):
+            self._grads.request(1)
+            if not self._grads.unrequested:
+                self._grads = None
 
     # -- gradient rings that land later ------------------------------------------------------------------------
 
