@@ -112,7 +112,8 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
         rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"],
-                     "waited_s": v.get("waited_s"), "compute": result.get("compute", "real"),
+                     "waited_s": v.get("waited_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
+                     "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows
 
@@ -121,7 +122,7 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
     if records:
         print(f"\ncompute: {records[0]['compute']}")
     print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
-          f"{'peak MiB':>9} {'x limit':>7}")
+          f"{'peak MiB':>9} {'x limit':>7} {'cpu s':>6} {'faults k':>8}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
         mark = "  <- balanced" if rate == balanced else ""
         for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: (VARIANTS + EXTRA_VARIANTS).index(r["schedule"])):
@@ -129,9 +130,11 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
             ratio = f"{r['ratio_to_limit']:.2f}" if r["ratio_to_limit"] else "-"
             exposed = f"{r['exposed_s']:.3f}" if r["exposed_s"] is not None else "-"
             waited = f"{r['waited_s']:.3f}" if r.get("waited_s") is not None else "-"
+            cpu = f"{r['cpu_s']:.3f}" if r.get("cpu_s") is not None else "-"
+            faults = f"{r['minor_faults'] / 1000:.1f}" if r.get("minor_faults") is not None else "-"
             note = CPU_NOTES.get(r["schedule"], "")
             print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
-                  f"{mem:>9} {ratio:>7}  {note}{mark}")
+                  f"{mem:>9} {ratio:>7} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
     print(f"\nnote: {SHAPING_NOTE.format(burst=burst_kb)}")
 

@@ -36,6 +36,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -321,6 +322,10 @@ def main(argv=None) -> int:
     runners = {name: Runner(name, args, rank, world) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     waited: dict[str, list[float]] = {name: [] for name in names}  # fused/slicing: time blocked on the rings
+    # Host work per step: this process's CPU seconds (user + system, every thread: compute, the ring's thread, gloo)
+    # and minor page faults (first touches of freshly allocated memory). Under --compute emulated the GEMMs sleep,
+    # so CPU seconds are the host work of the schedule itself.
+    host: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     for _ in range(args.warmup):
         for runner in runners.values():
             runner.step()
@@ -328,9 +333,13 @@ def main(argv=None) -> int:
         for name, runner in runners.items():
             for _ in range(args.steps):
                 dist.barrier()
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
                 runner.step()
                 times[name].append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                host[name].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                                   after.ru_minflt - before.ru_minflt))
                 engine = getattr(runner.model, "_commfuse_engine", None)
                 if engine is not None:
                     waited[name].append(engine.stats.current().exposed_comm_s)
@@ -354,7 +363,8 @@ def main(argv=None) -> int:
                     runners[name].step()
                 timelines[name] = timeline.events
     gathered: list[dict | None] = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "waited": waited, "memory": memory, "timelines": timelines})
+    dist.all_gather_object(gathered, {"times": times, "waited": waited, "memory": memory, "timelines": timelines,
+                                      "host": host})
     if rank == 0:
         result = {"variants": {}}
         for name in names:
@@ -364,6 +374,11 @@ def main(argv=None) -> int:
                 "waited_s": statistics.median(max(g["waited"][name][i] for g in gathered)
                                               for i in range(len(waited[name]))) if waited[name] else None,
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
+                # medians over steps of the mean over ranks
+                "cpu_s": statistics.median(sum(g["host"][name][i][0] for g in gathered) / world
+                                           for i in range(len(host[name]))) if host[name] else None,
+                "minor_faults": statistics.median(sum(g["host"][name][i][1] for g in gathered) / world
+                                                  for i in range(len(host[name]))) if host[name] else None,
             }
         result["tokens_per_rank"] = args.batch * args.seq
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"

@@ -155,6 +155,7 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
             transport.notify("compute", op, k)
         if step is not None:
             step.wait()
+    sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
     return weights.slots if keep else None
 
 
@@ -241,6 +242,8 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if step is not None and not last_later:
             step.wait()
 
+    if weights is not None:
+        sched.release(weights)
     if grads is None or not sync:
         return dx, [None] * len(params)
     if later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads

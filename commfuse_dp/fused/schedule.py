@@ -55,6 +55,7 @@ class WeightRing:
         self.pending: dict[int, Pending] = {}
         self.requested = 0  # steps requested so far
         self.bundle: Bundle | None = None  # the rings whose steps it shares (elastic, chosen ahead)
+        self.pooled = False  # ``slots`` came from the schedule's SlotPool and goes back there (release)
 
     def held(self, k: int) -> torch.Tensor:
         if self.slots is None:
@@ -81,6 +82,25 @@ class WeightRing:
     def settle(self) -> None:
         for pending in self.pending.values():
             pending.settle()
+
+
+class SlotPool:
+    """Gathered-weight buffers of finished rings, kept for the next ring of the same shape (CPU only: CUDA's caching
+    allocator reuses memory by itself). Holds at most what the schedule held at once."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.reused = 0
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        free = self._free.get((shape, dtype, device))
+        if not free:
+            return None
+        self.reused += 1
+        return free.pop()
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
 
 
 class Bundle:
@@ -262,6 +282,7 @@ class FusedSchedule:
         self._rest: dict[tuple[int, str], int] = {}  # groups after a group in its unit, in the phase's order
         self._last_unit = None  # the backward's last unit: its gradient steps go beside its own pieces
         self._held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
+        self._pool = SlotPool()
 
     def begin_step(self) -> None:
         if self._current:
@@ -271,6 +292,7 @@ class FusedSchedule:
         for ring in self._ahead.values():  # requested on every rank alike but not used (another path was taken)
             for pending in ring.pending.values():
                 pending.wait()
+            self.release(ring)
         self._ahead.clear()
         self._paced = []
         self._grads = None
@@ -351,11 +373,24 @@ class FusedSchedule:
         layout, ring = state.layout, self.engine.ring
         op = self.steps.ring_op(state.op, phase) if ring.size > 1 else None
         if keep or (self.elastic and ring.size > 1):
-            slots = torch.empty(ring.size, layout.numel, dtype=cdt, device=params[0].device)
+            device = params[0].device
+            pooled = not keep and device.type == "cpu"
+            slots = self._pool.take((ring.size, layout.numel), cdt, device) if pooled else None
+            if slots is None:
+                slots = torch.empty(ring.size, layout.numel, dtype=cdt, device=device)
             layout.pack(state.pairs(params), cdt, out=slots[ring.rank])
-            return WeightRing(self.engine, op, slots)
+            weights = WeightRing(self.engine, op, slots)
+            weights.pooled = pooled
+            return weights
         buf = layout.pack(state.pairs(params), cdt)
         return WeightRing(self.engine, op, None, (buf, torch.empty_like(buf) if ring.size > 1 else None))
+
+    def release(self, ring: WeightRing) -> None:
+        """``ring`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
+        later ring (CPU: a fresh buffer is first touched, page by page, in every ring of every step)."""
+        if ring.pooled:
+            ring.pooled = False
+            self._pool.give(ring.slots)
 
     def grads(self, state: FusedGroupState, numel: int, rdt: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None) -> GradRing:
