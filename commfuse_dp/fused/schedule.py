@@ -303,8 +303,7 @@ class FusedSchedule:
         and the next one)."""
         unit_bytes: dict = {}
         for state in self._order:
-            nbytes = state.layout.numel * self.engine.ring.size * self._dtype(state).itemsize
-            unit_bytes[unit_key(state)] = unit_bytes.get(unit_key(state), 0) + nbytes
+            unit_bytes[unit_key(state)] = unit_bytes.get(unit_key(state), 0) + self._gathered_bytes(state)
         if self.budget_auto:
             self.budget = 2 * max(unit_bytes.values())
         self._last_unit = unit_key(self._order[0])
@@ -433,8 +432,7 @@ class FusedSchedule:
         return self.elastic and bool(self._order) and unit_key(state) != self._last_unit
 
     def add_grads(self, state: FusedGroupState, grads: GradRing) -> None:
-        """``grads`` (before its group's pieces) joins its unit's gradient bundle."""
-        self.backward_begins(state)
+        """``grads`` (before its group's pieces, after ``backward_begins``) joins its unit's gradient bundle."""
         if self._grads is None:
             self._grads = GradBundle(unit_key(state))
         self._grads.rings.append(grads)
@@ -541,14 +539,15 @@ class FusedSchedule:
         either: the link works in order)."""
         runs: list[list[FusedGroupState]] = []
         for following in self._wanted(groups, phase):
-            if runs and unit_key(runs[-1][-1]) == unit_key(following) and not (split_first and len(runs) == 1
-                                                                               and len(runs[0]) == 1):
+            if runs and unit_key(runs[-1][-1]) == unit_key(following):
                 runs[-1].append(following)
             else:
                 runs.append([following])
+        if split_first and runs and len(runs[0]) > 1:
+            runs[:1] = [runs[0][:1], runs[0][1:]]
         for run in runs:
             run = [state for state in run if (id(state), phase) not in self._ahead]
-            nbytes = sum(state.layout.numel * self.engine.ring.size * self._dtype(state).itemsize for state in run)
+            nbytes = sum(self._gathered_bytes(state) for state in run)
             if self._held + nbytes > self.budget:
                 return False
             rings = [self._prepared(state, phase) for state in run]
@@ -558,6 +557,9 @@ class FusedSchedule:
                 self._paced.append(Bundle(rings))  # its steps are requested beside the coming pieces (pace)
             self._held += nbytes
         return True
+
+    def _gathered_bytes(self, state: FusedGroupState) -> int:
+        return state.layout.numel * self.engine.ring.size * self._dtype(state).itemsize
 
     def _dtype(self, state: FusedGroupState) -> torch.dtype:
         return self.dtype_hint or self.engine.compute_dtype(state.params()[0].dtype)  # as its layer will ask
