@@ -53,14 +53,23 @@ class EmulatedAccelerator(TorchDispatchMode):
         self.flops = 0  # FLOPs emulated so far
         self.pieces = 0
         self._due = 0.0  # perf_counter() time at which the emulated work issued so far ends
+        # FLOPs and output shapes by the call's signature (op, shapes, strides, dtypes, other arguments): the meta
+        # computation that finds them costs the host about as much as a small real kernel, once per piece otherwise.
+        self._known: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         count = _FLOPS.get(func.overloadpacket)
         if count is None or any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
             return func(*args, **kwargs)
-        shapes = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # output shapes, no compute
-        flops = int(count(*args, **kwargs, out_val=shapes))
+        key = _signature(func, args, kwargs)
+        known = self._known.get(key) if key is not None else None
+        if known is None:
+            shapes = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # output shapes, no compute
+            known = (int(count(*args, **kwargs, out_val=shapes)), shapes)
+            if key is not None:
+                self._known[key] = known
+        flops, shapes = known
         self.flops += flops
         self.pieces += 1
         self._wait(flops / self.flops_per_s)
@@ -82,6 +91,23 @@ class EmulatedAccelerator(TorchDispatchMode):
         ahead = self._due - now
         if ahead > MIN_SLEEP_S:
             time.sleep(ahead)
+
+
+def _signature(func, args, kwargs):
+    """What a call's FLOPs and output shapes depend on, hashable; None when an argument is neither a tensor nor
+    hashable (then nothing is cached)."""
+    def one(value):
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), value.stride(), value.dtype, value.device)
+        if isinstance(value, (list, tuple)):
+            return tuple(one(v) for v in value)
+        hash(value)
+        return value
+
+    try:
+        return (func, tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))
+    except TypeError:
+        return None
 
 
 def _written(func, args, kwargs) -> list[tuple[str, torch.Tensor]]:

@@ -86,8 +86,7 @@ class CommFuseConfig:
     hold those layers' gathered weights, up to this many MiB with the running layer's, and gradient partials
     wait in their own buffers until the link sends them (they land during later compute). ``"auto"`` (default):
     two of the largest unit's (decoder layer's) gathered fused weights, what slicing by FSDP2 unit holds (the
-    unit computed and the next one); at 2 ranks, lockstep (a ring is one step
-    there, so lockstep's prefetch already gathers the next layers whole). ``0``: lockstep, each layer's ring steps
+    unit computed and the next one). ``0``: lockstep, each layer's ring steps
     beside its own compute pieces, with only the first ring step of the next ``prefetch_depth`` layers in flight
     (two weight shards per layer live, the least memory). Needs ``prefetch_next``; the slicing schedule ignores
     it."""

@@ -10,8 +10,10 @@ o, gate/up, down; attention itself as compute only), the final norm and the lm_h
 compute ``2·T·out·in / F`` and backward twice that; a ring step costs ``α + bytes / B``. The simulation has two
 resources per rank, the compute stream and the link, and plays each schedule on them:
 - ``no_overlap``: every collective, then the compute that needs it.
-- ``slicing``: the link all-gathers unit i+1 while unit i computes (one unit ahead), and reduce-scatters unit i
-  during unit i-1's backward; the first all-gather and the last reduce-scatter are exposed.
+- ``unit_slicing`` (not a schedule of this library; the bound of layer-level overlap, stock FSDP2's shape on one
+  link): the link all-gathers unit i+1 (a decoder layer, norms included) while unit i computes, and
+  reduce-scatters unit i during unit i-1's backward; the first all-gather and the last reduce-scatter are exposed.
+- ``slicing`` (``fused/sliced.py``, as it runs): the same one group ahead, per fused group (``_slicing``).
 - ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
   N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
   before it; step 0 of the next ``prefetch_depth`` groups goes during a group's last piece.
@@ -271,6 +273,43 @@ def _elastic(units: list[Unit], cl: Cluster) -> float:
     return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
 
 
+def _slicing(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the ``"slicing"`` schedule as it runs (``fused/sliced.py``), on one FIFO link: each fused group
+    all-gathers its whole weight in one bucketed ring; when a group starts, the next group's gather (in the recorded
+    order) is requested, then the group waits for its own. The first group of the forward is not prefetched; the
+    last (the lm_head) keeps its weight for its backward. In the backward a group's reduce-scatter is requested when
+    its compute ends, all waited when the backward ends. Unfused parameters and ring embeddings as in
+    ``_lockstep``."""
+    n = cl.ranks
+    items = _gemm_items(units, cl)
+    ring = lambda numel, nbytes: (n - 1) * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)  # noqa: E731
+    link = [0.0]
+
+    def send(at: float, seconds: float) -> float:
+        link[0] = max(at, link[0]) + seconds
+        return link[0]
+
+    t = link[0] = _edges(units, cl, cl.param_bytes)
+    fused = [i for i, (g, _, _) in enumerate(items) if g]
+    for phase, seq, factor in (("forward", fused, 1), ("backward", fused[::-1], 2)):
+        gathered: dict[int, float] = {}
+        if phase == "backward":
+            gathered[seq[0]] = t  # the lm_head kept its forward's weight
+        at = 0
+        for i, (numel, seconds, _) in (enumerate(items) if phase == "forward" else reversed(list(enumerate(items)))):
+            if numel:
+                if i not in gathered:
+                    gathered[i] = send(t, ring(numel, cl.param_bytes))
+                if at + 1 < len(seq) and seq[at + 1] not in gathered:
+                    gathered[seq[at + 1]] = send(t, ring(items[seq[at + 1]][0], cl.param_bytes))
+                at += 1
+                t = max(t, gathered[i])
+            t += factor * seconds
+            if numel and phase == "backward":
+                send(t, ring(numel, cl.grad_bytes))
+    return max(t, link[0]) + _edges(units, cl, cl.grad_bytes)
+
+
 def _lockstep(units: list[Unit], cl: Cluster) -> float:
     """Step time of the fused schedule in lockstep (``lookahead_mb=0``): compute pieces and a FIFO link per rank.
 
@@ -356,8 +395,12 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
                          flops_per_s=cl.flops_per_s * compute / (compute + cl.cpu_s_per_byte * total))
         return {**simulate(units, slowed, schedule), "compute_s": compute}
     if schedule == "slicing":
-        # The link serves requests in issue order (the ring thread): unit i+1's gather is issued when unit i
-        # starts computing; in backward, unit i's reduce-scatter is issued when its backward compute ends.
+        return {"step_s": _slicing(units, cl) if n > 1 else compute, "compute_s": compute, "flops": flops}
+    if schedule == "unit_slicing":
+        # Not a schedule of this library: the strongest layer-level overlap, stock FSDP2's shape with its collectives
+        # on one link (one gather per unit, norms included, one unit ahead). The link serves requests in issue order:
+        # unit i+1's gather is issued when unit i starts computing; in backward, unit i's reduce-scatter is issued
+        # when its backward compute ends.
         ag = [moved(u, cl.param_bytes) for u in units]
         rs = [moved(u, cl.grad_bytes) for u in units]
         link = comp = 0.0
@@ -380,12 +423,14 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
             link = max(link, comp) + rs[i]
         return {"step_s": max(comp, link), "compute_s": compute, "flops": flops}
     if schedule in ("fused", "lockstep"):
-        # "auto" is lockstep at 2 ranks (fused/schedule.py: lockstep's prefetch is there the whole ring)
-        lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0 or (cl.lookahead_bytes is None and n == 2)
+        lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
         play = _lockstep if lockstep else _elastic
         t = compute if n == 1 else play(units, cl)
         return {"step_s": t, "compute_s": compute, "flops": flops}
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+SCHEDULES = ("no_overlap", "unit_slicing", "slicing", "lockstep", "fused")
 
 
 def recommend(cl: Cluster) -> dict:
@@ -404,7 +449,7 @@ def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: 
     peak = peak_flops_per_s or cl.flops_per_s
     units = units_for(*model, tokens=tokens, seq=seq)
     out = {}
-    for schedule in ("no_overlap", "slicing", "lockstep", "fused"):
+    for schedule in SCHEDULES:
         r = simulate(units, cl, schedule)
         r["exposed_s"] = max(r["step_s"] - r["compute_s"], 0.0)
         r["mfu"] = r["flops"] / (r["step_s"] * peak)
@@ -490,27 +535,32 @@ SWEEP_LINKS_GBPS = (6.25, 12.5, 25.0, 50.0, 100.0, 200.0, 450.0)
 SWEEP_TOKENS = (2048, 4096, 8192, 16384)
 
 
-def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int) -> int:
-    """Fused step time over slicing's for every (ranks, link, tokens per rank) of the sweep grid; prints a table and
-    returns the number of cells where fused is slower than slicing."""
+def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
+          against: str = "slicing") -> int:
+    """Fused step time over ``against``'s (``slicing`` or ``unit_slicing``) for every (ranks, link, tokens per rank)
+    of the sweep grid; prints a table and returns the number of cells where fused is slower. The last lines count
+    the cells against both."""
     model = load_model(model_name)
-    print(f"{model_name}: fused (elastic lookahead) step time / slicing's; {latency_us:g} us per ring step, "
+    print(f"{model_name}: fused (elastic lookahead) step time / {against}'s; {latency_us:g} us per ring step, "
           f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}; tokens per rank across, ranks x GB/s down")
     print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
-    slower = 0
+    ratios: dict[str, list[float]] = {"slicing": [], "unit_slicing": []}
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
             cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes)
             cells = []
             for tokens in SWEEP_TOKENS:
                 r = predict(model, cl, tokens, min(seq, tokens))
-                ratio = r["fused"]["step_s"] / r["slicing"]["step_s"]
-                slower += ratio > 1.0 + 1e-9
+                for name, seen in ratios.items():
+                    seen.append(r["fused"]["step_s"] / r[name]["step_s"])
+                ratio = ratios[against][-1]
                 cells.append(f"{ratio:>6.3f}{'*' if ratio > 1.0 + 1e-9 else ' '}")
             print(f"{ranks:>6} {gbps:>6g} " + " ".join(cells))
-    total = len(SWEEP_RANKS) * len(SWEEP_LINKS_GBPS) * len(SWEEP_TOKENS)
-    print(f"{model_name}: fused slower than slicing (*) in {slower} of {total} cells")
-    return slower
+    for name, seen in ratios.items():
+        slower = [x for x in seen if x > 1.0 + 1e-9]
+        print(f"{model_name}: fused slower than {name}{' (*)' if name == against else ''} in {len(slower)} of "
+              f"{len(seen)} cells" + (f", at most {max(slower):.3f}x" if slower else ""))
+    return sum(x > 1.0 + 1e-9 for x in ratios[against])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -532,11 +582,14 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
                              f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
+    parser.add_argument("--against", choices=("slicing", "unit_slicing"), default="slicing",
+                        help="--sweep: the schedule fused is divided by (slicing: this library's, as it runs; "
+                             "unit_slicing: one gather per decoder layer, norms included, stock FSDP2's shape)")
     args = parser.parse_args(argv)
     if args.calibrate:
         return calibrate(args.calibrate, args.latency_us)
     if args.sweep:
-        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq)
+        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against)
         return 0
     for name in ("ranks", "tokens", "seq", "dtype_bytes"):
         if getattr(args, name) < 1:
@@ -553,11 +606,13 @@ def main(argv: list[str] | None = None) -> int:
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
     print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
           f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
-    print(f"{'schedule':>11} {'step s':>8} {'exposed comm s':>14} {'MFU':>6} {'of achievable':>13}")
+    print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'MFU':>6} {'of achievable':>13}")
     for schedule, r in results.items():
-        print(f"{schedule:>11} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['mfu']:>6.1%} "
+        print(f"{schedule:>12} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['mfu']:>6.1%} "
               f"{r['of_achievable']:>13.1%}")
     print("MFU: model FLOPs per second against --peak-tflops; of achievable: against --tflops (compute alone)")
+    print("unit_slicing: not a schedule of this library; one gather per decoder layer, norms included, one layer "
+          "ahead (stock FSDP2's shape on one link): the bound of layer-level overlap")
     rec = recommend(cl)
     print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']})")
     return 0

@@ -108,9 +108,13 @@ def _forward(**options):
     return run_ranks(_three_layers_worker, 2, (options,))[0]
 
 
-def test_auto_lookahead_is_lockstep_at_two_ranks():
-    # A ring has one step at 2 ranks: lockstep's prefetch (depth 2) already requests the next layers' whole rings.
-    assert _forward(lookahead_mb="auto") == _forward(prefetch_depth=2, lookahead_mb=0)
+def test_auto_lookahead_is_elastic_at_two_ranks():
+    # "auto" is the elastic lookahead at every world size: at 2 ranks a budget of two units' gathered weights (each
+    # Linear here: (16 x 16 + 16) elements, 4 bytes), not lockstep.
+    two_units = 2 * (16 * 16 + 16) * 4 / 2**20
+    auto = _forward(lookahead_mb="auto")
+    assert auto == _forward(lookahead_mb=two_units)
+    assert auto != _forward(prefetch_depth=2, lookahead_mb=0)
 
 
 def test_prefetch_depth_keeps_that_many_layers_in_flight():

@@ -41,8 +41,6 @@ def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=Non
     ``compile``: a wrapper (``torch.compile``) applied to the sharded model, which then trains and evaluates."""
     if config is None and schedule == "lockstep":  # the fused schedule without the elastic lookahead
         config = cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0)
-    if config is None and schedule == "elastic":  # the elastic lookahead where "auto" would be lockstep (2 ranks)
-        config = cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=64)
     config = config or cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0)
     model, ref = hf_models.build(kind), hf_models.build(kind)
     if prepare is not None:
@@ -83,11 +81,10 @@ def assert_parity(result, tol=FP32, label=""):
 
 def _schedules(kind, world_size):
     """The fused schedule (its default, ``lookahead_mb="auto"``) and slicing for every kind; for Llama, which has
-    every fused shape, also the other way of the fused schedule: lockstep (``lookahead_mb=0``) from 3 ranks,
-    where "auto" is elastic, and the elastic lookahead at 2 ranks, where "auto" is lockstep."""
+    every fused shape, also the other way of the fused schedule: lockstep (``lookahead_mb=0``)."""
     if kind != "llama":
         return ("fused", "slicing")
-    return ("fused", "slicing", "elastic" if world_size == 2 else "lockstep")
+    return ("fused", "slicing", "lockstep")
 
 
 def _parity_worker(rank, world_size, kinds):

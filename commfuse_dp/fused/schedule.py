@@ -263,10 +263,7 @@ class FusedSchedule:
         config = engine.config
         self.prefetch = config.prefetch_next and engine.ring.size > 1
         self.budget_auto = config.lookahead_mb == "auto"
-        # At 2 ranks a ring has one step, so lockstep's prefetch already runs the coming layers' whole rings ahead
-        # (prefetch_depth of them); "auto" keeps lockstep there, whose gradient partial rides its weight step.
-        self.elastic = self.prefetch and config.lookahead_mb != 0 and not (self.budget_auto
-                                                                           and engine.ring.size == 2)
+        self.elastic = self.prefetch and config.lookahead_mb != 0
         self.budget = 0 if self.budget_auto else int(float(config.lookahead_mb) * (1 << 20))
         self.defer_last_reduce = self.prefetch
         self.keep_last_weight = self.prefetch  # see keeps_weight
