@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                              "a model's results)")
     parser.add_argument("--tflops", type=float, default=0.02,
                         help="--compute emulated: TFLOP/s of each emulated rank (default 0.02)")
+    parser.add_argument("--emulated-host", choices=("ahead", "sync"), default="ahead",
+                        help="--compute emulated: ahead (default): the host goes on while the emulated device computes, "
+                             "as beside a GPU (ring work waits for the compute requested before it); sync: the host "
+                             "sleeps until each GEMM is done (the runs before 2026-11-26)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--layers", type=int, default=4)
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel", "compute",
-        "tflops", "lookahead_mb")]
+        "tflops", "lookahead_mb", "emulated_host")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []
@@ -222,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(records, balanced, args.burst_kb)
     payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
+               **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),
                "tbf_burst_kb": args.burst_kb,
                "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
                                                         "seq", "batch")},

@@ -17,10 +17,21 @@ results: the mode times schedules, it does not train (records say ``"compute": "
 Waits are kept on a running clock: a piece due before the previous one ended starts when that one ends, and the
 host sleeps only once the clock is ahead of it by more than ``MIN_SLEEP_S``, so thousands of small pieces still
 cost their sum and not the sleeps' granularity.
+
+``host_ahead=True`` (the bench's default, ``--emulated-host ahead``): the host does not sleep after each piece but
+goes on, as it does beside a GPU, whose kernels queue while the host issues the next ones; the emulated device
+works its queue on the clock. Ring work requested by this thread does not start before the clock's time at its
+request (``commfuse_dp.ring.topology.set_device_clock``: a CUDA communication stream waits for the compute
+stream's event so), the host blocks where it waits for a ring step as before, and ``synchronize()`` sleeps until
+the queue is done (the worker calls it after the backward and at the step's end). So host work of the schedule
+(Python, packing, the ring thread's issuing) overlaps the emulated compute, as on a GPU, instead of adding to it.
+``host_ahead=False`` (``--emulated-host sync``): the host sleeps until each piece is done (the runs before
+2026-11-26). Either way, work that is not emulated (norms, softmax, the optimizer) runs on the host's CPU.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -45,8 +56,10 @@ _FLOPS[aten.baddbmm_] = flop_counter.flop_registry[aten.baddbmm]
 class EmulatedAccelerator(TorchDispatchMode):
     """Under ``with EmulatedAccelerator(tflops):``, GEMMs and attention cost time at ``tflops`` and return zeros."""
 
-    def __init__(self, tflops: float) -> None:
+    def __init__(self, tflops: float, host_ahead: bool = False) -> None:
         super().__init__()
+        self.host_ahead = host_ahead
+        self._thread: int | None = None  # the thread whose compute is emulated (set on entering)
         if not tflops > 0:
             raise ValueError(f"EmulatedAccelerator: tflops must be > 0, got {tflops!r}")
         self.flops_per_s = tflops * 1e12
@@ -85,11 +98,37 @@ class EmulatedAccelerator(TorchDispatchMode):
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         return tree_map(lambda m: _zeros_like_meta(m, device), shapes)
 
+    def __enter__(self):
+        if self.host_ahead:
+            from commfuse_dp.ring.topology import set_device_clock
+
+            self._thread = threading.get_ident()
+            set_device_clock(self.device_clock)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.host_ahead:
+            from commfuse_dp.ring.topology import set_device_clock
+
+            self.synchronize()
+            set_device_clock(None)
+        return super().__exit__(*exc)
+
+    def device_clock(self) -> float | None:
+        """When the compute issued so far ends (None on another thread: its ring work waits for nothing)."""
+        return self._due if threading.get_ident() == self._thread else None
+
+    def synchronize(self) -> None:
+        """Sleep until the emulated compute issued so far is done (host ahead; else it is done already)."""
+        ahead = self._due - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+
     def _wait(self, seconds: float) -> None:
         now = time.perf_counter()
         self._due = max(self._due, now) + seconds
         ahead = self._due - now
-        if ahead > MIN_SLEEP_S:
+        if not self.host_ahead and ahead > MIN_SLEEP_S:
             time.sleep(ahead)
 
 

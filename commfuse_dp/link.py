@@ -124,4 +124,4 @@ class Link:
             if transport._OBSERVERS:
                 transport.notify("landed", op.phase, k)
 
-        return Pending(self, op.phase, k, future=ring.executor.submit(run))
+        return Pending(self, op.phase, k, future=ring.submit(run))

@@ -72,3 +72,44 @@ def _sharded_step_worker(rank, world_size):
 
 def test_sharded_model_runs_a_step_under_it():
     run_ranks(_sharded_step_worker, 2, timeout=180)
+
+
+def test_host_ahead_returns_at_once_and_synchronize_waits():
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    with EmulatedAccelerator(1e-5, host_ahead=True) as mode:  # 10 MFLOP/s: one GEMM of 196,608 FLOPs is 19.7 ms
+        began = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        issued = time.perf_counter() - began
+        mode.synchronize()
+        done = time.perf_counter() - began
+    assert done >= mode.flops / 1e7 * 0.999  # the device's queue: five GEMMs, 98 ms
+    assert issued < done / 2, (issued, done)  # the host went on without waiting for them
+
+
+def _gate_worker(rank, world_size):
+    from commfuse_dp.ring import ring_all_gather
+    from commfuse_dp.ring.topology import set_device_clock
+
+    out, shard = torch.empty(world_size * 4), torch.full((4,), float(rank))
+    ring_all_gather(out, shard)  # the ring thread and gloo's pairs exist before timing
+    try:
+        t0 = time.perf_counter()
+        set_device_clock(lambda: t0 + 0.3)
+        ring_all_gather(out, shard, async_op=True).wait()  # on the ring thread, gated
+        async_after = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        set_device_clock(lambda: t1 + 0.3)
+        ring_all_gather(out, shard)  # on this thread, gated
+        sync_after = time.perf_counter() - t1
+    finally:
+        set_device_clock(None)
+    return async_after, sync_after, out.tolist()
+
+
+def test_ring_work_waits_for_the_emulated_device():
+    # Ring work requested while the emulated device still computes starts when that compute ends, as a CUDA
+    # communication stream waits for the compute stream's event.
+    for async_after, sync_after, gathered in run_ranks(_gate_worker, 2, timeout=120):
+        assert async_after >= 0.3 and sync_after >= 0.3, (async_after, sync_after)
+        assert gathered == [0.0] * 4 + [1.0] * 4

@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .topology import Ring, get_ring
+from .topology import Ring, device_ready, get_ring, wait_until
 from .transport import start_step
 
 DEFAULT_BUCKET_MB = 25.0
@@ -152,7 +152,7 @@ def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int,
 
 def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
                          timeout_s: float, average: bool, label: object = None) -> None:
-    n, world, rank = out.numel(), ring.size, ring.rank
+    n, world = out.numel(), ring.size
     if world == 1:
         if out.data_ptr() != inp.data_ptr() and n:
             out.copy_(inp)
@@ -206,9 +206,10 @@ def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_o
         current.wait_event(done)  # later compute reads the outputs; the host never waits
         return None
     if not async_op or ring.size == 1:
+        wait_until(device_ready())  # an emulated accelerator's compute issued so far has ended (topology.py)
         run()
         return None
-    return RingWork(ring.executor.submit(run))
+    return RingWork(ring.submit(run))
 
 
 class StreamWork(dist.Work):

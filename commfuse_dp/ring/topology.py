@@ -9,8 +9,10 @@ the order in which they were *issued*, whichever thread later runs them.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,19 @@ class Ring:
                     self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commfuse-ring")
         return self._executor
 
+    def submit(self, run: Callable[[], None]) -> Future:
+        """Run ``run`` on the ring thread after the ops submitted before it; under an emulated accelerator
+        (``set_device_clock``), not before the compute issued so far on the calling thread has ended."""
+        ready = device_ready()
+        if ready is None:
+            return self.executor.submit(run)
+
+        def gated() -> None:
+            wait_until(ready)
+            run()
+
+        return self.executor.submit(gated)
+
     def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The CUDA stream ring steps run on for ``device`` (compute stays on the caller's current stream)."""
         stream = self._streams.get(device)
@@ -86,6 +101,30 @@ class Ring:
 
     def __repr__(self) -> str:
         return f"Ring(rank={self.rank}, size={self.size}, prev={self.prev}, next={self.next}, backend={self.backend})"
+
+
+_DEVICE_CLOCK: Callable[[], float | None] | None = None
+
+
+def set_device_clock(clock: Callable[[], float | None] | None) -> None:
+    """For an emulated accelerator (the bench's ``--compute emulated``, whose compute runs ahead of the host as a
+    GPU's does): ``clock()`` is the ``time.perf_counter()`` at which the compute issued so far on the calling
+    thread ends (None: no such compute on this thread). Ring work requested then does not start before it, as a
+    CUDA communication stream waits for the compute stream's event. None: unset (the default)."""
+    global _DEVICE_CLOCK
+    _DEVICE_CLOCK = clock
+
+
+def device_ready() -> float | None:
+    """When ring work requested now on this thread may start (``set_device_clock``), or None: at once."""
+    return _DEVICE_CLOCK() if _DEVICE_CLOCK is not None else None
+
+
+def wait_until(when: float | None) -> None:
+    if when is not None:
+        ahead = when - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 _RINGS: weakref.WeakKeyDictionary[dist.ProcessGroup, Ring] = weakref.WeakKeyDictionary()
@@ -128,6 +167,4 @@ def drain_gloo_workers(seconds: float = EXIT_DRAIN_S) -> None:
     finalizing) and in :func:`shutdown`, the main thread sleeps briefly: a worker waiting for the GIL to free its
     last works gets it now, while the interpreter is whole. A collective still in flight at exit (issued and never
     waited) is not covered."""
-    import time
-
     time.sleep(seconds)
