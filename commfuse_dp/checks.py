@@ -27,7 +27,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .config import CommFuseConfig
@@ -39,15 +38,16 @@ _SHOWN = 3  # differing parameters named per rank
 ParamInfo = tuple[str, tuple[int, ...], str, bool]
 
 
-def check_ranks_agree(group: dist.ProcessGroup, config: CommFuseConfig, model: nn.Module) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks passed the same group, the same config and a model with
-    the same parameters (names, shapes, dtypes, ``requires_grad``). Collective over the world."""
+def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks passed the same mesh (``ranks``: its global ranks, in
+    its order), the same config and a model with the same parameters (names, shapes, dtypes, ``requires_grad``).
+    Collective over the world."""
     params = parameter_list(model)
-    mine = (dist.get_process_group_ranks(group), config.to_dict(), _digest(params))
+    mine = (list(ranks), config.to_dict(), _digest(params))
     everyone = gather_objects(mine, config.timeout_s, _CHECK)
     groups = [g for g, _, _ in everyone]
     if any(g != groups[0] for g in groups):
-        detail = "; ".join(f"rank {r}: {ranks}" for r, ranks in enumerate(groups))
+        detail = "; ".join(f"rank {r}: {g}" for r, g in enumerate(groups))
         raise ValueError(f"shard: the ranks passed different data-parallel groups ({detail}); every rank must "
                          f"pass the same mesh / process group")
     members = [r for r in groups[0] if r < len(everyone)]

@@ -97,6 +97,14 @@ class CommFuseConfig:
     tokens of a rank are fewer than the rows of a shard (``fused/embedding.py``), for either schedule. Off: the
     table goes through FSDP2 and the bucketed rings like the other unfused parameters."""
 
+    replicate: int = 1
+    """HSDP (docs/design.md, "Past one node"): the data-parallel ranks form ``replicate`` groups of equal size, each
+    holding one copy of the model sharded over its members (consecutive ranks: a node), and gradient shards are
+    averaged across the copies. The fused rings run inside a group; across groups only gradients travel, once per
+    synchronised backward (accumulation micro-batches skip it, as DeepSpeed's MiCS does). Parameters are DTensors
+    ``(Replicate(), Shard(d))`` on a 2-D mesh ``("replicate", "shard")``. 1 (default): one group, no HSDP. Passing
+    ``shard(model, config, mesh=<2-D DeviceMesh>)`` sets the groups instead."""
+
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
     ``RingCommError`` naming that peer and the step, on every rank, instead of hanging."""
@@ -159,6 +167,10 @@ class CommFuseConfig:
                                  f"of MiB >= 0 (0: lockstep)")
         else:
             self.lookahead_mb = "auto"
+        self.replicate = _number("replicate", self.replicate, int)
+        if self.replicate < 1:
+            raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be an integer >= 1 (the number of "
+                             f"model copies; 1: no HSDP)")
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
@@ -309,9 +321,9 @@ def _parse_env(name: str, raw: str) -> Any:
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
     if name == "lookahead_mb" and text.lower() == "auto":
         return "auto"
-    if name in ("bucket_mb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb"):
+    if name in ("bucket_mb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate"):
         try:
-            return float(text) if name not in ("min_fuse_numel", "prefetch_depth") else int(float(text))
+            return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate") else int(float(text))
         except ValueError:
             raise ValueError(f"{var}={raw!r}: must be a number") from None
     return text  # strings and dtype names

@@ -39,11 +39,25 @@ class RingOp(NamedTuple):
 
 
 class Engine:
-    def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig) -> None:
+    """``mesh``: 1-D (the shard group) or 2-D ``(replicate, shard)`` (HSDP); ``ring`` runs over the shard dimension,
+    ``world_ring`` over every rank of the mesh (checks that all ranks must agree on), ``replicas`` (HSDP only)
+    sums gradient shards across the copies (``fused/replicas.py``)."""
+
+    def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig, world_ring: Ring | None = None,
+                 replicas=None) -> None:
         self.ring, self.mesh, self.config = ring, mesh, config
+        self.world_ring = world_ring or ring
+        self.replicas = replicas
         self.stats = StatsRecorder(config.stats)
         self.link = Link(ring, config.timeout_s, self.stats)
         self.requires_grad_sync = True
+
+    def placements(self, dim: int) -> tuple:
+        """A fused parameter's DTensor placements: ``Shard(dim)`` over the shard dimension, replicated across
+        copies."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        return (Shard(dim),) if self.mesh.ndim == 1 else (Replicate(), Shard(dim))
 
     def __deepcopy__(self, memo) -> None:
         raise RuntimeError(
@@ -60,8 +74,9 @@ class Engine:
         return self.config.reduce_dtype or compute_dtype
 
     def divide_factors(self) -> tuple[float, float]:
-        """(pre, post): the mean over N ranks divides the gradient before and after the ring sum."""
-        world = float(self.ring.size)
+        """(pre, post): the mean over the N·R data-parallel ranks divides the gradient before and after the ring
+        sum (HSDP: the sum across the R copies follows, ``fused/replicas.py``)."""
+        world = float(self.ring.size * (self.replicas.size if self.replicas is not None else 1))
         if self.config.grad_divide == "pre":
             return world, 1.0
         if self.config.grad_divide == "split":

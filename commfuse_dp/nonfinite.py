@@ -102,7 +102,7 @@ class NonfiniteCheck:
                                 "nonfinite_grads='raise' or 'skip' to check anyway")
                 return
             mode = "raise"
-        ring, stats = self.engine.ring, self.engine.stats
+        ring, stats = self.engine.world_ring, self.engine.stats  # every rank (HSDP: of every copy) decides alike
         began = time.perf_counter()
         params = self.params
         grads = [(name, p.grad) for name, p in params if p.grad is not None]

@@ -54,7 +54,7 @@ class ScalarParams:
         new: dict[int, nn.Parameter] = {}
         for p, value in zip(old, values):
             local = value.to(dtype=p.dtype, device=p.device).reshape(())
-            new[id(p)] = nn.Parameter(DTensor.from_local(local, mesh, [Replicate()], run_check=False),
+            new[id(p)] = nn.Parameter(DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),
                                       requires_grad=p.requires_grad)
         for module in model.modules():
             for name, p in list(module._parameters.items()):
@@ -71,7 +71,7 @@ class ScalarParams:
         device = params[0].device
         if device.type == "meta":
             return [p.detach() for p in params]
-        ring = self.engine.ring
+        ring = self.engine.world_ring  # every rank (HSDP: of every copy)
         mine = torch.stack([p.detach().to(torch.float64) for p in params])
         everyone = torch.empty(ring.size * len(params), dtype=torch.float64, device=device)
         ring_all_gather(everyone, mine, ring.group, timeout_s=self.engine.config.timeout_s,
@@ -120,7 +120,7 @@ class ScalarParams:
         params = list({id(p): p for p in params}.values())
         if not params:
             return
-        ring = self.engine.ring
+        ring = self.engine.world_ring  # every rank (HSDP: of every copy)
         device = params[0].device
         mine = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
         for i, p in enumerate(params):
@@ -138,6 +138,6 @@ class ScalarParams:
                 continue
             if p.grad is None:
                 p.grad = DTensor.from_local(torch.zeros((), dtype=p.dtype, device=device), self.mesh,
-                                            [Replicate()], run_check=False)
+                                            [Replicate()] * self.mesh.ndim, run_check=False)
             p.grad.to_local().copy_(means[i])
 

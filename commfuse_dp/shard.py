@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from . import lockstep
 from .checks import check_not_deepspeed, check_ranks_agree
+from .fused.replicas import Replicas
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .engine import Engine
@@ -65,7 +66,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
           units: tuple[type[nn.Module], ...] | None = None, device: torch.device | str | None = None) -> nn.Module:
     """Shard ``model`` in place over the data-parallel group and return it.
 
-    ``mesh``: a 1-D DeviceMesh of the data-parallel ranks (default: all ranks of the initialised world).
+    ``mesh``: a 1-D DeviceMesh of the data-parallel ranks (default: all ranks of the initialised world), or a 2-D
+    one ``(replicate, shard)`` for HSDP (``CommFuseConfig.replicate`` builds it from the world).
     ``units``: module classes to shard as FSDP2 units (default: ``model._no_split_modules``, else the entries of
     the model's longest ``nn.ModuleList``). By default a unit whose parameters left after fusing are too few to
     be worth a collective of their own (a shard below ``min_fuse_numel`` elements, e.g. a decoder layer's two
@@ -102,16 +104,18 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     elif requested is not None:
         raise ValueError(f"shard: device= is for a model on the meta device (where its shards are allocated); this "
                          f"model is on {device} already. Move it with model.to(...) before shard() instead")
-    if mesh is None:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    if mesh.ndim != 1:
-        raise ValueError(f"shard: the data-parallel mesh must be 1-D, got {mesh.ndim} dimensions")
+    mesh = _data_parallel_mesh(mesh, config, device)
     if mesh.device_type != device.type:
         raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
                          f"move the model to the mesh's device first")
-    group = mesh.get_group()
-    check_ranks_agree(group, config, model)  # same group, config and parameters on every rank (checks.py)
-    engine = Engine(get_ring(group, op="shard"), mesh, config)
+    group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
+    everyone = mesh.mesh.flatten().tolist()
+    check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
+    replicas = None
+    if mesh.ndim == 2:
+        replicas = Replicas(mesh.get_group(0), config.timeout_s, config.bucket_mb)
+    world_ring = get_ring(group if mesh.ndim == 1 else _world_group(everyone), op="shard")
+    engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
     steps = StepState(engine)
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
 
@@ -136,6 +140,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
             bound.append((names[id(module)], module, {"weight": 0}))
     for name, module, dims in bound:
         attach_reads(steps, module, name, dims)  # module.weight read from outside: full value, summed gradient
+    if replicas is not None:  # HSDP: the order in which their gradients cross the copies (the same on every rank)
+        replicas.track(module._parameters[p] for _, module, dims in bound for p in dims
+                       if module._parameters.get(p) is not None)
 
     scalars = ScalarParams(model, mesh, engine)  # 0-d: fully_shard refuses them; replicated, averaged (scalars.py)
     kept_out = fused_params | scalars.params  # what fully_shard leaves alone
@@ -165,6 +172,34 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
                 len(fused), config.schedule, len(unit_modules), engine.ring.size)
     warn_if_little_fused(model, config)
     return model
+
+
+def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device: torch.device) -> DeviceMesh:
+    """The 1-D shard mesh, or for HSDP the 2-D ``(replicate, shard)`` one: ``mesh`` as given, else built over the
+    world from ``config.replicate`` (consecutive ranks share a copy)."""
+    world = dist.get_world_size()
+    if mesh is None:
+        r = config.replicate
+        if world % r:
+            raise ValueError(f"shard: CommFuseConfig.replicate={r} does not divide the {world} ranks; the copies "
+                             f"must be of equal size (e.g. replicate = the number of nodes)")
+        if r == 1:
+            return init_device_mesh(device.type, (world,))
+        return init_device_mesh(device.type, (r, world // r), mesh_dim_names=("replicate", "shard"))
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"shard: the data-parallel mesh must be 1-D (shard) or 2-D (replicate, shard), got "
+                         f"{mesh.ndim} dimensions")
+    if config.replicate != 1 and (mesh.ndim != 2 or mesh.size(0) != config.replicate):
+        raise ValueError(f"shard: CommFuseConfig.replicate={config.replicate} but the mesh passed has shape "
+                         f"{tuple(mesh.shape)}; give one of them (the mesh's first dimension is the replicas)")
+    if mesh.ndim == 2 and mesh.size() != world:
+        raise ValueError(f"shard: a 2-D (HSDP) mesh must hold every rank of the world ({world}); it holds "
+                         f"{mesh.size()}")
+    return mesh
+
+
+def _world_group(ranks: list[int]) -> dist.ProcessGroup:
+    return dist.group.WORLD if sorted(ranks) == list(range(dist.get_world_size())) else dist.new_group(sorted(ranks))
 
 
 def step_stats(model: nn.Module) -> StepStats:

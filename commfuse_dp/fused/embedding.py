@@ -33,6 +33,7 @@ from torch.autograd.profiler import record_function
 
 from .exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce
 from .reads import guarded_class
+from .replicas import autograd_grad, grad_node
 from .step import StepState
 
 
@@ -54,10 +55,11 @@ class EmbeddingState:
 
 
 class RingEmbeddingFn(torch.autograd.Function):
-    """``y = RingEmbeddingFn.apply(ids, state, local_weight)``."""
+    """``y = RingEmbeddingFn.apply(ids, state, local_weight, (param, its AccumulateGrad node))``."""
 
     @staticmethod
-    def forward(ctx, ids: torch.Tensor, state: EmbeddingState, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, ids: torch.Tensor, state: EmbeddingState, weight: torch.Tensor, owner=None) -> torch.Tensor:
+        ctx.owner = owner
         engine = state.engine
         cdt = engine.compute_dtype(weight.dtype)
         flat = ids.reshape(-1).to(torch.int64)
@@ -87,9 +89,11 @@ class RingEmbeddingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         if not ctx.needs_input_grad[2]:
-            return None, None, None
+            return None, None, None, None
         state = ctx.state
         engine = state.engine
+        if engine.replicas is not None:  # the end of this backward sends its gradient across the copies
+            state.steps.backward_begins()
         (saved,) = ctx.saved_tensors
         hidden = grad_out.shape[-1]
         rdt = engine.reduce_dtype(engine.compute_dtype(ctx.weight_dtype))
@@ -102,7 +106,10 @@ class RingEmbeddingFn(torch.autograd.Function):
                 grad = _table_backward(state, saved, dy, rdt, pre)
         if post != 1.0:
             grad.div_(post)
-        return None, None, grad.to(ctx.weight_dtype)
+        grad = grad.to(ctx.weight_dtype)
+        if ctx.owner is not None:  # HSDP: pending until it crossed the copies (replicas.py)
+            grad = autograd_grad(engine, ctx.owner[0], ctx.owner[1], grad, f"the gradient of {state.name}")
+        return None, None, grad, None
 
 
 # ---- the two exchanges ----------------------------------------------------------------------------------
@@ -198,7 +205,9 @@ def _ring_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tens
     state = self._cf_embedding
     if state.engine.stats.enabled:
         state.engine.stats.mark()
-    return RingEmbeddingFn.apply(ids, state, self._parameters["weight"].to_local())
+    param = self._parameters["weight"]
+    local = param.to_local()
+    return RingEmbeddingFn.apply(ids, state, local, (param, grad_node(local)))
 
 
 def _refuse_deepcopy(self: nn.Embedding, memo) -> None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..ring import transport
 from .layout import GroupLayout
@@ -254,6 +254,8 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     final = grads.final()
     if post != 1.0:
         final.div_(post)
+    if engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
+        final = engine.replicas.exchange_now(final, f"the gradient of {state.name}")
     return dx, unpack_grads(state, final, params, train, params_need_grad)
 
 
@@ -297,7 +299,7 @@ def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor, dim: in
     parameters). Tensor hooks (``register_hook``) never reach here: ``accumulates`` returns such gradients
     through autograd."""
     if param.grad is None:
-        param.grad = DTensor.from_local(local_grad, param.device_mesh, [Shard(dim)], run_check=False,
+        param.grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
                                         shape=param.shape, stride=param.stride())
     else:
         param.grad.to_local().add_(local_grad)

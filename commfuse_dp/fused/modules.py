@@ -16,7 +16,7 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..engine import Engine
 from .layout import GroupLayout
@@ -56,8 +56,10 @@ class FusedGroupState:
 
     def accumulate_grads(self, flat: torch.Tensor, grad_dtypes: tuple[torch.dtype, ...],
                          train: tuple[bool, ...]) -> None:
-        """Add this rank's reduced gradient shards (a flat buffer in the group layout) into the params' grads."""
+        """Add this rank's reduced gradient shards (a flat buffer in the group layout) into the params' grads (HSDP:
+        kept pending until they crossed the copies, ``replicas.py``)."""
         params = self.params()
+        replicas = self.engine.replicas
         for j, (m, module) in enumerate(zip(self.layout.members, self.modules)):
             if not train[j]:
                 continue
@@ -66,7 +68,10 @@ class FusedGroupState:
             rows = weight.to_local().shape[1 if m.transposed else 0]
             for i, g in zip(idx, self.layout.unpack_grad(flat, m, rows, grad_dtypes[idx[0]])):
                 if params[i].requires_grad:
-                    accumulate_grad(params[i], g, 1 if (m.transposed and i == idx[0]) else 0)
+                    if replicas is not None:
+                        replicas.add(params[i], g)
+                    else:
+                        accumulate_grad(params[i], g, 1 if (m.transposed and i == idx[0]) else 0)
 
     def param_index(self, member: int) -> tuple[int, ...]:
         return self._index[member]
@@ -167,7 +172,7 @@ def shard_parameter(module: nn.Module, name: str, dim: int, engine: Engine) -> n
     full = getattr(module, name)
     chunks = torch.chunk(full.detach(), world, dim=dim)
     local = chunks[rank].clone() if rank < len(chunks) else full.detach().narrow(dim, 0, 0).clone()
-    dtensor = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
+    dtensor = DTensor.from_local(local.contiguous(), mesh, engine.placements(dim), run_check=False,
                                  shape=full.shape, stride=full.stride())
     param = nn.Parameter(dtensor, requires_grad=full.requires_grad)
     setattr(module, name, param)

@@ -35,6 +35,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from . import exchange
+from .replicas import autograd_grad, grad_node
 from .step import StepState
 
 logger = logging.getLogger("commfuse_dp")
@@ -46,6 +47,7 @@ class ParamRead:
     def __init__(self, steps: StepState, param: nn.Parameter, dim: int, name: str) -> None:
         self.engine, self.steps, self.param, self.dim, self.name = steps.engine, steps, param, dim, name
         self.op = steps.register(f"{name} (read)")
+        self.node = None  # the parameter's AccumulateGrad node at the last gathered read (HSDP: replicas.py)
         self._logged = False
 
     def read(self) -> torch.Tensor:
@@ -59,7 +61,9 @@ class ParamRead:
                 logger.info("commfuse_dp: %s was read outside its fused forward: gathered in full for the step (as "
                             "FSDP2 unshards its root), its gradient summed over the ranks", self.name)
             with record_function("commfuse::param_read"):
-                full = GatheredRead.apply(self.param.to_local(), self)
+                local = self.param.to_local()
+                self.node = grad_node(local)  # HSDP: where its gradient goes (replicas.py)
+                full = GatheredRead.apply(local, self)
             steps.read_cache[id(self)] = full
         return full
 
@@ -113,7 +117,8 @@ class GatheredRead(torch.autograd.Function):
         mine = mine[:local_rows]
         if post != 1.0:
             mine = mine / post
-        return mine.movedim(0, read.dim).to(ctx.dtype).contiguous(), None
+        mine = mine.movedim(0, read.dim).to(ctx.dtype).contiguous()
+        return autograd_grad(engine, read.param, read.node, mine, f"the gradient of {read.name}"), None
 
 
 def attach_reads(steps: StepState, module: nn.Module, name: str, dims: dict[str, int]) -> None:

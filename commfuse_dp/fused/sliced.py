@@ -160,7 +160,10 @@ class SlicingScheduler:
         if self.engine.stats.enabled:
             self.engine.stats.blocking(began, time.perf_counter())
         _, post = self.engine.divide_factors()
-        return shard.div_(post) if post != 1.0 else shard
+        shard = shard.div_(post) if post != 1.0 else shard
+        if self.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
+            shard = self.engine.replicas.exchange_now(shard, f"the gradient of {state.name}")
+        return shard
 
     def end_backward(self) -> None:
         """At the end of the backward (``StepState``'s callback): wait for the reduce-scatters and put the

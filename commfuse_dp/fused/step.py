@@ -114,6 +114,11 @@ class StepState:
 
     def _end_of_backward(self) -> None:
         self.schedule.end_backward()  # the last deferred hop / background reduce-scatters
+        replicas = self.engine.replicas
+        if replicas is not None and self.engine.requires_grad_sync:  # HSDP: the shards cross the copies
+            from .linear import accumulate_grad
+
+            replicas.exchange(lambda param, shard: accumulate_grad(param, shard, 0))
         self.backward_open = False
         self.awaiting_backward = False
         self.read_cache.clear()
@@ -121,6 +126,8 @@ class StepState:
     def reset(self) -> None:
         """Drop all per-step state (after a step that raised); the next step starts as a first step."""
         self.schedule.reset()
+        if self.engine.replicas is not None:
+            self.engine.replicas.drop()
         for group in self.groups:
             group.reset()
         for state in self.states:

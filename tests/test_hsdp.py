@@ -1,0 +1,71 @@
+"""HSDP (``CommFuseConfig(replicate=R)``, or a 2-D mesh): fused rings inside each copy of the model, gradient shards
+summed across copies (``commfuse_dp/fused/replicas.py``). 4 ranks as 2 copies x 2 shards against one process on
+the concatenated batch: losses, grad norms, parameters and logits, both schedules, a tied decoder (GPT-2) and one
+with every fused shape (Llama), with gradient accumulation; and the accumulation micro-batches do not cross the
+copies."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import commfuse_dp as cf
+from harness import run_ranks
+from test_shard_parity import assert_parity, run_case
+
+
+def _hsdp_worker(rank, world_size, cases):
+    from commfuse_dp.fused.replicas import Replicas
+
+    exchanged = []
+    original = Replicas._summed
+
+    def counting(self, flat, what):
+        exchanged.append(what)
+        return original(self, flat, what)
+
+    Replicas._summed = counting
+    try:
+        for kind, schedule, accum in cases:
+            config = cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, replicate=2)
+            exchanged.clear()
+            result = run_case(rank, world_size, kind, schedule, accum=accum, config=config)
+            assert_parity(result, label=f"{kind}/{schedule}/accum {accum}")
+            # One exchange per dtype per synchronised backward (5 steps), none for the accumulation micro-batches.
+            assert len(exchanged) == 5, (kind, schedule, accum, exchanged)
+    finally:
+        Replicas._summed = original
+    return True
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_two_copies_of_two_shards_match_one_process(kind):
+    cases = [(kind, "fused", 1), (kind, "slicing", 1), (kind, "fused", 2)]
+    assert all(run_ranks(_hsdp_worker, 4, (cases,), timeout=600))
+
+
+def _placements_worker(rank, world_size):
+    import hf_models
+
+    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0, replicate=2))
+    q = model.model.layers[0].self_attn.q_proj.weight
+    engine = model._commfuse_engine
+    return (tuple(q.placements), tuple(q.device_mesh.shape), engine.ring.size, engine.replicas.size,
+            engine.world_ring.size)
+
+
+def test_parameters_are_replicated_across_copies_and_sharded_inside():
+    for placements, shape, ring, replicas, world in run_ranks(_placements_worker, 4, timeout=300):
+        assert placements == (Replicate(), Shard(0)) and shape == (2, 2)
+        assert (ring, replicas, world) == (2, 2, 4)
+
+
+def _bad_replicate_worker(rank, world_size):
+    import hf_models
+
+    with pytest.raises(ValueError, match="does not divide the 3 ranks"):
+        cf.shard(hf_models.build("llama"), cf.CommFuseConfig(replicate=2))
+    return True
+
+
+def test_replicate_must_divide_the_world():
+    assert all(run_ranks(_bad_replicate_worker, 3, timeout=120))
