@@ -69,3 +69,59 @@ def _bad_replicate_worker(rank, world_size):
 
 def test_replicate_must_divide_the_world():
     assert all(run_ranks(_bad_replicate_worker, 3, timeout=120))
+
+
+def _trained(rank, replicate):
+    import hf_models
+
+    model = cf.shard(hf_models.build("gpt2", seed=0), cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        model(**hf_models.batch(rank, step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _full(model, opt):
+    params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    state = {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in opt.state[p].items()}
+             for n, p in model.named_parameters()}
+    return params, state
+
+
+def _save_worker(rank, world_size, path, replicate):
+    from commfuse_dp import checkpoint as ck
+
+    model, opt = _trained(rank, replicate)
+    ck.save_sharded(path, [model], [(model, opt)])
+    return _full(model, opt)  # collective: every rank
+
+
+def _load_worker(rank, world_size, path, replicate):
+    import hf_models
+    from commfuse_dp import checkpoint as ck
+
+    model = cf.shard(hf_models.build("gpt2", seed=1), cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck.load_sharded(path, [model], [(model, opt)])
+    loaded = _full(model, opt)
+    loss = model(**hf_models.batch(rank, 5)).loss  # training goes on from the loaded state
+    loss.backward()
+    opt.step()
+    return loaded, loss.item()
+
+
+@pytest.mark.parametrize("saved,loaded", [((4, 2), (4, 1)), ((4, 2), (4, 4)), ((4, 2), (2, 1)),
+                                          ((4, 1), (4, 2))])
+def test_checkpoints_cross_mesh_shapes(tmp_path, saved, loaded):
+    # (world size, replicate): 2x2 saved, loaded as 1x4, 4x1 and 1x2; and 1x4 loaded as 2x2. DCP reshards.
+    path = str(tmp_path / "state")
+    saved_params, saved_state = run_ranks(_save_worker, saved[0], (path, saved[1]), timeout=300)[0]
+    (params, state), loss = run_ranks(_load_worker, loaded[0], (path, loaded[1]), timeout=300)[0]
+    assert params.keys() == saved_params.keys()
+    for name in saved_params:
+        assert torch.equal(params[name], saved_params[name]), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[name][key], saved_state[name][key]), (name, key)
+    assert 0 < loss < 10
