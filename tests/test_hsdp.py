@@ -113,9 +113,11 @@ def _load_worker(rank, world_size, path, replicate):
 
 
 @pytest.mark.parametrize("saved,loaded", [((4, 2), (4, 1)), ((4, 2), (4, 4)), ((4, 2), (2, 1)),
-                                          ((4, 1), (4, 2))])
+                                          ((4, 1), (4, 2)), ((4, 4), (4, 2)), ((2, 1), (4, 2))],
+                         ids=["2x2-to-1x4", "2x2-to-4x1", "2x2-to-1x2", "1x4-to-2x2", "4x1-to-2x2", "1x2-to-2x2"])
 def test_checkpoints_cross_mesh_shapes(tmp_path, saved, loaded):
-    # (world size, replicate): 2x2 saved, loaded as 1x4, 4x1 and 1x2; and 1x4 loaded as 2x2. DCP reshards.
+    # (world size, replicate): 2x2 saved, loaded as 1x4, 4x1 and 1x2, and each of those saved, loaded as 2x2. DCP
+    # reshards.
     path = str(tmp_path / "state")
     saved_params, saved_state = run_ranks(_save_worker, saved[0], (path, saved[1]), timeout=300)[0]
     (params, state), loss = run_ranks(_load_worker, loaded[0], (path, loaded[1]), timeout=300)[0]
