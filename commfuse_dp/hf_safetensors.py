@@ -58,27 +58,30 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, int | None, int, bool]:
-    """``(local tensor, sharded dim or None, first index along it, this rank writes it)`` of a DTensor on a 1-D
-    mesh (``Shard(d)``: ``torch.chunk``'s split; ``Replicate``) or a plain tensor."""
+    """``(local tensor, sharded dim or None, first index along it, this rank writes it)`` of a DTensor
+    (``Shard(d)``: ``torch.chunk``'s split; ``Replicate``; on a 2-D HSDP mesh ``(Replicate(), Shard(d))``: the first
+    copy writes) or a plain tensor."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(t, DTensor):
         return t.detach(), None, 0, True
-    mesh = t.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(f"a DTensor on a {mesh.ndim}-D mesh: only the 1-D data-parallel mesh is supported")
-    placement, local, rank = t.placements[0], t._local_tensor.detach(), mesh.get_local_rank()
-    if isinstance(placement, Replicate):
-        return local, None, 0, rank == 0
-    if not isinstance(placement, Shard):
-        raise TypeError(f"a DTensor placed {placement}: only Shard and Replicate can be written or loaded")
+    mesh, local = t.device_mesh, t._local_tensor.detach()
+    shards = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if any(not isinstance(p, (Replicate, Shard)) for p in t.placements) or len(shards) > 1:
+        raise TypeError(f"a DTensor placed {t.placements}: only one Shard, the rest Replicate, can be written or "
+                        f"loaded")
+    writes = all(mesh.get_local_rank(i) == 0 for i, p in enumerate(t.placements) if isinstance(p, Replicate))
+    if not shards:
+        return local, None, 0, writes
+    at, placement = shards[0]
+    rank, ranks = mesh.get_local_rank(at), mesh.size(at)
     dim, size = placement.dim, t.shape[placement.dim]
-    chunk = -(-size // mesh.size())
+    chunk = -(-size // ranks)
     lo = min(rank * chunk, size)
     if local.shape[dim] != min(chunk, size - lo):
         raise ValueError(f"a DTensor shard of {local.shape[dim]} rows along dim {dim} on rank {rank}, expected "
-                         f"{min(chunk, size - lo)} (torch.chunk's split of {size} over {mesh.size()})")
-    return local, dim, lo, True
+                         f"{min(chunk, size - lo)} (torch.chunk's split of {size} over {ranks})")
+    return local, dim, lo, writes
 
 
 def _stored_keys(folder: str) -> dict[str, str]:

@@ -95,6 +95,7 @@ def _save_worker(rank, world_size, path, replicate):
 
     model, opt = _trained(rank, replicate)
     ck.save_sharded(path, [model], [(model, opt)])
+    ck.save_pretrained(model, path + "-hf")  # consolidated: the first copy's ranks write their slices
     return _full(model, opt)  # collective: every rank
 
 
@@ -106,10 +107,13 @@ def _load_worker(rank, world_size, path, replicate):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck.load_sharded(path, [model], [(model, opt)])
     loaded = _full(model, opt)
+    fresh = cf.shard(hf_models.build("gpt2", seed=2), cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate))
+    ck.load_pretrained_weights(fresh, path + "-hf")
+    consolidated = {n: p.full_tensor().clone() for n, p in fresh.named_parameters()}
     loss = model(**hf_models.batch(rank, 5)).loss  # training goes on from the loaded state
     loss.backward()
     opt.step()
-    return loaded, loss.item()
+    return loaded, consolidated, loss.item()
 
 
 @pytest.mark.parametrize("saved,loaded", [((4, 2), (4, 1)), ((4, 2), (4, 4)), ((4, 2), (2, 1)),
@@ -117,13 +121,14 @@ def _load_worker(rank, world_size, path, replicate):
                          ids=["2x2-to-1x4", "2x2-to-4x1", "2x2-to-1x2", "1x4-to-2x2", "4x1-to-2x2", "1x2-to-2x2"])
 def test_checkpoints_cross_mesh_shapes(tmp_path, saved, loaded):
     # (world size, replicate): 2x2 saved, loaded as 1x4, 4x1 and 1x2, and each of those saved, loaded as 2x2. DCP
-    # reshards.
+    # reshards; the consolidated Hugging Face folder (save_pretrained) loads back too.
     path = str(tmp_path / "state")
     saved_params, saved_state = run_ranks(_save_worker, saved[0], (path, saved[1]), timeout=300)[0]
-    (params, state), loss = run_ranks(_load_worker, loaded[0], (path, loaded[1]), timeout=300)[0]
+    (params, state), consolidated, loss = run_ranks(_load_worker, loaded[0], (path, loaded[1]), timeout=300)[0]
     assert params.keys() == saved_params.keys()
     for name in saved_params:
         assert torch.equal(params[name], saved_params[name]), name
+        assert torch.equal(consolidated[name], saved_params[name]), name
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[name][key], saved_state[name][key]), (name, key)
     assert 0 < loss < 10
