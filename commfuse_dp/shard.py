@@ -114,7 +114,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     replicas = None
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.timeout_s, config.bucket_mb)
-    world_ring = get_ring(group if mesh.ndim == 1 else _world_group(everyone), op="shard")
+    world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
     engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
     steps = StepState(engine)
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
@@ -196,10 +196,6 @@ def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device:
         raise ValueError(f"shard: a 2-D (HSDP) mesh must hold every rank of the world ({world}); it holds "
                          f"{mesh.size()}")
     return mesh
-
-
-def _world_group(ranks: list[int]) -> dist.ProcessGroup:
-    return dist.group.WORLD if sorted(ranks) == list(range(dist.get_world_size())) else dist.new_group(sorted(ranks))
 
 
 def step_stats(model: nn.Module) -> StepStats:

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import commfuse_dp as cf
 from harness import run_ranks
+from test_checkpoint import _full, _trained
 from test_shard_parity import assert_parity, run_case
 
 
@@ -71,29 +72,10 @@ def test_replicate_must_divide_the_world():
     assert all(run_ranks(_bad_replicate_worker, 3, timeout=120))
 
 
-def _trained(rank, replicate):
-    import hf_models
-
-    model = cf.shard(hf_models.build("gpt2", seed=0), cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        model(**hf_models.batch(rank, step)).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
-
-
-def _full(model, opt):
-    params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    state = {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in opt.state[p].items()}
-             for n, p in model.named_parameters()}
-    return params, state
-
-
 def _save_worker(rank, world_size, path, replicate):
     from commfuse_dp import checkpoint as ck
 
-    model, opt = _trained(rank, replicate)
+    model, opt = _trained("gpt2", rank, replicate=replicate)
     ck.save_sharded(path, [model], [(model, opt)])
     ck.save_pretrained(model, path + "-hf")  # consolidated: the first copy's ranks write their slices
     return _full(model, opt)  # collective: every rank

@@ -207,7 +207,8 @@ def _ring_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tens
         state.engine.stats.mark()
     param = self._parameters["weight"]
     local = param.to_local()
-    return RingEmbeddingFn.apply(ids, state, local, (param, grad_node(local)))
+    owner = (param, grad_node(local)) if state.engine.replicas is not None else None  # HSDP only (replicas.py)
+    return RingEmbeddingFn.apply(ids, state, local, owner)
 
 
 def _refuse_deepcopy(self: nn.Embedding, memo) -> None:

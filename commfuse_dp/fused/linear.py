@@ -293,7 +293,7 @@ def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor 
             m.bias(part, hi - lo).copy_(dy_t.sum(0))
 
 
-def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor, dim: int) -> None:
+def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor) -> None:
     """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``, then run its
     post-accumulate-grad hooks, as autograd's AccumulateGrad would (FSDP2 does the same for its sharded
     parameters). Tensor hooks (``register_hook``) never reach here: ``accumulates`` returns such gradients

@@ -71,7 +71,7 @@ class FusedGroupState:
                     if replicas is not None:
                         replicas.add(params[i], g)
                     else:
-                        accumulate_grad(params[i], g, 1 if (m.transposed and i == idx[0]) else 0)
+                        accumulate_grad(params[i], g)
 
     def param_index(self, member: int) -> tuple[int, ...]:
         return self._index[member]

@@ -62,7 +62,8 @@ class ParamRead:
                             "FSDP2 unshards its root), its gradient summed over the ranks", self.name)
             with record_function("commfuse::param_read"):
                 local = self.param.to_local()
-                self.node = grad_node(local)  # HSDP: where its gradient goes (replicas.py)
+                if self.engine.replicas is not None:  # HSDP: where its gradient goes (replicas.py)
+                    self.node = grad_node(local)
                 full = GatheredRead.apply(local, self)
             steps.read_cache[id(self)] = full
         return full

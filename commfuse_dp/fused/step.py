@@ -118,7 +118,7 @@ class StepState:
         if replicas is not None and self.engine.requires_grad_sync:  # HSDP: the shards cross the copies
             from .linear import accumulate_grad
 
-            replicas.exchange(lambda param, shard: accumulate_grad(param, shard, 0))
+            replicas.exchange(accumulate_grad)
         self.backward_open = False
         self.awaiting_backward = False
         self.read_cache.clear()
