@@ -498,7 +498,8 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
     engine = steps.engine
     fsdp_root = model if isinstance(model, FSDPModule) else None
     fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
-    fsdp_reset = fsdp_root.reset_iter_state if fsdp_root is not None else None
+    # FSDP2's recovery after a step that raised (torch 2.13; torch 2.11, met on the GPU check, has none)
+    fsdp_reset = getattr(fsdp_root, "reset_iter_state", None) if fsdp_root is not None else None
 
     @torch.compiler.disable
     def begin_step(module, args) -> None:

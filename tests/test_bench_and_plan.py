@@ -180,3 +180,19 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     # Torn down: no namespace of ours is left.
     left = namespaces() - before  # another run may hold namespaces of its own meanwhile
     assert not left, left
+
+
+def test_cuda_check_dry_run_on_cpu(tmp_path):
+    """The GPU check script (benchmarks/cuda_check.py) runs its parts on the CPU too, so it does not rot between the
+    sessions that are lent a GPU; it must fail when a part fails (here: the fake group, which needs CUDA)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cuda_check.py")
+    run = lambda parts: subprocess.run(  # noqa: E731
+        [sys.executable, script, "--device", "cpu", "--quick", "--parts", parts, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    proc = run("linear,shard,gemm")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "cuda_check.json").read_text())
+    assert report["linear"]["result"]["cases"] == 8
+    assert {"llama/fused", "llama/lockstep", "llama/slicing"} <= set(report["shard"]["result"])
+    assert report["gemm"]["result"]["pieces"]["o 256x256"]["1"]["slowdown_vs_whole"] == 1.0
+    assert run("fake").returncode == 1

@@ -108,6 +108,15 @@ def _check_replaceable(unit: str, kind: str, comm: object) -> None:
             f"unit.set_custom_reduce_scatter(RingReduceScatter(config)).")
 
 
+def _param_groups(state) -> list:
+    """The unit's FSDP2 parameter groups: a list from torch 2.13 on; one group or None before (torch 2.11, which
+    the GPU check of ``benchmarks/cuda_check.py`` met)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None, *,
                          recorder: StatsRecorder | None = None) -> nn.Module:
     """Install ``RingAllGather`` / ``RingReduceScatter`` on every FSDP2 unit inside ``model`` (itself included)
@@ -142,7 +151,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N)) returned (with "
             "dp_replicate_size * fsdp_size > 1; a DistributedConfig with only tp_size applies no FSDP2)")
     for unit, module, state in units:
-        groups = state._fsdp_param_groups
+        groups = _param_groups(state)
         if len(groups) > 1:
             raise ValueError(
                 f"use_ring_collectives: module '{unit}' ({type(module).__name__}) has {len(groups)} parameter "
@@ -157,7 +166,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
                 raise ValueError(f"use_ring_collectives: FSDP2 unit '{unit}' is on {group.device.type!r}; the "
                                  f"rings run on cpu (gloo) and cuda (nccl) only")
     for unit, module, state in units:
-        if not state._fsdp_param_groups:  # a unit whose parameters all went to inner units: nothing to gather
+        if not _param_groups(state):  # a unit whose parameters all went to inner units: nothing to gather
             continue
         gather = RingAllGather(config, recorder, f"FSDP2 unit {unit} (all-gather)")
         scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)")

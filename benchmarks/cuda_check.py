@@ -1,0 +1,374 @@
+"""The CUDA path on one GPU: what a machine with a single GPU can check of it, in one script.
+
+    python benchmarks/cuda_check.py --out DIR            # every part; DIR/cuda_check.json holds the figures
+    python benchmarks/cuda_check.py --parts linear,gemm  # some of them
+    python benchmarks/cuda_check.py --device cpu --quick # a dry run of the same code on the CPU (gloo)
+
+Parts (each in its own process, with its own timeout, so that one failure or hang does not hide the others):
+- ``linear``: the fused linear at world size 1 (NCCL) against ``F.linear`` + autograd, fp32 (TF32 off) and bf16.
+- ``shard``: ``shard()`` at world size 1 on tiny GPT-2 / Llama / BERT, the fused (elastic and lockstep) and
+  slicing schedules, 5 AdamW steps against the unsharded model: losses, grad norms and parameters; Llama under
+  bf16 autocast too; the step statistics; and ``torch.cuda.set_sync_debug_mode``'s count of host synchronisations
+  inside a training step.
+- ``fake``: 2 and 4 ranks in this one process on a ``fake`` process group (``torch.testing``'s: every send and
+  receive completes at once and moves nothing). The numbers are meaningless; it runs the multi-rank CUDA code
+  (communication streams, events, buffers that cross streams) that NCCL cannot run on one GPU (NCCL refuses two
+  ranks on one device), and counts host synchronisations inside a step.
+- ``sanitizer``: ``linear``, ``shard`` and ``fake`` again under ``TORCH_CUDA_SANITIZER=1`` (stream races between
+  kernels).
+- ``gemm``: one GEMM cut into N shard-sized pieces (as the fused linear cuts it: output columns in the forward,
+  ``dx`` accumulated piece by piece, ``dW`` shard by shard) against the whole GEMM, Llama-3-8B shapes, bf16, timed
+  with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]  # the package, hf_models
+PARTS = ("env", "linear", "shard", "fake", "gemm", "sanitizer")
+TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120}
+
+
+def _device(args) -> torch.device:
+    if args.device:
+        device = torch.device(args.device)
+        return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _init_world(device: torch.device, fake_world: int = 0) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def part_env(args) -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return out
+
+
+def part_linear(args) -> dict:
+    """The fused linear at world size 1 against F.linear: outputs, dx, dW, db."""
+    import torch.nn as nn
+    from commfuse_dp import CommFuseConfig
+    from commfuse_dp.engine import Engine
+    from commfuse_dp.fused.modules import attach_group, convert_linear
+    from commfuse_dp.fused.step import StepState
+    from commfuse_dp.ring import get_ring
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = _device(args)
+    _init_world(device)
+    engine = Engine(get_ring(), init_device_mesh(device.type, (1,)), CommFuseConfig())
+    steps = StepState(engine)
+    cases = [((7,), 5, True, 6), ((12, 6, 6), 10, True, 6), ((1536,), 512, False, 1024), ((384, 128, 128), 384, True, 512)]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+    worst = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for members, fan_in, bias, tokens in cases:
+            torch.manual_seed(0)
+            refs = [nn.Linear(fan_in, o, bias=bias, dtype=dtype, device=device) for o in members]
+            mods = [nn.Linear(fan_in, o, bias=bias, dtype=dtype, device=device) for o in members]
+            for m, r in zip(mods, refs):
+                m.load_state_dict(r.state_dict())
+                convert_linear(m, engine, False)
+            attach_group(steps, mods, [f"m{i}" for i in range(len(mods))])
+            x = torch.randn(2, tokens // 2, fan_in, device=device, dtype=dtype, requires_grad=True)
+            xr = x.detach().clone().requires_grad_(True)
+            gs = [torch.randn(2, tokens // 2, o, device=device, dtype=dtype) for o in members]
+            sum((m(x) * g).sum() for m, g in zip(mods, gs)).backward()
+            outs = [m(x.detach()) for m in mods]
+            ys = [r(xr) for r in refs]
+            sum((y * g).sum() for y, g in zip(ys, gs)).backward()
+            diffs = [_maxdiff(o, y) / (y.abs().max().item() + 1e-12) for o, y in zip(outs, ys)]
+            diffs.append(_maxdiff(x.grad, xr.grad) / (xr.grad.abs().max().item() + 1e-12))
+            for m, r in zip(mods, refs):
+                for name in ("weight", "bias"):
+                    p = getattr(m, name)
+                    if p is not None:
+                        ref = getattr(r, name).grad
+                        diffs.append(_maxdiff(p.grad.full_tensor(), ref) / (ref.abs().max().item() + 1e-12))
+            key = f"{dtype} {members}x{fan_in} tokens={tokens}"
+            worst[key] = max(diffs)
+            if max(diffs) > tol[dtype]:
+                raise AssertionError(f"fused linear {key}: relative difference {max(diffs):.3g} > {tol[dtype]}")
+    return {"cases": len(worst), "worst_relative_diff": worst}
+
+
+def _sync_site() -> str:
+    """Where a host synchronisation came from: the innermost frame outside torch and this script."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename and "warnings" not in frame.filename and \
+                not frame.filename.endswith("cuda_check.py"):
+            return f"{os.path.relpath(frame.filename, os.path.dirname(HERE))}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+def _train(model, batches, device, autocast: bool, sync_debug: bool):
+    """Train; count the host synchronisations inside forward + backward of steps 2.. (where they came from)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses, norms, syncs = [], [], {}
+
+    def seen(message, *args, **kwargs) -> None:
+        if "synchroniz" in str(message):
+            site = _sync_site()
+            syncs[site] = syncs.get(site, 0) + 1
+
+    for step, batch in enumerate(batches):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            if sync_debug and device.type == "cuda" and step > 0:
+                torch.cuda.set_sync_debug_mode("warn")
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(**batch).loss
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float())
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return torch.stack(losses), torch.stack(norms), syncs
+
+
+def _cases(quick: bool):
+    kinds = ("llama",) if quick else ("gpt2", "llama", "bert")
+    for kind in kinds:
+        for schedule in ("fused", "lockstep", "slicing"):
+            yield kind, schedule, False
+    yield "llama", "fused", True
+
+
+def part_shard(args) -> dict:
+    import commfuse_dp as cf
+    import hf_models
+
+    device = _device(args)
+    _init_world(device)
+    result = {}
+    for kind, schedule, autocast in _cases(args.quick):
+        config = (cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0) if schedule == "lockstep" else
+                  cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0))
+        model, ref = hf_models.build(kind).to(device), hf_models.build(kind).to(device)
+        cf.shard(model, config)
+        batches = [hf_models.batch(0, s) for s in range(5)]
+        ours = _train(model, batches, device, autocast, sync_debug=True)
+        theirs = _train(ref, batches, device, autocast, sync_debug=True)
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()}
+        diffs = {"loss": _maxdiff(ours[0], theirs[0]), "grad_norm": _maxdiff(ours[1], theirs[1]),
+                 "params": max(_maxdiff(full[n], p) for n, p in ref.named_parameters())}
+        stats = cf.step_stats(model)
+        label = f"{kind}/{schedule}" + ("/bf16-autocast" if autocast else "")
+        result[label] = {"max_abs_diff": diffs, "losses": ours[0].tolist(), "host_syncs_in_steps_2_to_5": ours[2],
+                         "unsharded_host_syncs_in_steps_2_to_5": theirs[2],
+                         "stats": {"wall_s": stats.wall_s, "exposed_comm_s": stats.exposed_comm_s,
+                                   "ring_steps": stats.ring_steps}}
+        tol = 2e-2 if autocast else 1e-5
+        bad = {k: v for k, v in diffs.items() if v > tol * max(1.0, theirs[0].abs().max().item() if k == "loss"
+                                                                  else 1.0)}
+        if bad:
+            raise AssertionError(f"shard() {label}: differs from the unsharded model by {bad} (tolerance {tol}); "
+                                 f"so far: {json.dumps(result)}")
+    return result
+
+
+def part_fake(args) -> dict:
+    """Multi-rank CUDA code on a fake process group: it must run, and not synchronise the host inside a step."""
+    import commfuse_dp as cf
+    import hf_models
+
+    device = _device(args)
+    world = args.fake_world
+    _init_world(device, fake_world=world)
+    # A fake group moves no bytes, so the cross-rank agreement check (a gather of pickled objects) cannot run.
+    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
+    if os.environ.get("CUDA_CHECK_HOLD_PARTS"):
+        _hold_sliced_parts()
+    result = {}
+    for schedule in ("fused", "lockstep", "slicing"):
+        # ring_embeddings=False: the ring embedding gathers every rank's token count, which a fake group never sends;
+        # nonfinite_grads="off": a fake receive leaves its buffer as it was (uninitialised), so gradients are garbage
+        config = (cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0, ring_embeddings=False, nonfinite_grads="off")
+                  if schedule == "lockstep"
+                  else cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off"))
+        model = cf.shard(hf_models.build("llama").to(device), config)
+        losses, norms, syncs = _train(model, [hf_models.batch(0, s) for s in range(3)], device, False, True)
+        stats = cf.step_stats(model)
+        result[f"llama/{schedule}"] = {"ran_steps": len(losses), "host_syncs_in_steps_2_to_3": syncs,
+                                       "ring_steps": stats.ring_steps, "exposed_comm_s": stats.exposed_comm_s}
+    return result
+
+
+def _hold_sliced_parts() -> None:
+    """Keep each async reduce-scatter's input alive until the end of the backward instead of freeing it at once
+    under ``record_stream``. The CUDA sanitizer keys accesses by data pointer and forgets only a freed block's base
+    pointer, not the views at offsets inside it, so a block reused after ``record_stream`` allowed it reads as a race
+    (its report says "Trace for tensor allocation not found"). If the sanitizer is clean with this, what it
+    reported without it was that reuse."""
+    from commfuse_dp.fused.sliced import SlicingScheduler
+
+    held: list = []
+    scatter, end = SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward
+
+    def reduce_scatter(self, state, parts, *rest):
+        held.append(parts)
+        return scatter(self, state, parts, *rest)
+
+    def end_backward(self):
+        end(self)
+        held.clear()
+
+    SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward = reduce_scatter, end_backward
+
+
+def part_gemm(args) -> dict:
+    """Whole GEMM against N pieces, as the fused linear computes it, forward and backward."""
+    device = _device(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = 256 if args.quick else args.tokens
+    scale = 16 if args.quick else 1
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    pieces = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16)
+    reps = 2 if args.quick else 10
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3 / reps
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    out = {"tokens": tokens, "dtype": str(dtype), "pieces": {}}
+    for name, (fan_out, fan_in) in shapes.items():
+        fan_out, fan_in = fan_out // scale, fan_in // scale
+        x = torch.randn(tokens, fan_in, device=device, dtype=dtype)
+        w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
+        dy = torch.randn(tokens, fan_out, device=device, dtype=dtype)
+        y, dx, dw = torch.empty_like(dy), torch.empty_like(x), torch.empty_like(w)
+        row = {}
+        for n in pieces:
+            rows = fan_out // n
+            cuts = [(k * rows, (k + 1) * rows) for k in range(n)]
+
+            def forward():
+                for lo, hi in cuts:
+                    torch.mm(x, w[lo:hi].t(), out=y[:, lo:hi])
+
+            def backward():
+                dx.zero_()
+                for lo, hi in cuts:
+                    dx.addmm_(dy[:, lo:hi], w[lo:hi])
+                    torch.mm(dy[:, lo:hi].t(), x, out=dw[lo:hi])
+
+            f, b = timed(forward), timed(backward)
+            flops = 2 * tokens * fan_in * fan_out
+            row[n] = {"forward_s": f, "backward_s": b, "forward_tflops": flops / f / 1e12,
+                      "backward_tflops": 2 * flops / b / 1e12}
+        for n in pieces:
+            row[n]["slowdown_vs_whole"] = (row[n]["forward_s"] + row[n]["backward_s"]) / (
+                row[1]["forward_s"] + row[1]["backward_s"])
+        out["pieces"][f"{name} {fan_out}x{fan_in}"] = row
+    return out
+
+
+def _run_part(part: str, args, deadline: float, env: dict | None = None, quick: bool = False) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", part, "--fake-world", str(args.fake_world),
+           "--tokens", str(args.tokens)] + (["--device", args.device] if args.device else []) + (
+        ["--quick"] if args.quick or quick else [])
+    t0 = time.perf_counter()
+    timeout = min(TIMEOUT_S[part], deadline - t0)
+    if timeout < 5:
+        return {"ok": False, "error": "not run: the --budget-s was spent"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as err:
+        return {"ok": False, "error": f"timed out after {err.timeout} s", "tail": str(err.stderr or "")[-3000:]}
+    seconds = round(time.perf_counter() - t0, 1)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        text = proc.stdout + proc.stderr
+        race = text.find("CSAN detected")  # the sanitizer's report: the two accesses and their stacks
+        return {"ok": False, "rc": proc.returncode, "s": seconds, "tail": text[-4000:],
+                **({"sanitizer_report": text[race:race + 6000]} if race >= 0 else {})}
+    return {"ok": True, "s": seconds, "result": json.loads(lines[-1][7:]), "stderr_tail": proc.stderr[-1500:]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--out", default=None, help="folder for cuda_check.json")
+    parser.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    parser.add_argument("--quick", action="store_true", help="small shapes, fewer models: a dry run")
+    parser.add_argument("--fake-world", type=int, default=4, help="ranks for the fake process group (default 4)")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per GEMM (default 8192: 2 x 4096)")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="stop starting parts after this many seconds (each part also has its own timeout)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        result = globals()[f"part_{args.one}"](args)
+        print("RESULT " + json.dumps(result, default=str), flush=True)
+        return 0
+    report, deadline = {}, time.perf_counter() + args.budget_s
+    for part in args.parts.split(","):
+        if part == "sanitizer":  # the sanitizer checks every kernel from Python: the shard part on Llama only
+            report[part] = {p: _run_part(p, args, deadline, {"TORCH_CUDA_SANITIZER": "1"}, quick=p == "shard")
+                            for p in ("linear", "shard", "fake")}
+            ok = all(r["ok"] for r in report[part].values())
+        else:
+            report[part] = _run_part(part, args, deadline)
+            ok = report[part]["ok"]
+        print(f"== {part}: {'ok' if ok else 'FAILED'}\n{json.dumps(report[part], indent=1, default=str)[:6000]}",
+              flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "cuda_check.json"), "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    return 0 if all(r["ok"] if "ok" in r else all(v["ok"] for v in r.values()) for r in report.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
