@@ -64,14 +64,17 @@ class RingEmbeddingFn(torch.autograd.Function):
         cdt = engine.compute_dtype(weight.dtype)
         flat = ids.reshape(-1).to(torch.int64)
         with record_function("commfuse::embedding_forward"):
-            bad = bool(flat.numel()) and bool((flat.min() < 0) | (flat.max() >= state.num_embeddings))
-            counts = _gather(state, flat.new_tensor([flat.numel(), int(bad)]), "embedding counts")
-            if counts[:, 1].any():  # every rank raises, not only the one with the bad ids (no rank is left waiting)
-                ranks = counts[:, 1].nonzero().flatten().tolist()
+            # The only host read of the step here (a CUDA host synchronisation): every rank's token count sizes the
+            # buffers, and whether any rank has an id out of range makes every rank raise, not only that one.
+            bad = ((flat < 0) | (flat >= state.num_embeddings)).any().to(torch.int64)
+            mine = torch.stack([torch.full_like(bad, flat.numel()), bad])
+            counts = _gather(state, mine, "embedding counts").tolist()
+            if any(flag for _, flag in counts):  # every rank raises, not only the one with the bad ids
+                ranks = [r for r, (_, flag) in enumerate(counts) if flag]
                 raise IndexError(f"embedding: token ids out of range [0, {state.num_embeddings}) on rank(s) {ranks} "
                                  f"(group ranks); check the tokenizer's vocabulary against the model's "
                                  f"{state.num_embeddings} embedding rows")
-            most = int(counts[:, 0].max())
+            most = max(n for n, _ in counts)
             ctx.state, ctx.most = state, most
             if most <= state.chunk:
                 padded = flat.new_full((most,), -1)
@@ -116,13 +119,17 @@ class RingEmbeddingFn(torch.autograd.Function):
 
 def _rows_forward(state: EmbeddingState, weight: torch.Tensor, ids_all: torch.Tensor,
                   cdt: torch.dtype) -> torch.Tensor:
-    owned = _owned(state, ids_all, skip_padding=False)
+    index, mine = _owned(state, ids_all, skip_padding=False)
 
     def lookup(t: int, part: torch.Tensor) -> None:
-        pos, rows = owned[t]
-        part.zero_()
-        if pos.numel():
-            part.index_copy_(0, pos, weight.index_select(0, rows).to(cdt))
+        if index is None:
+            part.zero_()
+            return
+        if weight.dtype == cdt:
+            torch.index_select(weight, 0, index[t], out=part)
+        else:
+            part.copy_(weight.index_select(0, index[t]))
+        part.masked_fill_(~mine[t].unsqueeze(1), 0)
 
     return _reduce(state, (ids_all.shape[1], weight.shape[1]), cdt, weight.device, lookup,
                    "embedding forward", then=_prefetch_layers(state))
@@ -138,13 +145,12 @@ def _rows_backward(state: EmbeddingState, ids_all: torch.Tensor, dy: torch.Tenso
     held[rank, dy.shape[0]:].zero_()
     if pre != 1.0:
         held[rank].div_(pre)
-    owned = _owned(state, ids_all, skip_padding=True)
+    index, mine = _owned(state, ids_all, skip_padding=True)
     grad = dy.new_zeros(state.rows, hidden)
 
     def add(s: int) -> None:
-        pos, rows = owned[s]
-        if pos.numel():
-            grad.index_add_(0, rows, held[s].index_select(0, pos))
+        if index is not None:  # rows of other shards add exact zeros
+            grad.index_add_(0, index[s], held[s].masked_fill(~mine[s].unsqueeze(1), 0))
 
     _gather_into(state, held, "embedding backward", add)
     return grad
@@ -185,17 +191,18 @@ def _prefetch_layers(state: EmbeddingState) -> Callable[[], None]:
     return lambda: state.steps.schedule.start_first("forward")
 
 
-def _owned(state: EmbeddingState, ids_all: torch.Tensor, *, skip_padding: bool) -> list:
-    """Per rank t: (positions in rank t's ids whose row this rank owns, those rows in the local shard)."""
+def _owned(state: EmbeddingState, ids_all: torch.Tensor, *,
+           skip_padding: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """For every rank's ids (a row of ``ids_all``): the local row of each id, clamped into the shard, and whether
+    this rank owns it. Dense, with no ``nonzero``: the lookups take every position and zero the ones not owned, so
+    the host never waits for the GPU here. ``(None, None)`` when this rank owns no rows."""
+    if state.rows == 0:
+        return None, None
     local = ids_all - state.lo
     mine = (local >= 0) & (local < state.rows)
     if skip_padding and state.padding_idx is not None:
         mine &= ids_all != state.padding_idx
-    out = []
-    for t in range(ids_all.shape[0]):
-        pos = mine[t].nonzero().squeeze(1)
-        out.append((pos, local[t].index_select(0, pos)))
-    return out
+    return local.clamp_(0, state.rows - 1), mine
 
 
 # ---- the module ------------------------------------------------------------------------------------------
