@@ -57,9 +57,10 @@ class FusedGroupState:
     def accumulate_grads(self, flat: torch.Tensor, grad_dtypes: tuple[torch.dtype, ...],
                          train: tuple[bool, ...]) -> None:
         """Add this rank's reduced gradient shards (a flat buffer in the group layout) into the params' grads (HSDP:
-        kept pending until they crossed the copies, ``replicas.py``)."""
+        they start crossing the copies now and reach ``.grad`` at the end of the backward, ``replicas.py``)."""
         params = self.params()
         replicas = self.engine.replicas
+        landed = []
         for j, (m, module) in enumerate(zip(self.layout.members, self.modules)):
             if not train[j]:
                 continue
@@ -69,9 +70,11 @@ class FusedGroupState:
             for i, g in zip(idx, self.layout.unpack_grad(flat, m, rows, grad_dtypes[idx[0]])):
                 if params[i].requires_grad:
                     if replicas is not None:
-                        replicas.add(params[i], g)
+                        landed.append((params[i], g))
                     else:
                         accumulate_grad(params[i], g)
+        if landed:  # HSDP: they cross the copies now, beside the rest of the backward (replicas.py)
+            replicas.send(landed)
 
     def param_index(self, member: int) -> tuple[int, ...]:
         return self._index[member]

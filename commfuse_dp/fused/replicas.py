@@ -6,14 +6,19 @@ its shard of the gradient summed over the copy, divided by N·R (``Engine.divide
 still lacks is the other copies' sums: ranks holding the same shard in each copy (a replicate group) add theirs.
 Only the contributions since the last exchange may cross, never what ``.grad`` held before (an accumulation over
 steps without ``zero_grad`` would count it R times). So every synchronised contribution to a fused parameter's
-gradient (a fused layer's landed ring, a ring embedding's or a weight read's gradient that autograd would put into
-``.grad``) is kept here, *pending*, instead of going into ``.grad``. When the backward ends (an autograd final
-callback, ``StepState._end_of_backward``, before the non-finite check), and only when gradient sync is on, the
-pending shards are summed over the replicate group (one bucketed ring reduce-scatter and all-gather per dtype, in
-the order the parameters were registered at ``shard()``, the same on every rank) and added into ``.grad``; the
-post-accumulate-grad hooks run then, once, on the averaged gradient. Under ``no_sync`` a ring embedding's or
-weight read's contribution (which the shard group sums even then) stays pending until the synchronised backward,
-so accumulation crosses the replicas once, as DeepSpeed's MiCS does. A gradient that must go back through autograd
+gradient crosses the copies on its own, and only the sums go into ``.grad``:
+- a fused group's landed ring (``FusedGroupState.accumulate_grads``) starts its exchange at once (``send``): a
+  bucketed ring reduce-scatter and all-gather per dtype over the replicate group, asynchronous on that group's ring
+  (its thread on CPU, its stream on CUDA), so it runs beside the rest of the backward. Landings complete in request
+  order, the same on every rank, so every rank of a replicate group starts the same exchanges in the same order.
+- a ring embedding's or weight read's gradient that autograd would put into ``.grad`` is kept *pending*; under
+  ``no_sync`` it stays pending until the synchronised backward (the shard group sums it even then), so
+  accumulation crosses the replicas once, as DeepSpeed's MiCS does.
+When the backward ends (an autograd final callback, ``StepState._end_of_backward``, before the non-finite check),
+and only when gradient sync is on, the pending shards start their exchange (in the order the parameters were
+registered at ``shard()``), every exchange is waited for, and each parameter's sum is added into ``.grad`` once,
+in registration order; its post-accumulate-grad hooks run then, once (a tied table gets its lm_head's and its
+embedding's parts, added first). Under ``no_sync`` nothing crosses. A gradient that must go back through autograd
 (``torch.autograd.grad``, a tensor hook) is exchanged at once instead (``exchange_now``).
 """
 
@@ -33,6 +38,7 @@ class Replicas:
         self.ring = get_ring(group, op="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._inflight: list = []  # (work, summed flat buffer, [(param, numel, shape)]): exchanges started
 
     @property
     def size(self) -> int:
@@ -52,39 +58,70 @@ class Replicas:
             entry[1].add_(local_grad)
 
     def drop(self) -> None:
-        """Forget the pending contributions (a step that raised: its window is lost, as the no-sync partials)."""
+        """Forget the pending contributions and the exchanges in flight (a step that raised: its window is lost,
+        as the no-sync partials)."""
         self._pending.clear()
+        self._inflight.clear()
+
+    def send(self, contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Start summing a fused group's landed gradient shards over the replicate group now, on the replicate
+        ring (its thread on CPU, its stream on CUDA), so that the exchange overlaps the rest of the backward;
+        ``exchange`` waits for it. Only what this landing brought crosses here, never the pending entries: which
+        of those exist when a landing completes depends on timing, and every rank of the replicate group must
+        start the same exchanges in the same order (landings complete in request order, the same everywhere)."""
+        self._start(contributions)
 
     def exchange(self, accumulate) -> None:
-        """Sum every pending shard over the replicate group and hand it to ``accumulate(param, shard)``."""
+        """Sum what is still pending over the replicate group (ring embeddings' and weight reads' gradients, and
+        no-sync windows' contributions), wait for the exchanges started by ``send``, and hand each parameter's
+        sum to ``accumulate(param, shard)`` once, in registration order (its hooks run once)."""
         pending = sorted(self._pending.values(), key=lambda e: self._index.get(id(e[0]), len(self._index)))
         self._pending = {}
+        self._start(pending)
+        inflight, self._inflight = self._inflight, []
+        totals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        for work, summed, entries in inflight:
+            work.wait()
+            at = 0
+            for param, numel, shape in entries:
+                part = summed[at:at + numel].view(shape)
+                at += numel
+                if id(param) in totals:
+                    totals[id(param)][1].add_(part)
+                else:
+                    totals[id(param)] = (param, part)
+        for param, grad in sorted(totals.values(), key=lambda e: self._index.get(id(e[0]), len(self._index))):
+            accumulate(param, grad)
+
+    def _start(self, contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
-        for param, grad in pending:
+        for param, grad in contributions:
             by_dtype.setdefault(grad.dtype, []).append((param, grad))
         for dtype in sorted(by_dtype, key=str):
             entries = by_dtype[dtype]
-            flat = self._summed(torch.cat([g.reshape(-1) for _, g in entries]), "the gradients of the fused layers")
-            at = 0
-            for param, grad in entries:
-                accumulate(param, flat[at:at + grad.numel()].view_as(grad))
-                at += grad.numel()
+            flat = torch.cat([g.reshape(-1) for _, g in entries])
+            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True)
+            self._inflight.append((work, summed, [(p, g.numel(), g.shape) for p, g in entries]))
 
     def exchange_now(self, grad: torch.Tensor, what: str) -> torch.Tensor:
         """``grad`` summed over the replicate group (a gradient that goes back through autograd)."""
-        return self._summed(grad.reshape(-1), what).view_as(grad)
+        return self._summed(grad.reshape(-1), what)[0].view_as(grad)
 
-    def _summed(self, flat: torch.Tensor, what: str) -> torch.Tensor:
-        """A ring all-reduce (reduce-scatter, then all-gather) of ``flat``, padded to a multiple of R."""
+    def _summed(self, flat: torch.Tensor, what: str, async_op: bool = False):
+        """A ring all-reduce (reduce-scatter, then all-gather) of ``flat``, padded to a multiple of R: the sum and,
+        with ``async_op``, the work to wait for before reading it (else None)."""
         r = self.size
         part = -(-flat.numel() // r)
         padded = flat.new_zeros(part * r)
         padded[:flat.numel()].copy_(flat)
         mine = padded.new_empty(part)
         label = f"{what} across the model's copies (HSDP)"
-        ring_reduce_scatter(mine, padded, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb, label=label)
-        ring_all_gather(padded, mine, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb, label=label)
-        return padded[:flat.numel()]
+        ring_reduce_scatter(mine, padded, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb, label=label,
+                            async_op=async_op)
+        # Ops of one ring run in the order they were issued (its one thread on CPU, its stream on CUDA)
+        work = ring_all_gather(padded, mine, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb,
+                               label=label, async_op=async_op)
+        return padded[:flat.numel()], work
 
 
 def autograd_grad(engine, param: nn.Parameter, node, grad: torch.Tensor, what: str) -> torch.Tensor | None:
