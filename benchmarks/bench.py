@@ -3,6 +3,7 @@
     commfuse-dp bench --quick --json bench.json        # about 4 minutes here: 2 ranks, 3 rates, all variants
     commfuse-dp bench --rates 1000,2000,4000 --world-size 2 --out-dir bench-out
     commfuse-dp bench --compute emulated --tflops 0.02 --world-size 8   # 8 ranks on 2 cores (benchmarks/emulated.py)
+    commfuse-dp bench --nodes 2 --world-size 4 --compute emulated --rates 3280,1640,820   # 2 nodes x 2 ranks, HSDP
 
 1. Calibration: compute alone at a reference rate, and communication alone at that rate and twice it, give the
    *balanced* rate, where the ZeRO-3 bytes of a step take as long as its compute (communication time fitted as
@@ -33,7 +34,7 @@ import tempfile
 import time
 
 from .cluster import EmulatedCluster
-from .worker import EXTRA_VARIANTS, MMAP_ENV, VARIANTS
+from .worker import EXTRA_VARIANTS, MMAP_ENV, NODE_VARIANTS, VARIANTS
 
 CPU_NOTES = {
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
@@ -42,6 +43,9 @@ CPU_NOTES = {
     "comm_only": "the bytes shard() moves in a step (embedding as token rows) through the rings, back to back",
     "compute_only": "same per-rank work (optimizer on 1/N of the parameters), no communication",
     "concurrent": "compute alone and communication alone at once, independent: the CPU-shared limit",
+    "hsdp_fused": "shard(), replicate = nodes: fused rings inside a node, gradients averaged across nodes",
+    "hsdp_slicing": "the same with the slicing schedule",
+    "fsdp2_hsdp": "stock FSDP2 on a 2-D mesh (HSDP), its gathers and reduce-scatters on rings",
 }
 SHAPING_NOTE = ("tbf token buckets ({burst} KiB, --burst-kb) refill while a link is idle, so schedules with compute "
                 "gaps get up to that many bytes above the rate after each gap, which back-to-back communication alone "
@@ -145,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2: one core each here)")
     parser.add_argument("--rates", help="comma-separated link rates in Mbit/s (default: calibrated sweep)")
     parser.add_argument("--reference-rate", type=float, default=1000.0, help="calibration rate, Mbit/s")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)} (also: {','.join(EXTRA_VARIANTS)})")
+    parser.add_argument("--variants", default=None,
+                        help=f"subset of {','.join(VARIANTS)} (also: {','.join(EXTRA_VARIANTS)}); default: the first "
+                             f"list, or with --nodes {','.join(NODE_VARIANTS)}")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="emulated nodes (default 1): --world-size ranks split into this many nodes; links "
+                             "between nodes run at --inter-fraction of each rate (one per rank); needs --rates")
+    parser.add_argument("--inter-fraction", type=float, default=0.25,
+                        help="--nodes: inter-node link rate as a fraction of the intra-node rate (default 0.25)")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps per variant (about 4 minutes)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants per rate")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
@@ -182,19 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
+    if args.variants is None:
+        args.variants = ",".join(NODE_VARIANTS if args.nodes > 1 else VARIANTS)
     variants = [v for v in args.variants.split(",") if v]
+    if args.nodes < 1 or args.world_size % args.nodes:
+        parser.error(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
+    if args.nodes > 1 and not args.rates:
+        parser.error("--nodes needs --rates (intra-node Mbit/s): the calibration measures flat rings only")
+    if args.nodes == 1 and any(v.startswith("hsdp") or v == "fsdp2_hsdp" for v in variants):
+        parser.error("the hsdp_* and fsdp2_hsdp variants need --nodes 2 or more")
     unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel", "compute",
-        "tflops", "lookahead_mb", "emulated_host")]
+        "tflops", "lookahead_mb", "emulated_host", "nodes")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []
     if args.burst_kb * 1024 < 2 * 65000:
         parser.error("--burst-kb must hold two 65000-byte packets (the links' MTU): at least 127")
-    with EmulatedCluster(args.world_size, args.reference_rate, burst_bytes=args.burst_kb * 1024) as cluster:
+    with EmulatedCluster(args.world_size, args.reference_rate, burst_bytes=args.burst_kb * 1024, nodes=args.nodes,
+                         inter_fraction=args.inter_fraction) as cluster:
         if args.rates:
             rates = [float(r) for r in args.rates.split(",")]
             balanced = rates[len(rates) // 2]
@@ -220,11 +240,16 @@ def main(argv: list[str] | None = None) -> int:
                 peaks = run_rate(cluster, rate, variants, args, memory=True)["variants"]
                 for name, v in result["variants"].items():
                     v["peak_mem_mb"] = peaks[name]["peak_mem_mb"]
-            records += records_from(result, rate, args.world_size)
+            records += [dict(r, nodes=args.nodes, inter_rate_mbit=rate * args.inter_fraction if args.nodes > 1
+                             else None) for r in records_from(result, rate, args.world_size)]
             if at_balance and result.get("timelines"):
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
     print_table(records, balanced, args.burst_kb)
+    if args.nodes > 1:
+        print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks: the rates are inside a node; between "
+              f"nodes each rank's link runs at {args.inter_fraction:g} of it")
     payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
+               "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),
                "tbf_burst_kb": args.burst_kb,

@@ -13,6 +13,10 @@ shaped with ``tc tbf rate R``.
   steps for free at 4 ranks, which no real link does.
 - Each rank's egress is shaped to R (both directions of its link: the ring sends to ``next`` and receives from
   ``prev`` at once). ``GLOO_SOCKET_IFNAME=eth0`` makes gloo use the shaped link.
+- ``nodes=K`` (``commfuse-dp bench --nodes K``): ranks ``[k·n, (k+1)·n)`` form node k (n = world / K), and each
+  rank's egress has two link classes (``tc htb``, classified by destination address): to ranks of its own node at
+  R, to ranks of other nodes at ``R · inter_fraction``. Each rank has its own inter-node link (one NIC per rank)
+  and the two classes do not share a cap (NVLink and the NIC are separate wires).
 - Needs root (``ip netns``, ``tc``). Everything is torn down on exit, on an exception, and on SIGINT/SIGTERM.
 """
 
@@ -33,12 +37,18 @@ def _run(*cmd: str) -> None:
 
 
 class EmulatedCluster:
-    def __init__(self, world_size: int, rate_mbit: float, *, mtu: int = 65000, burst_bytes: int = 128 << 10) -> None:
+    def __init__(self, world_size: int, rate_mbit: float, *, mtu: int = 65000, burst_bytes: int = 128 << 10,
+                 nodes: int = 1, inter_fraction: float = 0.25) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("the emulated cluster needs root (ip netns, tc); run the benchmark as root")
         if not 1 <= world_size <= 200:
             raise ValueError(f"world_size={world_size}: must be between 1 and 200")
+        if nodes < 1 or world_size % nodes:
+            raise ValueError(f"nodes={nodes}: must divide world_size={world_size} (ranks per node alike)")
+        if not 0 < inter_fraction <= 1:
+            raise ValueError(f"inter_fraction={inter_fraction}: must be in (0, 1]")
         self.world_size, self.mtu, self.burst = world_size, mtu, burst_bytes
+        self.nodes, self.inter_fraction = nodes, inter_fraction
         self.rate_mbit = rate_mbit
         tag = f"{os.getpid() % 100000}"
         self.bridge = f"cf{tag}br"
@@ -83,12 +93,28 @@ class EmulatedCluster:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
         self.set_rate(self.rate_mbit)
 
+    def node_of(self, rank: int) -> int:
+        return rank // (self.world_size // self.nodes)
+
     def set_rate(self, rate_mbit: float) -> None:
-        """Shape every rank's egress to ``rate_mbit`` Mbit/s (``replace``: works on a live cluster)."""
+        """Shape every rank's egress to ``rate_mbit`` Mbit/s, and with nodes its traffic to other nodes to
+        ``rate_mbit * inter_fraction`` (``replace``: works on a live cluster)."""
         self.rate_mbit = rate_mbit
-        for ns in self.namespaces:
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-                 "rate", f"{rate_mbit}mbit", "burst", str(self.burst), "latency", "400ms")
+        for rank, ns in enumerate(self.namespaces):
+            tc = ("ip", "netns", "exec", ns, "tc")
+            if self.nodes == 1:
+                _run(*tc, "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                     "rate", f"{rate_mbit}mbit", "burst", str(self.burst), "latency", "400ms")
+                continue
+            subprocess.run([*tc, "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+            _run(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "10")
+            for cls, rate in (("1:10", rate_mbit), ("1:20", rate_mbit * self.inter_fraction)):
+                _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb", "rate",
+                     f"{rate:g}mbit", "ceil", f"{rate:g}mbit", "burst", str(self.burst), "cburst", str(self.burst))
+            for other in range(self.world_size):
+                if self.node_of(other) != self.node_of(rank):
+                    _run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                         "match", "ip", "dst", f"{self.address(other)}/32", "flowid", "1:20")
 
     def popen(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside rank ``rank``'s namespace."""

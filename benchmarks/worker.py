@@ -24,6 +24,11 @@ Variants:
 - ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
   the same time, with no dependency between them. The best any overlap can do on this machine, where the
   communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
+- ``hsdp_fused``, ``hsdp_slicing`` (``--nodes K``): ``shard()`` with ``CommFuseConfig(replicate=K)``: each node
+  a copy of the model sharded over its ranks, gradients averaged across the nodes (HSDP); ``fused`` stays the
+  flat ring over every rank of every node.
+- ``fsdp2_hsdp`` (``--nodes K``): stock ``fully_shard`` on a 2-D mesh (K copies x ranks per node) per decoder
+  layer and root, with ``use_ring_collectives`` (FSDP2's own all-reduce across the copies, on gloo).
 - ``comm_only``: the bytes ``shard()`` moves in one step, through the rings, no compute (the communication bound):
   all-gather forward, all-gather backward and reduce-scatter backward of every decoder layer and of the final norm
   and lm_head, layer by layer; the embedding as the ring embedding moves it (token rows, or the table forward and
@@ -45,7 +50,9 @@ import torch
 import torch.distributed as dist
 
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
-EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "concurrent")  # for before/after measurements; not in the default set
+# for before/after measurements and the multi-node bench (--nodes); not in the default set
+EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
+NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 
 
 def model_config(args):
@@ -97,6 +104,27 @@ class Runner:
         config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
                                    **options)
         self.model = cf.shard(build_model(self.args), config)
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_hsdp_fused(self, schedule="fused"):
+        self._build_fused(schedule, replicate=self.args.nodes)
+
+    def _build_hsdp_slicing(self):
+        self._build_hsdp_fused("slicing")
+
+    def _build_fsdp2_hsdp(self):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from commfuse_dp.integrations.fsdp import use_ring_collectives
+
+        nodes = self.args.nodes
+        mesh = init_device_mesh("cpu", (nodes, self.world // nodes), mesh_dim_names=("replicate", "shard"))
+        self.model = build_model(self.args)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        use_ring_collectives(self.model)
         self.opt = self._optimizer(self.model.parameters())
 
     def _build_fused_noprefetch(self):
@@ -316,6 +344,7 @@ def main(argv=None) -> int:
                         help="--compute emulated: the host runs ahead of the emulated device (default) or waits for "
                              "each GEMM (benchmarks/emulated.py)")
     parser.add_argument("--lookahead-mb", default="auto", help="CommFuseConfig.lookahead_mb of the fused variant")
+    parser.add_argument("--nodes", type=int, default=1, help="copies for the hsdp_* variants (the bench's --nodes)")
     for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
                           ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
         parser.add_argument(f"--{name}", type=int, default=default)
