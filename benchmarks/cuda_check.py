@@ -10,10 +10,10 @@ Parts (each in its own process, with its own timeout, so that one failure or han
   slicing schedules, 5 AdamW steps against the unsharded model: losses, grad norms and parameters; Llama under
   bf16 autocast too; the step statistics; and ``torch.cuda.set_sync_debug_mode``'s count of host synchronisations
   inside a training step.
-- ``fake``: 2 and 4 ranks in this one process on a ``fake`` process group (``torch.testing``'s: every send and
-  receive completes at once and moves nothing). The numbers are meaningless; it runs the multi-rank CUDA code
+- ``fake``: 4 ranks (``--fake-world``) in this one process on a ``fake`` process group (``torch.testing``'s: every
+  send and receive completes at once and moves nothing). The numbers are meaningless; it runs the multi-rank CUDA code
   (communication streams, events, buffers that cross streams) that NCCL cannot run on one GPU (NCCL refuses two
-  ranks on one device), and counts host synchronisations inside a step.
+  ranks on one device), HSDP (2 copies) included, and counts host synchronisations inside a step.
 - ``sanitizer``: ``linear``, ``shard`` and ``fake`` again under ``TORCH_CUDA_SANITIZER=1`` (stream races between
   kernels).
 - ``gemm``: one GEMM cut into N shard-sized pieces (as the fused linear cuts it: output columns in the forward,
@@ -216,17 +216,20 @@ def part_fake(args) -> dict:
     if os.environ.get("CUDA_CHECK_HOLD_PARTS"):
         _hold_sliced_parts()
     result = {}
-    for schedule in ("fused", "lockstep", "slicing"):
+    for schedule in ("fused", "lockstep", "slicing", "hsdp-fused"):
+        replicate = 2 if schedule.startswith("hsdp") else 1  # HSDP: 2 copies of world/2 ranks
+        schedule = schedule.removeprefix("hsdp-")
         # ring_embeddings=False: the ring embedding gathers every rank's token count, which a fake group never sends;
         # nonfinite_grads="off": a fake receive leaves its buffer as it was (uninitialised), so gradients are garbage
-        config = (cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0, ring_embeddings=False, nonfinite_grads="off")
-                  if schedule == "lockstep"
-                  else cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off"))
+        options = dict(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off", replicate=replicate)
+        config = (cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
+                  else cf.CommFuseConfig(schedule=schedule, **options))
         model = cf.shard(hf_models.build("llama").to(device), config)
         losses, norms, syncs = _train(model, [hf_models.batch(0, s) for s in range(3)], device, False, True)
         stats = cf.step_stats(model)
-        result[f"llama/{schedule}"] = {"ran_steps": len(losses), "host_syncs_in_steps_2_to_3": syncs,
-                                       "ring_steps": stats.ring_steps, "exposed_comm_s": stats.exposed_comm_s}
+        label = f"llama/{schedule}" + (f"/replicate={replicate}" if replicate > 1 else "")
+        result[label] = {"ran_steps": len(losses), "host_syncs_in_steps_2_to_3": syncs,
+                         "ring_steps": stats.ring_steps, "exposed_comm_s": stats.exposed_comm_s}
     return result
 
 

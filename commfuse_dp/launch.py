@@ -220,9 +220,10 @@ def _accelerate_part_file(path: str, accel_part: dict, tmp: str) -> str:
     return out
 
 
-def _read_config(path: str | None, *, nested: bool = False):
+def _read_config(path: str | None, *, nested: bool = False, replicate_flag: int = 1):
     """(accelerate part, CommFuseConfig, worker environment) of a config file. ``nested``: a file without a
-    ``commfuse:`` block keeps the configuration already in the environment (the outer commfuse-dp launch's)."""
+    ``commfuse:`` block keeps the configuration already in the environment (the outer commfuse-dp launch's).
+    ``replicate_flag``: ``--parallelism_config_dp_replicate_size`` from the command line."""
     from commfuse_dp.config import CommFuseConfig
 
     accel_part, block = _load_config_file(path) if path else ({}, {})
@@ -233,7 +234,33 @@ def _read_config(path: str | None, *, nested: bool = False):
             raise LaunchError(f"environment: {' '.join(str(e).split())}") from None
     else:
         cfg = _commfuse_config(path, block)
+    cfg = _replicate_from_parallelism(accel_part, cfg, replicate_flag, path)
     return accel_part, cfg, _worker_env(cfg)
+
+
+def _replicate_from_parallelism(accel_part: dict, cfg, replicate_flag: int, path: str | None):
+    """accelerate's HSDP setting (``parallelism_config: {parallelism_config_dp_replicate_size: R}`` in the config
+    file, or ``--parallelism_config_dp_replicate_size R``) as ``CommFuseConfig.replicate``. accelerate itself allows
+    a parallelism config only with FSDP2, which commfuse replaces, so the block is taken out of what accelerate
+    reads; ``dp_shard_size`` is then world / R, and tensor, context or sequence parallel sizes are refused."""
+    block = accel_part.pop("parallelism_config", None) or {}
+    sizes = {key.removeprefix("parallelism_config_"): value for key, value in block.items()}
+    other = {k: v for k, v in sizes.items() if k in ("tp_size", "cp_size", "sp_size") and int(v or 1) > 1}
+    if other:
+        raise LaunchError(f"{path}: parallelism_config asks for {other}; commfuse shards the data-parallel "
+                          f"dimension only (dp_replicate_size for HSDP): remove them")
+    replicate = int(sizes.get("dp_replicate_size") or 1)
+    if replicate_flag and replicate_flag > 1:
+        if replicate > 1 and replicate != replicate_flag:
+            raise LaunchError(f"--parallelism_config_dp_replicate_size {replicate_flag} disagrees with the config "
+                              f"file's dp_replicate_size {replicate}: give one")
+        replicate = replicate_flag
+    if replicate <= 1:
+        return cfg
+    if cfg.replicate not in (1, replicate):
+        raise LaunchError(f"accelerate's dp_replicate_size={replicate} disagrees with the commfuse: block's "
+                          f"replicate={cfg.replicate}: give one of them")
+    return dataclasses.replace(cfg, replicate=replicate)
 
 
 def _is_cpu(args: argparse.Namespace, accel_part: dict) -> bool:
@@ -256,7 +283,10 @@ def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
         path = os.environ[LAUNCH_CONFIG_ENV]  # the commfuse-dp launch config fills in what this launcher lacks
     if path is None and os.path.isfile(default_config_file):
         path = default_config_file  # what accelerate launch reads without --config_file
-    accel_part, _, env = _read_config(path, nested=nested)
+    accel_part, _, env = _read_config(path, nested=nested,
+                                      replicate_flag=getattr(args, "parallelism_config_dp_replicate_size", 1) or 1)
+    args.parallelism_config_dp_replicate_size = 1  # it is commfuse's replicate now (in env): accelerate must not
+    args.use_parallelism_config = False            # set up FSDP2's parallelism config
     env["PYTHONPATH"] = pythonpath()  # the activation: a launcher inside a worker is refused, not left to hang
     with tempfile.TemporaryDirectory(prefix="commfuse-launch-") as tmp:
         accel_config = _accelerate_part_file(path, accel_part, tmp) if path is not None else None

@@ -42,6 +42,7 @@ def main(out: str) -> None:
                 "callbacks": [type(cb).__name__ for cb in trainer.callback_handler.callbacks],
                 "model_type": type(trainer.model_wrapped).__name__,
                 "param_types": sorted({type(p.data).__name__ for p in params}),
+                "placements": sorted({str(getattr(p, "placements", None)) for p in params}),
                 "optimizer_state_types": sorted({type(v).__name__ for s in trainer.optimizer.state.values()
                                                  for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}),
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],

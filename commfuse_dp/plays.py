@@ -1,0 +1,328 @@
+"""The schedules of ``shard()`` played on a model of one rank: a compute stream and a link (``commfuse-dp plan``).
+
+``Unit`` and ``Cluster`` describe the model and the machine; ``units_for`` builds a decoder's units; ``elastic``,
+``slicing`` and ``lockstep`` play those schedules as ``fused/schedule.py`` and ``fused/sliced.py`` run them and
+return the step time; ``edges`` is what every fused schedule leaves exposed at a step's head and tail. ``plan.py``
+builds predictions, calibration and the sweep on these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    fused_numel: int  # weight elements of fused linears (all ranks together)
+    other_numel: int  # parameters through the bucketed rings (embedding, norms)
+    flops: float  # forward FLOPs of this rank's tokens
+    groups: tuple[int, ...] = ()  # the fused groups' weight elements, in order (sum: fused_numel)
+    tokens: int = 0
+    table: tuple[int, int] | None = None  # (rows, width) of a ring embedding (``CommFuseConfig.ring_embeddings``)
+
+    def ring_step_numel(self, ranks: int) -> int:
+        """A ring embedding's elements per ring step: the looked-up rows of one rank's tokens, or the table shard
+        if that is smaller (``fused/embedding.py`` picks the smaller)."""
+        rows, width = self.table
+        return min(self.tokens, -(-rows // ranks)) * width
+
+
+@dataclass(frozen=True)
+class Cluster:
+    ranks: int
+    bytes_per_s: float
+    latency_s: float
+    flops_per_s: float
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    cpu_s_per_byte: float = 0.0  # compute time the communication's CPU work takes per byte (shared cores)
+    prefetch_depth: int = 2  # CommFuseConfig.prefetch_depth (lockstep)
+    lookahead_bytes: float | None = None  # CommFuseConfig.lookahead_mb in bytes; None: "auto"; 0: lockstep
+
+
+def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
+              tokens: int, seq: int) -> list[Unit]:
+    kv = hidden * kv_heads // heads
+    groups = [hidden * (hidden + 2 * kv), hidden * hidden, 2 * hidden * intermediate, intermediate * hidden]
+    attention = 4 * tokens * seq * hidden  # QK^T and AV, causal halves ignored
+    units = [Unit("embedding", 0, vocab * hidden, 0.0, tokens=tokens, table=(vocab, hidden))]
+    for i in range(layers):
+        numel = sum(groups)
+        units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention, tuple(groups), tokens))
+    units.append(Unit("lm_head", vocab * hidden, hidden, 2.0 * tokens * vocab * hidden, (vocab * hidden,), tokens))
+    return units
+
+
+def _gemm_items(units: list[Unit], cl: Cluster) -> list[tuple[int, float, int]]:
+    """(weight elements, forward seconds, unit index) per fused group, and compute-only gaps (attention; numel 0),
+    in forward order."""
+    items: list[tuple[int, float, int]] = []
+    for at, u in enumerate(units):
+        if not u.groups:
+            items.append((0, u.flops / cl.flops_per_s, at))
+            continue
+        gemm = [2.0 * u.tokens * g / cl.flops_per_s for g in u.groups]
+        items += [(g, f, at) for g, f in zip(u.groups, gemm)]
+        if u.flops / cl.flops_per_s > sum(gemm):
+            items.insert(len(items) - len(u.groups) + 1, (0, u.flops / cl.flops_per_s - sum(gemm), at))
+    return items
+
+
+def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
+    """The exposed exchanges at a step's head (nbytes: parameter bytes) or tail (gradient bytes): parameters that
+    are not fused, through one bucketed ring, and each ring embedding's exchange."""
+    n = cl.ranks
+    other = sum(u.other_numel for u in units if not u.table)
+    tables = sum((n - 1) * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s) for u in units if u.table)
+    return (n - 1) * (cl.latency_s + other / n * nbytes / cl.bytes_per_s) + tables
+
+
+def elastic(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the fused schedule with elastic lookahead (``fused/schedule.py``), played on one FIFO link.
+
+    Rings ahead go by unit (a decoder layer, an FSDP2 unit): the groups of one unit chosen together share their
+    ring steps (a bundle: step k carries shard k of each), so a layer pays one ring's latency, as slicing's
+    per-layer gather does. When a fused group begins, its own weight ring (N-1 steps) is requested unless it was
+    chosen ahead (then what is left of its bundle); then the following units are chosen whole, in order (the
+    forward's, then after the last forward group the backward's), while the gathered weights held (the running
+    group's and those ahead) fit ``lookahead_bytes`` (auto: two of the largest unit's, what slicing per layer
+    holds: the layer computed and the next). The step starts with the first group's own ring, then the rest of its
+    unit as a bundle (``start_first``, before any piece); the chosen bundles' steps are requested beside the pieces
+    left in the running unit, spread over them (``FusedSchedule.pace``). Piece k of a group waits for its ring's
+    step k-1. In the backward a unit's gradient partials stay in their buffers and go as one reduce-scatter ring
+    (a gradient bundle), step k requested beside piece k of the unit's last group, never waited before the backward
+    ends; the last unit of the backward sends its partials beside its own pieces (gradient step k when piece k starts), so the step
+    ends with one hop at most. The last forward group (the lm_head) keeps its weight: its backward sends gradient
+    partials only. Unfused parameters and ring embeddings as in ``lockstep``."""
+    n = cl.ranks
+    items = _gemm_items(units, cl)
+    fused = [i for i, (g, _, _) in enumerate(items) if g]
+    unit_of = {i: items[i][2] for i in fused}
+    full = {i: items[i][0] * cl.param_bytes for i in fused}  # a group's gathered weight
+    per_unit: dict[int, float] = {}
+    for i in fused:
+        per_unit[unit_of[i]] = per_unit.get(unit_of[i], 0.0) + full[i]
+    budget = 2 * max(per_unit.values()) if cl.lookahead_bytes is None else cl.lookahead_bytes
+    link = [0.0]
+
+    def send(at: float, nbytes: float) -> float:
+        link[0] = max(at, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
+        return link[0]
+
+    class Bundle:
+        """Ring steps shared by groups of one unit: weight rings (``keys``) or gradient partials (``grad``)."""
+
+        def __init__(self, keys: list, step_bytes: float, left: int) -> None:
+            self.keys, self.step_bytes, self.left = keys, step_bytes, left
+
+        def request(self, at: float, count: int) -> int:
+            count = min(count, self.left)
+            for _ in range(count):
+                done = send(at, self.step_bytes)
+                for key in self.keys:
+                    ahead[key].append(done)
+            self.left -= count
+            return count
+
+    kept = fused[-1]
+    order = [(i, "forward") for i in fused] + [(i, "backward") for i in reversed(fused) if i != kept]
+    last_unit = unit_of[fused[0]]  # the backward's last: its partials go beside its own pieces
+    ahead: dict[tuple[int, str], list[float]] = {}
+    bundle_of: dict[tuple[int, str], Bundle] = {}
+    paced: list[Bundle] = []
+
+    def weight_bundle(keys: list) -> Bundle:
+        bundle = Bundle(keys, sum(items[i][0] for i, _ in keys) / n * cl.param_bytes, n - 1)
+        for key in keys:
+            ahead[key], bundle_of[key] = [], bundle
+        return bundle
+
+    def choose(at: int, held: float) -> None:
+        """Choose the units after order[at] whole while they fit (a unit partly ahead: the rest of it)."""
+        j = at + 1
+        while j < len(order):
+            run = [order[j]]
+            while j + len(run) < len(order) and (unit_of[order[j + len(run)][0]], order[j + len(run)][1]) == (
+                    unit_of[order[j][0]], order[j][1]):
+                run.append(order[j + len(run)])
+            j += len(run)
+            keys = [key for key in run if key not in ahead]
+            if not keys:
+                continue
+            nbytes = sum(full[i] for i, _ in keys)
+            if held + nbytes > budget:
+                return
+            paced.append(weight_bundle(keys))
+            held += nbytes
+
+    def begin(i: int, phase: str, t: float) -> list[float]:
+        key = (i, phase)
+        if key in ahead:
+            steps, bundle = ahead.pop(key), bundle_of.pop(key)
+            if bundle in paced:  # its pieces need the rest now
+                bundle.request(t, n - 1)
+                paced.remove(bundle)
+        elif key == (kept, "backward"):
+            steps = []
+        else:
+            weight_bundle([key]).request(t, n - 1)
+            steps = ahead.pop(key)
+        held = full[i] + sum(full[j] for j, _ in ahead)
+        if key in order:
+            choose(order.index(key), held)
+        return steps
+
+    def rest(i: int, phase: str) -> int:
+        """Groups after group i in its unit's run of ``order`` (its pieces and theirs are what pace spreads over)."""
+        if (i, phase) not in order:
+            return 0
+        at = count = order.index((i, phase)) + 1
+        while count < len(order) and order[count][1] == phase and unit_of[order[count][0]] == unit_of[i]:
+            count += 1
+        return count - at
+
+    def pace(t: float, pieces_left: int) -> None:
+        left = sum(b.left for b in paced)
+        quota = -(-left // pieces_left)
+        while quota and paced:
+            quota -= paced[0].request(t, quota)
+            if not paced[0].left:
+                paced.pop(0)
+
+    t = link[0] = edges(units, cl, cl.param_bytes)
+    if units[0].table:  # start_first: the ring embedding's exchange is under way; nothing to pace over
+        first = weight_bundle([order[0]])
+        first.request(t, n - 1)
+        held = full[order[0][0]]
+        rest_of_first = [key for key in order[1:1 + rest(*order[0])]]
+        if rest_of_first:
+            weight_bundle(rest_of_first).request(t, n - 1)
+            held += sum(full[i] for i, _ in rest_of_first)
+        choose(len(rest_of_first), held)
+        for bundle in paced:
+            bundle.request(t, n - 1)
+        paced.clear()
+    for i, (numel, seconds, _) in enumerate(items):  # forward
+        if not numel:
+            t += seconds
+            continue
+        steps = begin(i, "forward", t)
+        after = rest(i, "forward")
+        for k in range(n):
+            if k:
+                t = max(t, steps[k - 1])
+            pace(t, n - k + n * after)
+            t += seconds / n
+    grads = 0.0  # the running unit's gradient bundle: bytes per step so far
+    for i, (numel, seconds, unit) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
+        if not numel:
+            t += 2 * seconds
+            continue
+        steps = begin(i, "backward", t)
+        after = rest(i, "backward")
+        own = unit == last_unit
+        grads += 0.0 if own else numel / n * cl.grad_bytes
+        for k in range(n):
+            if k:
+                if steps:
+                    t = max(t, steps[k - 1])
+                if own:
+                    send(t, numel / n * cl.grad_bytes)  # lags: nothing waits for it before the end
+                elif not after:  # the unit's last group: a step of the unit's gradient bundle
+                    send(t, grads)
+            pace(t, n - k + n * after)
+            t += 2 * seconds / n
+        if not after:
+            grads = 0.0
+    return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
+
+
+def slicing(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the ``"slicing"`` schedule as it runs (``fused/sliced.py``), on one FIFO link: each fused group
+    all-gathers its whole weight in one bucketed ring; when a group starts, the next group's gather (in the recorded
+    order) is requested, then the group waits for its own. The first group of the forward is not prefetched; the
+    last (the lm_head) keeps its weight for its backward. In the backward a group's reduce-scatter is requested when
+    its compute ends, all waited when the backward ends. Unfused parameters and ring embeddings as in
+    ``lockstep``."""
+    n = cl.ranks
+    items = _gemm_items(units, cl)
+    ring = lambda numel, nbytes: (n - 1) * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)  # noqa: E731
+    link = [0.0]
+
+    def send(at: float, seconds: float) -> float:
+        link[0] = max(at, link[0]) + seconds
+        return link[0]
+
+    t = link[0] = edges(units, cl, cl.param_bytes)
+    fused = [i for i, (g, _, _) in enumerate(items) if g]
+    for phase, seq, factor in (("forward", fused, 1), ("backward", fused[::-1], 2)):
+        gathered: dict[int, float] = {}
+        if phase == "backward":
+            gathered[seq[0]] = t  # the lm_head kept its forward's weight
+        at = 0
+        for i, (numel, seconds, _) in (enumerate(items) if phase == "forward" else reversed(list(enumerate(items)))):
+            if numel:
+                if i not in gathered:
+                    gathered[i] = send(t, ring(numel, cl.param_bytes))
+                if at + 1 < len(seq) and seq[at + 1] not in gathered:
+                    gathered[seq[at + 1]] = send(t, ring(items[seq[at + 1]][0], cl.param_bytes))
+                at += 1
+                t = max(t, gathered[i])
+            t += factor * seconds
+            if numel and phase == "backward":
+                send(t, ring(numel, cl.grad_bytes))
+    return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
+
+
+def lockstep(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the fused schedule in lockstep (``lookahead_mb=0``): compute pieces and a FIFO link per rank.
+
+    Each fused group (q/k/v, o, gate/up, down, lm_head) computes N pieces; ring step k is issued when piece k
+    starts and waited when it ends, except that a group's step 0 (its own weight shards) is issued during the last
+    piece of the group ``prefetch_depth`` before it, and in backward a group's last step (gradient partials only)
+    is waited after the next group's first piece. Attention runs as compute with no ring step. Parameters that
+    are not fused go through one bucketed all-gather before the forward and one reduce-scatter after the
+    backward, both exposed; so do a ring embedding's two exchanges."""
+    n, depth = cl.ranks, cl.prefetch_depth
+    items = _gemm_items(units, cl)
+    link = [0.0]
+
+    def send(issue: float, nbytes: float) -> float:
+        link[0] = max(issue, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
+        return link[0]
+
+    def phase(seq: list[tuple[int, float, int]], t: float, backward: bool) -> float:
+        groups = [i for i, (g, _, _) in enumerate(seq) if g]
+        first_done: dict[int, float] = {}
+        deferred = None
+        for i, (numel, seconds, _) in enumerate(seq):
+            if not numel:
+                t += seconds
+                continue
+            shard = numel / n
+            piece = seconds / n
+            if i not in first_done:  # not prefetched: step 0 starts with the group
+                first_done[i] = send(t, shard * cl.param_bytes)
+            done = first_done[i]
+            for k in range(n):
+                if k > 0:
+                    nbytes = shard * ((cl.param_bytes if k < n - 1 else 0) + (cl.grad_bytes if backward else 0))
+                    done = send(t, nbytes) if nbytes else t
+                if k == n - 1:  # the last piece: prefetch the following groups' step 0
+                    at = groups.index(i)
+                    for j in groups[at + 1:at + 1 + depth]:
+                        if j not in first_done:
+                            first_done[j] = send(t, seq[j][0] / n * cl.param_bytes)
+                t += piece
+                if k == 0 and deferred is not None:
+                    t, deferred = max(t, deferred), None
+                if k < n - 1:
+                    t = max(t, done)
+                elif backward:  # the last step lands during the next group's first piece
+                    deferred = done
+        return max(t, deferred) if deferred is not None else t
+
+    t = link[0] = edges(units, cl, cl.param_bytes)
+    t = phase(items, t, backward=False)
+    t = phase([(g, 2 * f, u) for g, f, u in reversed(items)], t, backward=True)
+    return max(t, link[0]) + edges(units, cl, cl.grad_bytes)

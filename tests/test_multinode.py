@@ -1,0 +1,101 @@
+"""Two machines, emulated: each a network namespace of the emulated cluster (benchmarks/cluster.py), each running
+``commfuse-dp launch --num_machines 2 --machine_rank i --main_process_ip ...`` with two ranks, joined by torchrun's
+rendezvous over the bridge. The script is the unchanged Trainer script of tests/test_launch.py; the accelerate part
+of the config asks for HSDP as accelerate users do (``parallelism_config_dp_replicate_size: 2``), which the launcher
+turns into ``CommFuseConfig.replicate`` (a copy of the model per machine, sharded over its two ranks). Its losses
+and grad norms must match DDP over the same 4 ranks (torchrun on one machine)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from commfuse_dp.benchmarks.cluster import EmulatedCluster
+from harness import free_port
+from test_launch import CPU_CONFIG, ROOT, TRAINER_SCRIPT, _env
+
+needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                 reason="the emulated machines need root and iproute2 (ip, tc)")
+
+
+def _two_machines(tmp_path, out) -> None:
+    config = tmp_path / "accel.yaml"
+    config.write_text(yaml.safe_dump({**CPU_CONFIG, "num_processes": 4, "num_machines": 2,
+                                      "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
+                                                             "parallelism_config_dp_shard_size": 2},
+                                      "commfuse": {"min_fuse_numel": 0}}))
+    port = free_port()
+    with EmulatedCluster(2, 10000) as machines:
+        procs = []
+        for machine in range(2):
+            log = open(tmp_path / f"machine{machine}.log", "w+")
+            argv = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", str(config),
+                    "--machine_rank", str(machine), "--main_process_ip", machines.address(0),
+                    "--main_process_port", str(port), TRAINER_SCRIPT, str(out)]
+            procs.append((machines.popen(machine, argv, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT),
+                          log))
+        failed = []
+        for proc, log in procs:
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            if proc.returncode != 0:
+                failed.append(f"exit {proc.returncode}:\n{log.read()[-4000:]}")
+        assert not failed, "\n".join(failed)
+
+
+def _ddp(out) -> None:
+    torchrun = shutil.which("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    proc = subprocess.run(launcher + ["--nproc_per_node", "4", "--master_addr", "127.0.0.1", "--master_port",
+                                      str(free_port()), TRAINER_SCRIPT, str(out)],
+                          cwd=ROOT, env={**_env(), "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+
+
+@needs_netns
+def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
+    ours, ddp = tmp_path / "hsdp.json", tmp_path / "ddp.json"
+    _two_machines(tmp_path, ours)
+    _ddp(ddp)
+    cf, plain = json.loads(ours.read_text()), json.loads(ddp.read_text())
+    assert cf["world_size"] == plain["world_size"] == 4
+    assert cf["callbacks"].count("CommFuseCallback") == 1 and cf["param_types"] == ["DTensor"]
+    assert "(Replicate(), Shard(dim=0))" in cf["placements"], cf["placements"]  # a copy per machine (HSDP)
+    assert cf["steps"] == plain["steps"] == [1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(cf["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(cf["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(cf["logits"]), torch.tensor(plain["logits"]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block,accel,flag,replicate,error", [
+    ({"replicate": 2}, {}, 1, 2, None),
+    ({}, {"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, 1, 2, None),
+    ({}, {}, 4, 4, None),
+    ({"replicate": 2}, {"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, 2, 2, None),
+    ({"replicate": 4}, {"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, 1, None,
+     "disagrees with the commfuse: block's replicate=4"),
+    ({}, {"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, 4, None, "disagrees with the config"),
+    ({}, {"parallelism_config": {"parallelism_config_tp_size": 2}}, 1, None, "data-parallel dimension only"),
+])
+def test_accelerate_replicate_size_becomes_commfuse_replicate(tmp_path, block, accel, flag, replicate, error):
+    from commfuse_dp import launch
+
+    config = tmp_path / "accel.yaml"
+    config.write_text(yaml.safe_dump({**CPU_CONFIG, **accel, "commfuse": block}))
+    if error:
+        with pytest.raises(launch.LaunchError, match=error):
+            launch._read_config(str(config), replicate_flag=flag)
+        return
+    accel_part, cfg, env = launch._read_config(str(config), replicate_flag=flag)
+    assert cfg.replicate == replicate and env["COMMFUSE_REPLICATE"] == str(replicate)
+    assert "parallelism_config" not in accel_part  # accelerate allows it only with FSDP2, which commfuse replaces
