@@ -4,6 +4,8 @@ the concatenated batch: losses, grad norms, parameters and logits, both schedule
 with every fused shape (Llama), with gradient accumulation; and the accumulation micro-batches do not cross the
 copies."""
 
+import threading
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -20,9 +22,9 @@ def _hsdp_worker(rank, world_size, cases):
     exchanged = []
     original = Replicas._summed
 
-    def counting(self, flat, what, async_op=False):
-        exchanged.append(async_op)
-        return original(self, flat, what, async_op)
+    def counting(self, flat, what, async_op=False, tags=(None, None)):
+        exchanged.append(threading.current_thread().name.startswith("commfuse-ring"))  # on the replicate ring's
+        return original(self, flat, what, async_op, tags)                               # thread: at landing
 
     Replicas._summed = counting
     per_step = {}
@@ -33,11 +35,11 @@ def _hsdp_worker(rank, world_size, cases):
             result = run_case(rank, world_size, kind, schedule, accum=accum, config=config)
             assert_parity(result, label=f"{kind}/{schedule}/accum {accum}")
             # The same exchanges in every synchronised backward (5 steps), none for the accumulation micro-batches;
-            # the fused schedule starts them as its gradient rings land (asynchronous), before the backward ends.
+            # the fused schedule hands each landing to the replicate ring's thread, which sums it when it lands.
             assert exchanged and len(exchanged) % 5 == 0, (kind, schedule, accum, exchanged)
             per_step.setdefault((kind, schedule), set()).add(len(exchanged) // 5)
             if schedule == "fused":
-                assert sum(exchanged) >= len(exchanged) - 5, exchanged  # all but the end's flush: started at landing
+                assert sum(exchanged) >= len(exchanged) - 5, exchanged  # all but the end's flush: at landing
         assert all(len(counts) == 1 for counts in per_step.values()), per_step  # accumulation adds none
     finally:
         Replicas._summed = original

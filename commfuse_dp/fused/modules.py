@@ -58,23 +58,29 @@ class FusedGroupState:
                          train: tuple[bool, ...]) -> None:
         """Add this rank's reduced gradient shards (a flat buffer in the group layout) into the params' grads (HSDP:
         they start crossing the copies now and reach ``.grad`` at the end of the backward, ``replicas.py``)."""
+        landed = self.landed_grads(flat, grad_dtypes, train)
+        if self.engine.replicas is not None:  # HSDP: they cross the copies now, beside the rest of the backward
+            if landed:
+                self.engine.replicas.send(landed)
+            return
+        for param, g in landed:
+            accumulate_grad(param, g)
+
+    def landed_grads(self, flat: torch.Tensor, grad_dtypes: tuple[torch.dtype, ...],
+                     train: tuple[bool, ...]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each trainable parameter's gradient shard out of this rank's reduced flat buffer (in the group
+        layout)."""
         params = self.params()
-        replicas = self.engine.replicas
         landed = []
-        for j, (m, module) in enumerate(zip(self.layout.members, self.modules)):
+        for j, m in enumerate(self.layout.members):
             if not train[j]:
                 continue
             idx = self.param_index(j)
-            weight = params[idx[0]]
-            rows = weight.to_local().shape[1 if m.transposed else 0]
+            rows = params[idx[0]].to_local().shape[1 if m.transposed else 0]
             for i, g in zip(idx, self.layout.unpack_grad(flat, m, rows, grad_dtypes[idx[0]])):
                 if params[i].requires_grad:
-                    if replicas is not None:
-                        landed.append((params[i], g))
-                    else:
-                        accumulate_grad(params[i], g)
-        if landed:  # HSDP: they cross the copies now, beside the rest of the backward (replicas.py)
-            replicas.send(landed)
+                    landed.append((params[i], g))
+        return landed
 
     def param_index(self, member: int) -> tuple[int, ...]:
         return self._index[member]

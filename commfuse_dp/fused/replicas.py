@@ -7,10 +7,14 @@ still lacks is the other copies' sums: ranks holding the same shard in each copy
 Only the contributions since the last exchange may cross, never what ``.grad`` held before (an accumulation over
 steps without ``zero_grad`` would count it R times). So every synchronised contribution to a fused parameter's
 gradient crosses the copies on its own, and only the sums go into ``.grad``:
-- a fused group's landed ring (``FusedGroupState.accumulate_grads``) starts its exchange at once (``send``): a
-  bucketed ring reduce-scatter and all-gather per dtype over the replicate group, asynchronous on that group's ring
-  (its thread on CPU, its stream on CUDA), so it runs beside the rest of the backward. Landings complete in request
-  order, the same on every rank, so every rank of a replicate group starts the same exchanges in the same order.
+- a fused group's gradient ring crosses as soon as it lands: a bucketed ring reduce-scatter and all-gather per
+  dtype over the replicate group, on that group's own ring, beside the rest of the backward. On CPU the landing is
+  handed to the replicate ring's thread as soon as its last step is requested (``after``): that thread waits for
+  the step, completes the shard and sums it, so a host running ahead of its compute (beside a GPU, or the bench's
+  emulated one) does not hold it back; elsewhere the compute thread completes the landing and starts the exchange
+  asynchronously (``send``: the ring's thread on CPU, its stream on CUDA). Landings are handed over and completed in
+  request order, the same on every rank, and their ring tags are drawn on the compute thread, so every rank of a
+  replicate group runs the same exchanges in the same order.
 - a ring embedding's or weight read's gradient that autograd would put into ``.grad`` is kept *pending*; under
   ``no_sync`` it stays pending until the synchronised backward (the shard group sums it even then), so
   accumulation crosses the replicas once, as DeepSpeed's MiCS does.
@@ -38,7 +42,9 @@ class Replicas:
         self.ring = get_ring(group, op="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-        self._inflight: list = []  # (work, summed flat buffer, [(param, numel, shape)]): exchanges started
+        # exchanges started, in order: each a call that waits for it and returns [(summed flat, [(param, numel,
+        # shape)])]
+        self._inflight: list = []
 
     @property
     def size(self) -> int:
@@ -71,6 +77,21 @@ class Replicas:
         start the same exchanges in the same order (landings complete in request order, the same everywhere)."""
         self._start(contributions)
 
+    def after(self, finish, dtypes) -> None:
+        """CPU: on the replicate ring's thread, in order with the exchanges before it, run ``finish()`` (it waits
+        for a fused group's last gradient step and returns ``[(param, shard)]``) and sum those shards over the
+        replicate group there. The compute thread goes on; ``exchange`` waits for it. ``dtypes``: the gradient
+        dtypes the shards may have; the ring tags of their exchanges are drawn here, on the compute thread, so that
+        every rank pairs them in the same order as the exchanges it starts itself (gloo matches by tag)."""
+        what = "the gradients of the fused layers"
+        tags = {d: (self.ring.next_tag(), self.ring.next_tag()) for d in sorted(set(dtypes), key=str)}
+
+        def job() -> list:
+            return [(self._summed(flat, what, tags=tags[flat.dtype])[0], entries)
+                    for flat, entries in self._by_dtype(finish())]
+
+        self._inflight.append(self.ring.submit(job).result)
+
     def exchange(self, accumulate) -> None:
         """Sum what is still pending over the replicate group (ring embeddings' and weight reads' gradients, and
         no-sync windows' contributions), wait for the exchanges started by ``send``, and hand each parameter's
@@ -80,36 +101,46 @@ class Replicas:
         self._start(pending)
         inflight, self._inflight = self._inflight, []
         totals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-        for work, summed, entries in inflight:
-            work.wait()
-            at = 0
-            for param, numel, shape in entries:
-                part = summed[at:at + numel].view(shape)
-                at += numel
-                if id(param) in totals:
-                    totals[id(param)][1].add_(part)
-                else:
-                    totals[id(param)] = (param, part)
+        for done in inflight:
+            for summed, entries in done():
+                at = 0
+                for param, numel, shape in entries:
+                    part = summed[at:at + numel].view(shape)
+                    at += numel
+                    if id(param) in totals:
+                        totals[id(param)][1].add_(part)
+                    else:
+                        totals[id(param)] = (param, part)
         for param, grad in sorted(totals.values(), key=lambda e: self._index.get(id(e[0]), len(self._index))):
             accumulate(param, grad)
 
     def _start(self, contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        for flat, entries in self._by_dtype(contributions):
+            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True)
+
+            def done(work=work, summed=summed, entries=entries) -> list:
+                work.wait()
+                return [(summed, entries)]
+
+            self._inflight.append(done)
+
+    @staticmethod
+    def _by_dtype(contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> list[tuple[torch.Tensor, list]]:
+        """Per dtype (in a fixed order): the shards in one flat buffer, and ``(param, numel, shape)`` of each."""
         by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         for param, grad in contributions:
             by_dtype.setdefault(grad.dtype, []).append((param, grad))
-        for dtype in sorted(by_dtype, key=str):
-            entries = by_dtype[dtype]
-            flat = torch.cat([g.reshape(-1) for _, g in entries])
-            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True)
-            self._inflight.append((work, summed, [(p, g.numel(), g.shape) for p, g in entries]))
+        return [(torch.cat([g.reshape(-1) for _, g in by_dtype[d]]), [(p, g.numel(), g.shape) for p, g in by_dtype[d]])
+                for d in sorted(by_dtype, key=str)]
 
     def exchange_now(self, grad: torch.Tensor, what: str) -> torch.Tensor:
         """``grad`` summed over the replicate group (a gradient that goes back through autograd)."""
         return self._summed(grad.reshape(-1), what)[0].view_as(grad)
 
-    def _summed(self, flat: torch.Tensor, what: str, async_op: bool = False):
+    def _summed(self, flat: torch.Tensor, what: str, async_op: bool = False, tags: tuple[int, int] = (None, None)):
         """A ring all-reduce (reduce-scatter, then all-gather) of ``flat``, padded to a multiple of R: the sum and,
-        with ``async_op``, the work to wait for before reading it (else None)."""
+        with ``async_op``, the work to wait for before reading it (else None). ``tags``: of the two ring ops
+        (default: drawn now)."""
         r = self.size
         part = -(-flat.numel() // r)
         padded = flat.new_zeros(part * r)
@@ -117,10 +148,10 @@ class Replicas:
         mine = padded.new_empty(part)
         label = f"{what} across the model's copies (HSDP)"
         ring_reduce_scatter(mine, padded, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb, label=label,
-                            async_op=async_op)
+                            async_op=async_op, tag=tags[0])
         # Ops of one ring run in the order they were issued (its one thread on CPU, its stream on CUDA)
         work = ring_all_gather(padded, mine, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb,
-                               label=label, async_op=async_op)
+                               label=label, async_op=async_op, tag=tags[1])
         return padded[:flat.numel()], work
 
 

@@ -251,10 +251,19 @@ class Landing:
 
     def complete(self) -> None:
         self.grads.last.wait()
+        self.state.accumulate_grads(self._final(), self.dtypes, self.train)
+
+    def finish(self) -> list:
+        """HSDP, on the replicate ring's thread (CPU): wait for the last step there and return the parameters'
+        gradient shards, to cross the copies (``Replicas.after``)."""
+        self.grads.last.future.result()
+        return self.state.landed_grads(self._final(), self.dtypes, self.train)
+
+    def _final(self) -> torch.Tensor:
         final = self.grads.final()
         if self.post != 1.0:
             final.div_(self.post)
-        self.state.accumulate_grads(final, self.dtypes, self.train)
+        return final
 
 
 class FusedSchedule:
@@ -449,10 +458,20 @@ class FusedSchedule:
         self._landing.append(landing)
 
     def land(self, block: bool) -> None:
-        """Complete the landings whose last step arrived (``block``: all of them, waiting), in request order."""
-        while self._landing and (block or (self._landing[0].grads.last is not None
-                                           and self._landing[0].grads.last.done())):
-            self._landing.pop(0).complete()
+        """Complete the landings whose last step arrived (``block``: all of them, waiting), in request order.
+        HSDP on CPU: a landing whose last step is requested goes to the replicate ring at once, whose thread
+        completes it when the step lands and sends it across the copies (``Replicas.after``): the host, which may
+        run ahead of the compute (a GPU's, an emulated one's), never holds it back until the end of the backward."""
+        replicas = self.engine.replicas
+        while self._landing:
+            head = self._landing[0]
+            if replicas is not None and head.grads.last is not None and head.grads.last.future is not None:
+                landing = self._landing.pop(0)
+                replicas.after(landing.finish, landing.dtypes)
+            elif block or (head.grads.last is not None and head.grads.last.done()):
+                self._landing.pop(0).complete()
+            else:
+                break
 
     # -- across layers ---------------------------------------------------------------------------------------
 

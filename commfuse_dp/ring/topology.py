@@ -75,16 +75,17 @@ class Ring:
                     self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commfuse-ring")
         return self._executor
 
-    def submit(self, run: Callable[[], None]) -> Future:
-        """Run ``run`` on the ring thread after the ops submitted before it; under an emulated accelerator
-        (``set_device_clock``), not before the compute issued so far on the calling thread has ended."""
+    def submit(self, run: Callable[[], object]) -> Future:
+        """Run ``run`` on the ring thread after the ops submitted before it (the future holds what it returns);
+        under an emulated accelerator (``set_device_clock``), not before the compute issued so far on the calling
+        thread has ended."""
         ready = device_ready()
         if ready is None:
             return self.executor.submit(run)
 
-        def gated() -> None:
+        def gated():
             wait_until(ready)
-            run()
+            return run()
 
         return self.executor.submit(gated)
 
