@@ -135,3 +135,26 @@ def _coalesced_and_async_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_coalesced_and_async(world_size):
     run_ranks(_coalesced_and_async_worker, world_size)
+
+
+def _submit_worker(rank, world_size):
+    import time
+
+    from commfuse_dp.ring.topology import get_ring, set_device_clock
+
+    ring = get_ring()
+    plain = ring.submit(lambda: rank + 1).result()
+    started = time.perf_counter()
+    set_device_clock(lambda: started + 0.05)  # an emulated device busy for 50 ms more
+    try:
+        gated = ring.submit(lambda: (rank + 2, time.perf_counter())).result()
+    finally:
+        set_device_clock(None)
+    return plain, gated[0], gated[1] - started
+
+
+def test_submit_returns_the_value_also_behind_a_device_clock():
+    """``Ring.submit``'s future holds what the job returned, also when the job waits for an emulated device first
+    (HSDP's replica exchange reads it: ``fused/replicas.py``), and the job does not start before that device time."""
+    for rank, (plain, gated, after) in enumerate(run_ranks(_submit_worker, 2)):
+        assert (plain, gated) == (rank + 1, rank + 2) and after >= 0.05
