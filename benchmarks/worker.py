@@ -53,6 +53,7 @@ VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
+TIMELINE_VARIANTS = ("fused", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
 
 def model_config(args):
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
     if args.timeline:
         from commfuse_dp.stats import record_timeline
 
-        for name in ("fused", "slicing"):
+        for name in TIMELINE_VARIANTS:
             if name in runners:
                 dist.barrier()
                 with record_timeline() as timeline:
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"
         result["lookahead_mb"] = args.lookahead_mb  # the fused variant's (fused_lockstep: 0)
         result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
-                               for name in ("fused", "slicing") if name in names and args.timeline}
+                               for name in TIMELINE_VARIANTS if name in names and args.timeline}
         with open(args.out, "w") as f:
             json.dump(result, f)
     dist.barrier()
