@@ -75,7 +75,14 @@ class Replicas:
         ``exchange`` waits for it. Only what this landing brought crosses here, never the pending entries: which
         of those exist when a landing completes depends on timing, and every rank of the replicate group must
         start the same exchanges in the same order (landings complete in request order, the same everywhere)."""
-        self._start(contributions)
+        for flat, entries in self._by_dtype(contributions):
+            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True)
+
+            def done(work=work, summed=summed, entries=entries) -> list:
+                work.wait()
+                return [(summed, entries)]
+
+            self._inflight.append(done)
 
     def after(self, finish, dtypes) -> None:
         """CPU: on the replicate ring's thread, in order with the exchanges before it, run ``finish()`` (it waits
@@ -98,7 +105,7 @@ class Replicas:
         sum to ``accumulate(param, shard)`` once, in registration order (its hooks run once)."""
         pending = sorted(self._pending.values(), key=lambda e: self._index.get(id(e[0]), len(self._index)))
         self._pending = {}
-        self._start(pending)
+        self.send(pending)
         inflight, self._inflight = self._inflight, []
         totals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         for done in inflight:
@@ -113,16 +120,6 @@ class Replicas:
                         totals[id(param)] = (param, part)
         for param, grad in sorted(totals.values(), key=lambda e: self._index.get(id(e[0]), len(self._index))):
             accumulate(param, grad)
-
-    def _start(self, contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        for flat, entries in self._by_dtype(contributions):
-            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True)
-
-            def done(work=work, summed=summed, entries=entries) -> list:
-                work.wait()
-                return [(summed, entries)]
-
-            self._inflight.append(done)
 
     @staticmethod
     def _by_dtype(contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> list[tuple[torch.Tensor, list]]:
