@@ -129,7 +129,8 @@ def _sync_site() -> str:
         if "/torch/" not in frame.filename and "warnings" not in frame.filename and \
                 not frame.filename.endswith("cuda_check.py"):
             return f"{os.path.relpath(frame.filename, os.path.dirname(HERE))}:{frame.lineno} {frame.name}"
-    return "?"
+    torch_frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" in f.filename]
+    return "? " + " < ".join(f"{f.filename.split('/torch/')[-1]}:{f.lineno} {f.name}" for f in reversed(torch_frames[-4:]))
 
 
 def _train(model, batches, device, autocast: bool, sync_debug: bool):
@@ -214,7 +215,7 @@ def part_fake(args) -> dict:
     # A fake group moves no bytes, so the cross-rank agreement check (a gather of pickled objects) cannot run.
     sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
     if os.environ.get("CUDA_CHECK_HOLD_PARTS"):
-        _hold_sliced_parts()
+        _hold_freed_buffers()
     result = {}
     for schedule in ("fused", "lockstep", "slicing", "hsdp-fused"):
         replicate = 2 if schedule.startswith("hsdp") else 1  # HSDP: 2 copies of world/2 ranks
@@ -230,12 +231,18 @@ def part_fake(args) -> dict:
         label = f"llama/{schedule}" + (f"/replicate={replicate}" if replicate > 1 else "")
         result[label] = {"ran_steps": len(losses), "host_syncs_in_steps_2_to_3": syncs,
                          "ring_steps": stats.ring_steps, "exposed_comm_s": stats.exposed_comm_s}
+        replicas = model._commfuse_engine.replicas
+        if replicas is not None and device.type == "cuda":
+            # fused landings completed and sent across the copies on the replicate ring's stream, not by compute
+            result[label]["landings_on_replicate_stream"] = replicas.on_stream
+            if replicas.on_stream == 0:
+                raise AssertionError(f"{label}: no landing was handed to the replicate ring's stream")
     return result
 
 
-def _hold_sliced_parts() -> None:
-    """Keep each async reduce-scatter's input alive until the end of the backward instead of freeing it at once
-    under ``record_stream``. The CUDA sanitizer keys accesses by data pointer and forgets only a freed block's base
+def _hold_freed_buffers() -> None:
+    """Keep each async reduce-scatter's input (slicing) and each gradient ring handed to the replicate ring's stream
+    (HSDP fused) alive until the end of the backward instead of freeing it at once under ``record_stream``. The CUDA sanitizer keys accesses by data pointer and forgets only a freed block's base
     pointer, not the views at offsets inside it, so a block reused after ``record_stream`` allowed it reads as a race
     (its report says "Trace for tensor allocation not found"). If the sanitizer is clean with this, what it
     reported without it was that reuse."""
@@ -253,6 +260,20 @@ def _hold_sliced_parts() -> None:
         held.clear()
 
     SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward = reduce_scatter, end_backward
+
+    from commfuse_dp.fused.replicas import Replicas
+
+    after_event, exchange = Replicas.after_event, Replicas.exchange
+
+    def held_after_event(self, finish, event, buffers):
+        held.append(buffers)
+        return after_event(self, finish, event, buffers)
+
+    def held_exchange(self, accumulate):
+        exchange(self, accumulate)
+        held.clear()
+
+    Replicas.after_event, Replicas.exchange = held_after_event, held_exchange
 
 
 def part_gemm(args) -> dict:

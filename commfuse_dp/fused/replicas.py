@@ -11,8 +11,9 @@ gradient crosses the copies on its own, and only the sums go into ``.grad``:
   dtype over the replicate group, on that group's own ring, beside the rest of the backward. On CPU the landing is
   handed to the replicate ring's thread as soon as its last step is requested (``after``): that thread waits for
   the step, completes the shard and sums it, so a host running ahead of its compute (beside a GPU, or the bench's
-  emulated one) does not hold it back; elsewhere the compute thread completes the landing and starts the exchange
-  asynchronously (``send``: the ring's thread on CPU, its stream on CUDA). Landings are handed over and completed in
+  emulated one) does not hold it back. On CUDA the same happens on the replicate ring's stream (``after_event``):
+  it waits for the compute enqueued so far and for the last step's event, then completes the shard and sums it;
+  the host goes on at once. Landings are handed over and completed in
   request order, the same on every rank, and their ring tags are drawn on the compute thread, so every rank of a
   replicate group runs the same exchanges in the same order.
 - a ring embedding's or weight read's gradient that autograd would put into ``.grad`` is kept *pending*; under
@@ -45,6 +46,7 @@ class Replicas:
         # exchanges started, in order: each a call that waits for it and returns [(summed flat, [(param, numel,
         # shape)])]
         self._inflight: list = []
+        self.on_stream = 0  # CUDA: landings completed on the replicate ring's stream (``after_event``)
 
     @property
     def size(self) -> int:
@@ -99,6 +101,21 @@ class Replicas:
 
         self._inflight.append(self.ring.submit(job).result)
 
+    def after_event(self, finish, event: torch.cuda.Event, buffers: list[torch.Tensor]) -> None:
+        """CUDA: enqueue ``finish()`` (it completes a fused group's gradient shard from ``buffers``) and the sum of
+        its shards over the replicate group on the replicate ring's stream, after the compute enqueued so far and
+        the last gradient step (``event``, on the shard ring's stream). The compute stream goes on; ``exchange``
+        makes it wait. Called on the compute thread in request order, so the ring tags are drawn in order."""
+        device = buffers[0].device
+        stream = self.ring.comm_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the landing's last piece wrote its partial
+        stream.wait_event(event)
+        for t in buffers:  # freed by the compute thread when the layer's backward is gone
+            t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            self.send(finish())
+        self.on_stream += 1
+
     def exchange(self, accumulate) -> None:
         """Sum what is still pending over the replicate group (ring embeddings' and weight reads' gradients, and
         no-sync windows' contributions), wait for the exchanges started by ``send``, and hand each parameter's
@@ -110,6 +127,8 @@ class Replicas:
         totals: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         for done in inflight:
             for summed, entries in done():
+                if summed.is_cuda:  # made on the replicate ring's stream, read below on the current one
+                    summed.record_stream(torch.cuda.current_stream(summed.device))
                 at = 0
                 for param, numel, shape in entries:
                     part = summed[at:at + numel].view(shape)

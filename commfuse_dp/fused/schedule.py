@@ -254,10 +254,16 @@ class Landing:
         self.state.accumulate_grads(self._final(), self.dtypes, self.train)
 
     def finish(self) -> list:
-        """HSDP, on the replicate ring's thread (CPU): wait for the last step there and return the parameters'
-        gradient shards, to cross the copies (``Replicas.after``)."""
-        self.grads.last.future.result()
+        """HSDP: the parameters' gradient shards, to cross the copies. CPU: on the replicate ring's thread, after
+        waiting for the last step there (``Replicas.after``). CUDA: enqueued on the replicate ring's stream, which
+        waits for the last step's event first (``Replicas.after_event``)."""
+        if self.grads.last.future is not None:
+            self.grads.last.future.result()
         return self.state.landed_grads(self._final(), self.dtypes, self.train)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """What ``finish`` reads and writes: another stream uses them (CUDA's ``record_stream``)."""
+        return [t for t in (self.grads.parts, self.grads.racc) if t is not None]
 
     def _final(self) -> torch.Tensor:
         final = self.grads.final()
@@ -459,15 +465,20 @@ class FusedSchedule:
 
     def land(self, block: bool) -> None:
         """Complete the landings whose last step arrived (``block``: all of them, waiting), in request order.
-        HSDP on CPU: a landing whose last step is requested goes to the replicate ring at once, whose thread
-        completes it when the step lands and sends it across the copies (``Replicas.after``): the host, which may
-        run ahead of the compute (a GPU's, an emulated one's), never holds it back until the end of the backward."""
+        HSDP: a landing whose last step is requested goes to the replicate ring at once, which completes it when the
+        step lands and sends it across the copies (CPU: its thread, ``Replicas.after``; CUDA: its stream,
+        ``Replicas.after_event``): the host, which may run ahead of the compute (a GPU's, an emulated one's), never
+        holds it back until the end of the backward."""
         replicas = self.engine.replicas
         while self._landing:
             head = self._landing[0]
-            if replicas is not None and head.grads.last is not None and head.grads.last.future is not None:
+            last = head.grads.last
+            if replicas is not None and last is not None and last.future is not None:
                 landing = self._landing.pop(0)
                 replicas.after(landing.finish, landing.dtypes)
+            elif replicas is not None and last is not None and last.event is not None:
+                landing = self._landing.pop(0)
+                replicas.after_event(landing.finish, last.event, landing.buffers())
             elif block or (head.grads.last is not None and head.grads.last.done()):
                 self._landing.pop(0).complete()
             else:
