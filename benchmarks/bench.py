@@ -20,7 +20,10 @@ shards, optimizer state) plus the peak of the process's resident size during a s
 Exposed communication is a schedule's step time minus compute alone at the same rate; it includes the CPU time the
 communication takes from compute on shared cores (the ``concurrent`` bound shows how much). ``waited`` (fused and
 slicing) is the time the compute thread was blocked on ring steps (``commfuse_dp.step_stats``), medians of the
-slowest rank. The overlap limit is max(compute alone, communication alone). Needs root (network namespaces); every run is bounded by ``--timeout``.
+slowest rank. ``opt s`` is the optimizer's step (and ``zero_grad``) on the host, slowest rank: never emulated, so
+under ``--compute emulated`` it is real CPU work on cores the ranks share, and HSDP's covers R times the parameters
+of a flat shard (compute alone's covers a flat one): compare HSDP's step minus it. The overlap limit is max(compute
+alone, communication alone). Needs root (network namespaces); every run is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
         rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"],
-                     "waited_s": v.get("waited_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
+                     "waited_s": v.get("waited_s"), "opt_s": v.get("opt_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
                      "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows
@@ -126,7 +129,7 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
     if records:
         print(f"\ncompute: {records[0]['compute']}")
     print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
-          f"{'peak MiB':>9} {'x limit':>7} {'cpu s':>6} {'faults k':>8}")
+          f"{'peak MiB':>9} {'x limit':>7} {'opt s':>6} {'cpu s':>6} {'faults k':>8}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
         mark = "  <- balanced" if rate == balanced else ""
         for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: (VARIANTS + EXTRA_VARIANTS).index(r["schedule"])):
@@ -135,10 +138,11 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
             exposed = f"{r['exposed_s']:.3f}" if r["exposed_s"] is not None else "-"
             waited = f"{r['waited_s']:.3f}" if r.get("waited_s") is not None else "-"
             cpu = f"{r['cpu_s']:.3f}" if r.get("cpu_s") is not None else "-"
+            opt = f"{r['opt_s']:.3f}" if r.get("opt_s") is not None else "-"
             faults = f"{r['minor_faults'] / 1000:.1f}" if r.get("minor_faults") is not None else "-"
             note = CPU_NOTES.get(r["schedule"], "")
             print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
-                  f"{mem:>9} {ratio:>7} {cpu:>6} {faults:>8}  {note}{mark}")
+                  f"{mem:>9} {ratio:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
     print(f"\nnote: {SHAPING_NOTE.format(burst=burst_kb)}")
 

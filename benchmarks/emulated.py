@@ -69,6 +69,7 @@ class EmulatedAccelerator(TorchDispatchMode):
         # FLOPs and output shapes by the call's signature (op, shapes, strides, dtypes, other arguments): the meta
         # computation that finds them costs the host about as much as a small real kernel, once per piece otherwise.
         self._known: dict = {}
+        self.spans: list[tuple[float, float]] | None = None  # a list: record (start, end) of each piece (timelines)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -126,7 +127,10 @@ class EmulatedAccelerator(TorchDispatchMode):
 
     def _wait(self, seconds: float) -> None:
         now = time.perf_counter()
-        self._due = max(self._due, now) + seconds
+        start = max(self._due, now)
+        self._due = start + seconds
+        if self.spans is not None:
+            self.spans.append((start, self._due))
         ahead = self._due - now
         if not self.host_ahead and ahead > MIN_SLEEP_S:
             time.sleep(ahead)

@@ -85,6 +85,7 @@ class Runner:
         self.name, self.args, self.rank, self.world = name, args, rank, world
         self.batch = make_batch(args, rank)
         self.model = None
+        self.opt_s: float | None = None  # the last step's optimizer time (None: no optimizer of ours runs)
         self.accelerator = None  # --compute emulated: an EmulatedAccelerator (benchmarks/emulated.py)
         if getattr(args, "compute", "real") == "emulated":
             from .emulated import EmulatedAccelerator
@@ -255,11 +256,14 @@ class Runner:
             loss = self.engine(**self.batch).loss
             self.engine.backward(loss)
             self._synchronize()
+            began = time.perf_counter()
             self.engine.step()
+            self.opt_s = time.perf_counter() - began
             return
         loss = self.model(**self.batch).loss
         loss.backward()
         self._synchronize()  # the optimizer runs on the host after the emulated backward, as a GPU's after its own
+        began = time.perf_counter()
         if self.name in ("compute_only", "concurrent"):
             for p, view in self._owned:
                 view.grad = p.grad.view(-1).chunk(self.world)[self.rank]
@@ -267,6 +271,7 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         if self.name in ("compute_only", "concurrent"):
             self.model.zero_grad(set_to_none=True)
+        self.opt_s = time.perf_counter() - began
 
 
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -362,6 +367,9 @@ def main(argv=None) -> int:
     runners = {name: Runner(name, args, rank, world) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     waited: dict[str, list[float]] = {name: [] for name in names}  # fused/slicing: time blocked on the rings
+    # the optimizer's step on the host (never emulated: real CPU, which 4-8 ranks share here; HSDP's works on
+    # R times the parameters of a flat shard)
+    opt: dict[str, list[float | None]] = {name: [] for name in names}
     # Host work per step: this process's CPU seconds (user + system, every thread: compute, the ring's thread, gloo)
     # and minor page faults (first touches of freshly allocated memory). Under --compute emulated the GEMMs sleep,
     # so CPU seconds are the host work of the schedule itself.
@@ -377,6 +385,7 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 runner.step()
                 times[name].append(time.perf_counter() - start)
+                opt[name].append(runner.opt_s)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 host[name].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
                                    after.ru_minflt - before.ru_minflt))
@@ -401,12 +410,25 @@ def main(argv=None) -> int:
         for name in TIMELINE_VARIANTS:
             if name in runners:
                 dist.barrier()
+                accelerator = runners[name].accelerator
+                if accelerator is not None:
+                    accelerator.spans = []
                 with record_timeline() as timeline:
                     runners[name].step()
+                if accelerator is not None:  # the emulated device's busy time (back-to-back pieces merged)
+                    busy: list[list[float]] = []
+                    for t0, t1 in accelerator.spans:
+                        if busy and t0 <= busy[-1][1] + 1e-6:
+                            busy[-1][1] = t1
+                        else:
+                            busy.append([t0, t1])
+                    timeline.events += [{"lane": "device", "op": "busy", "step": i, "t0": t0 - timeline.origin,
+                                         "t1": t1 - timeline.origin} for i, (t0, t1) in enumerate(busy)]
+                    accelerator.spans = None
                 timelines[name] = timeline.events
     gathered: list[dict | None] = [None] * world
     dist.all_gather_object(gathered, {"times": times, "waited": waited, "memory": memory, "timelines": timelines,
-                                      "host": host})
+                                      "host": host, "opt": opt})
     if rank == 0:
         result = {"variants": {}}
         for name in names:
@@ -417,6 +439,9 @@ def main(argv=None) -> int:
                                               for i in range(len(waited[name]))) if waited[name] else None,
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
                 # medians over steps of the mean over ranks
+                "opt_s": statistics.median(max(g["opt"][name][i] for g in gathered)
+                                           for i in range(len(opt[name]))) if opt[name] and None not in opt[name]
+                else None,
                 "cpu_s": statistics.median(sum(g["host"][name][i][0] for g in gathered) / world
                                            for i in range(len(host[name]))) if host[name] else None,
                 "minor_faults": statistics.median(sum(g["host"][name][i][1] for g in gathered) / world

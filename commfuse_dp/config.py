@@ -259,6 +259,24 @@ class CommFuseConfig:
         return dataclasses.replace(self, **changes)
 
 
+def with_parallelism(cfg: CommFuseConfig, sizes: Mapping[str, Any], where: str,
+                     cfg_name: str = "CommFuseConfig's") -> CommFuseConfig:
+    """``cfg`` with accelerate's HSDP size (``ParallelismConfig``'s ``dp_replicate_size``, here ``sizes``) as
+    ``replicate``; ``dp_shard_size`` is then world / R. Tensor, context and sequence parallel sizes above 1 are
+    refused, and so is a ``cfg.replicate`` that says otherwise (``where``, ``cfg_name``: named in the error)."""
+    other = {k: v for k, v in sizes.items() if k in ("tp_size", "cp_size", "sp_size") and int(v or 1) > 1}
+    if other:
+        raise ValueError(f"{where} asks for {other}; commfuse shards the data-parallel dimension only "
+                         f"(dp_replicate_size for HSDP): remove them")
+    replicate = int(sizes.get("dp_replicate_size") or 1)
+    if replicate <= 1:
+        return cfg
+    if cfg.replicate not in (1, replicate):
+        raise ValueError(f"{where}: dp_replicate_size={replicate} disagrees with {cfg_name} replicate={cfg.replicate}: "
+                         f"give one of them")
+    return dataclasses.replace(cfg, replicate=replicate)
+
+
 def _number(name: str, value: Any, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"CommFuseConfig.{name}={value!r}: must be a number")

@@ -243,24 +243,20 @@ def _replicate_from_parallelism(accel_part: dict, cfg, replicate_flag: int, path
     file, or ``--parallelism_config_dp_replicate_size R``) as ``CommFuseConfig.replicate``. accelerate itself allows
     a parallelism config only with FSDP2, which commfuse replaces, so the block is taken out of what accelerate
     reads; ``dp_shard_size`` is then world / R, and tensor, context or sequence parallel sizes are refused."""
+    from commfuse_dp.config import with_parallelism
+
     block = accel_part.pop("parallelism_config", None) or {}
     sizes = {key.removeprefix("parallelism_config_"): value for key, value in block.items()}
-    other = {k: v for k, v in sizes.items() if k in ("tp_size", "cp_size", "sp_size") and int(v or 1) > 1}
-    if other:
-        raise LaunchError(f"{path}: parallelism_config asks for {other}; commfuse shards the data-parallel "
-                          f"dimension only (dp_replicate_size for HSDP): remove them")
     replicate = int(sizes.get("dp_replicate_size") or 1)
     if replicate_flag and replicate_flag > 1:
         if replicate > 1 and replicate != replicate_flag:
             raise LaunchError(f"--parallelism_config_dp_replicate_size {replicate_flag} disagrees with the config "
                               f"file's dp_replicate_size {replicate}: give one")
-        replicate = replicate_flag
-    if replicate <= 1:
-        return cfg
-    if cfg.replicate not in (1, replicate):
-        raise LaunchError(f"accelerate's dp_replicate_size={replicate} disagrees with the commfuse: block's "
-                          f"replicate={cfg.replicate}: give one of them")
-    return dataclasses.replace(cfg, replicate=replicate)
+        sizes["dp_replicate_size"] = replicate_flag
+    try:
+        return with_parallelism(cfg, sizes, f"{path}: accelerate's parallelism_config", "the commfuse: block's")
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
 
 
 def _is_cpu(args: argparse.Namespace, accel_part: dict) -> bool:

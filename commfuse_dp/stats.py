@@ -93,14 +93,18 @@ class StatsRecorder:
 
 @dataclass
 class Timeline:
-    """Intervals of one rank: ``{"lane": "compute" | "ring" | "ring-thread", "op", "step", "t0", "t1"}``,
-    seconds from the start of the recording. Ring steps run by the main thread (fused) are drawn on the ``ring``
-    lane beside the compute they overlap; those of the ring thread (async collectives) on ``ring-thread``."""
+    """Intervals of one rank: ``{"lane", "op", "step", "t0", "t1"}``, seconds from ``origin`` (a
+    ``perf_counter()`` time, the start of the recording). Lanes (``LANES``): ``compute`` (the host's compute
+    pieces), ``ring`` (ring steps the main thread waited for, fused), ``ring-thread`` (the ring thread's work: the
+    link's steps and async collectives), ``ring-thread-2`` (a second ring's thread: HSDP's replicate group),
+    ``device`` (an emulated accelerator's busy time, added by the bench)."""
 
     events: list[dict] = field(default_factory=list)
+    origin: float = field(default_factory=time.perf_counter)
+    LANES = ("compute", "device", "ring", "ring-thread", "ring-thread-2")
 
     def chrome_trace(self, rank: int = 0) -> list[dict]:
-        lanes = {"compute": 0, "ring": 1, "ring-thread": 2}
+        lanes = {lane: tid for tid, lane in enumerate(self.LANES)}
         trace = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
                  for lane, tid in lanes.items()]
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
@@ -115,8 +119,9 @@ def record_timeline() -> Iterator[Timeline]:
     """Record the ring steps and compute pieces of everything run inside (cost: a clock read per event)."""
     from .ring.transport import observe_ring
 
-    timeline, origin = Timeline(), time.perf_counter()
-    main = threading.get_ident()
+    timeline = Timeline()
+    origin, main = timeline.origin, threading.get_ident()
+    thread_lanes: dict[int, str] = {}  # ring threads by first appearance: a second one is HSDP's replicate ring
     open_steps: dict[tuple[int, str, int], float] = {}
     open_compute: dict[tuple[str, int], float] = {}
 
@@ -127,7 +132,8 @@ def record_timeline() -> Iterator[Timeline]:
         elif event in ("done", "landed"):
             t0 = open_steps.pop((thread, op, step), None)
             if t0 is not None:
-                lane = "ring" if thread == main else "ring-thread"
+                lane = "ring" if thread == main else thread_lanes.setdefault(
+                    thread, "ring-thread" if not thread_lanes else f"ring-thread-{len(thread_lanes) + 1}")
                 timeline.events.append({"lane": lane, "op": op, "step": step, "t0": t0, "t1": now})
         elif event == "compute_begin":
             open_compute[(op, step)] = now

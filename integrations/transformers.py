@@ -100,7 +100,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 
 from commfuse_dp import checkpoint as ckpt
-from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.config import CommFuseConfig, with_parallelism
 from commfuse_dp.integrations.accelerate import prepare_sharded
 from commfuse_dp.shard import shard
 
@@ -388,7 +388,7 @@ class CommFuseCallback(TrainerCallback):
                                "`torchrun --nproc_per_node N` (or `accelerate launch`); on CPU also pass "
                                "use_cpu=True to TrainingArguments (or set ACCELERATE_USE_CPU=true)")
         if getattr(model, "_commfuse_engine", None) is None:
-            shard(model, self.cfg)
+            shard(model, self._with_parallelism(args))
         if trainer is not None:
             _take_over_checkpoints(trainer)
             # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
@@ -403,6 +403,19 @@ class CommFuseCallback(TrainerCallback):
         model._is_accelerate_prepared = True
         self.model = model
         return control
+
+    def _with_parallelism(self, args) -> CommFuseConfig:
+        """The config, with HSDP from ``TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R,
+        dp_shard_size=S))`` as ``replicate=R`` (accelerate builds its own mesh of it but, without FSDP, shards
+        nothing). Only the user's own field is read: the Accelerator's copy, when none was given, says
+        ``dp_replicate_size = world`` (its DDP default)."""
+        pc = getattr(args, "parallelism_config", None)
+        if pc is None:
+            return self.cfg
+        sizes = {k: getattr(pc, k, None) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+                                                   "sp_size")}
+        return with_parallelism(self.cfg, sizes, "CommFuseCallback: TrainingArguments.parallelism_config",
+                                "the callback's CommFuseConfig")
 
     def _add_micro_batch(self, model) -> None:
         engine = getattr(model if model is not None else self.model, "_commfuse_engine", None)

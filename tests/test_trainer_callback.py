@@ -206,3 +206,28 @@ def test_two_callbacks_on_one_trainer_only_one_acts():
     trainer.callback_handler.callbacks = [first, second]
     assert not first._defer(trainer) and second._defer(trainer)
     assert not cls()._defer(None)
+
+
+@pytest.mark.parametrize("sizes, replicate, error", [
+    ({"dp_replicate_size": 2, "dp_shard_size": 2}, 2, None),
+    ({"dp_replicate_size": 1, "dp_shard_size": 4}, 1, None),
+    ({"dp_shard_size": 2, "tp_size": 2}, None, "data-parallel dimension only"),
+    ({"dp_replicate_size": 4, "dp_shard_size": 1, "cfg_replicate": 2}, None, "disagrees with the callback's"),
+])
+def test_trainer_parallelism_config_becomes_replicate(sizes, replicate, error):
+    """TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R, ...)) asks the callback for HSDP
+    (tests/test_multinode.py runs it at 2 x 2 against DDP); tensor parallel sizes and a disagreeing config are
+    refused."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from commfuse_dp import CommFuseConfig
+
+    cfg = CommFuseConfig(replicate=sizes.pop("cfg_replicate", 1))
+    cb = _integration()(cfg)
+    pc = ParallelismConfig(**sizes)
+    if error:
+        with pytest.raises(ValueError, match=error):
+            cb._with_parallelism(_args(parallelism_config=pc))
+        return
+    assert cb._with_parallelism(_args(parallelism_config=pc)).replicate == replicate
+    assert cb._with_parallelism(_args()).replicate == 1  # no parallelism_config: the config as given
