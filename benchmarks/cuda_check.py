@@ -326,10 +326,24 @@ def part_gemm(args) -> dict:
                     dx.addmm_(dy[:, lo:hi], w[lo:hi])
                     torch.mm(dy[:, lo:hi].t(), x, out=dw[lo:hi])
 
+            def backward_dx():
+                dx.zero_()
+                for lo, hi in cuts:
+                    dx.addmm_(dy[:, lo:hi], w[lo:hi])
+
+            def backward_dw():
+                for lo, hi in cuts:
+                    torch.mm(dy[:, lo:hi].t(), x, out=dw[lo:hi])
+
             f, b = timed(forward), timed(backward)
             flops = 2 * tokens * fan_in * fan_out
+            # the backward's two halves on their own: dx summed over n products of K = out/n (the thin ones), dW
+            # shard by shard (K = tokens)
             row[n] = {"forward_s": f, "backward_s": b, "forward_tflops": flops / f / 1e12,
-                      "backward_tflops": 2 * flops / b / 1e12}
+                      "backward_tflops": 2 * flops / b / 1e12, "backward_dx_s": timed(backward_dx),
+                      "backward_dw_s": timed(backward_dw)}
+        wc = torch.empty_like(w)
+        row["weight_copy_s"] = timed(lambda: wc.copy_(w))  # gathering a group's rows into one block
         for n in pieces:
             row[n]["slowdown_vs_whole"] = (row[n]["forward_s"] + row[n]["backward_s"]) / (
                 row[1]["forward_s"] + row[1]["backward_s"])

@@ -78,9 +78,14 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
                     for u in units)  # bytes one rank sends per step
         slowed = replace(cl, cpu_s_per_byte=0.0,
                          flops_per_s=cl.flops_per_s * compute / (compute + cl.cpu_s_per_byte * total))
-        return {**simulate(units, slowed, schedule), "compute_s": compute}
+        r = simulate(units, slowed, schedule)
+        return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slowed.flops_per_s / cl.flops_per_s}
+    # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
+    pieces = plays.piece_extra(units, cl, cl.piece_shards)
+    lockstep_pieces = plays.piece_extra(units, cl)
     if schedule == "slicing":
-        return {"step_s": plays.slicing(units, cl) if n > 1 else compute, "compute_s": compute, "flops": flops}
+        return {"step_s": plays.slicing(units, cl) if n > 1 else compute, "compute_s": compute, "flops": flops,
+                "pieces_s": pieces}
     if schedule == "unit_slicing":
         # Not a schedule of this library: the strongest layer-level overlap, stock FSDP2's shape with its collectives
         # on one link (one gather per unit, norms included, one unit ahead). The link serves requests in issue order:
@@ -111,7 +116,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
         play = plays.lockstep if lockstep else plays.elastic
         t = compute if n == 1 else play(units, cl)
-        return {"step_s": t, "compute_s": compute, "flops": flops}
+        return {"step_s": t, "compute_s": compute, "flops": flops, "pieces_s": lockstep_pieces if lockstep else pieces}
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
@@ -126,17 +131,28 @@ def recommend(cl: Cluster) -> dict:
             "min_fuse_numel": int(2 ** math.ceil(math.log2(max(fuse_bytes / cl.param_bytes, 1))))}
 
 
+def best_piece_shards(model: tuple, cl: Cluster, tokens: int, seq: int) -> int:
+    """The ``piece_shards`` (a power of two up to the ranks) with the shortest fused step; the smallest on a tie."""
+    units = units_for(*model, tokens=tokens, seq=seq)
+    choices = [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
+    times = {g: simulate(units, replace(cl, piece_shards=g), "fused")["step_s"] for g in choices}
+    return min(choices, key=lambda g: (round(times[g], 6), g))
+
+
 def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: float | None = None
             ) -> dict[str, dict]:
-    """Per schedule: step and compute seconds, exposed communication, ``mfu`` (model FLOPs per second against the
-    hardware's peak, ``peak_flops_per_s``; the achievable rate when none is given) and ``of_achievable`` (against
-    ``cl.flops_per_s``, what compute alone reaches: 1.0 means no exposed communication)."""
+    """Per schedule: step and compute seconds (whole GEMMs), ``pieces_s`` (what computing the GEMMs in N pieces
+    adds: fused and slicing, with ``cl.piece_fit``), exposed communication (the rest), ``mfu`` (model FLOPs per
+    second against the hardware's peak, ``peak_flops_per_s``; the achievable rate when none is given) and
+    ``of_achievable`` (against ``cl.flops_per_s``, what compute alone reaches: 1.0 means no exposed
+    communication and no pieces)."""
     peak = peak_flops_per_s or cl.flops_per_s
     units = units_for(*model, tokens=tokens, seq=seq)
     out = {}
     for schedule in SCHEDULES:
         r = simulate(units, cl, schedule)
-        r["exposed_s"] = max(r["step_s"] - r["compute_s"], 0.0)
+        r.setdefault("pieces_s", 0.0)
+        r["exposed_s"] = max(r["step_s"] - r["compute_s"] - r["pieces_s"], 0.0)
         r["mfu"] = r["flops"] / (r["step_s"] * peak)
         r["of_achievable"] = r["flops"] / (r["step_s"] * cl.flops_per_s)
         out[schedule] = r
@@ -291,22 +307,44 @@ SWEEP_LINKS_GBPS = (6.25, 12.5, 25.0, 50.0, 100.0, 200.0, 450.0)
 SWEEP_TOKENS = (2048, 4096, 8192, 16384)
 
 
+def _piece_fit(text: str) -> tuple[float, float] | None:
+    """``--piece-fit``: 'h200', 'none' or 'A,P'."""
+    if text == "none":
+        return None
+    if text == "h200":
+        return plays.H200_PIECE_FIT
+    a, p = (float(x) for x in text.split(","))
+    if a < 0 or p < 0:
+        raise ValueError(text)
+    return a, p
+
+
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
-          against: str = "slicing") -> int:
+          against: str = "slicing", piece_fit: tuple[float, float] | None = None) -> int:
     """Fused step time over ``against``'s (``slicing`` or ``unit_slicing``) for every (ranks, link, tokens per rank)
     of the sweep grid; prints a table and returns the number of cells where fused is slower. The last lines count
-    the cells against both."""
+    the cells against both. With ``piece_fit`` (GEMM pieces cost time), each schedule computes in pieces as its
+    best ``piece_shards`` does: fused the one ``best_piece_shards`` recommends, slicing (which gathers whole
+    layers) all shards at once."""
     model = load_model(model_name)
     print(f"{model_name}: fused (elastic lookahead) step time / {against}'s; {latency_us:g} us per ring step, "
-          f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}; tokens per rank across, ranks x GB/s down")
+          f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}; tokens per rank across, ranks x GB/s down"
+          + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}, each schedule at its best "
+             f"piece_shards" if piece_fit else ""))
     print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
     ratios: dict[str, list[float]] = {"slicing": [], "unit_slicing": []}
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
-            cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes)
+            cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
+                         piece_fit=piece_fit)
             cells = []
             for tokens in SWEEP_TOKENS:
-                r = predict(model, cl, tokens, min(seq, tokens))
+                if piece_fit is None:
+                    r = predict(model, cl, tokens, min(seq, tokens))
+                else:
+                    best = best_piece_shards(model, cl, tokens, min(seq, tokens))
+                    r = {**predict(model, replace(cl, piece_shards=ranks), tokens, min(seq, tokens)),
+                         "fused": predict(model, replace(cl, piece_shards=best), tokens, min(seq, tokens))["fused"]}
                 for name, seen in ratios.items():
                     seen.append(r["fused"]["step_s"] / r[name]["step_s"])
                 ratio = ratios[against][-1]
@@ -338,6 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inter-gbps", type=float, default=50.0,
                         help="--nodes: each rank's own link between nodes, GB/s (default 50: a 400 Gb/s NIC per GPU; "
                              "--link-gbps is then the link inside a node)")
+    parser.add_argument("--piece-fit", default="h200",
+                        help="what a GEMM cut into N pieces of w output rows costs (the fused and slicing schedules "
+                             "compute so): 'h200' (default: 1 + 0.645 (256/w)^0.89, measured on an H200 in bf16 at "
+                             "8192 tokens, benchmarks/cuda_check.py), 'A,P' for 1 + A (256/w)^P, or 'none' (as fast "
+                             "as the whole GEMM)")
+    parser.add_argument("--piece-shards", type=int, default=1,
+                        help="CommFuseConfig.piece_shards of the fused schedule: weight shards per compute piece "
+                             "(default 1)")
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
     parser.add_argument("--sweep", action="store_true",
                         help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
@@ -347,12 +393,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="--sweep: the schedule fused is divided by (slicing: this library's, as it runs; "
                              "unit_slicing: one gather per decoder layer, norms included, stock FSDP2's shape)")
     args = parser.parse_args(argv)
+    try:
+        fit = _piece_fit(args.piece_fit)
+    except ValueError:
+        parser.error(f"--piece-fit {args.piece_fit!r}: give 'h200', 'none' or two numbers 'A,P' (e.g. 0.645,0.89)")
     if args.calibrate:
         return calibrate(args.calibrate, args.latency_us)
     if args.sweep:
-        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against)
+        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit)
         return 0
-    for name in ("ranks", "tokens", "seq", "dtype_bytes"):
+    for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("link_gbps", "tflops", "peak_tflops"):
@@ -363,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"hardware's peak); give the peak of the accelerator you plan for")
     model = load_model(args.model)
     cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
-                 args.dtype_bytes, args.dtype_bytes)
+                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards)
     if args.nodes != 1:
         if args.nodes < 1 or args.ranks % args.nodes:
             parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
@@ -374,15 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
     print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
           f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
-    print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'MFU':>6} {'of achievable':>13}")
+    print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'pieces s':>8} {'MFU':>6} {'of achievable':>13}")
     for schedule, r in results.items():
-        print(f"{schedule:>12} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['mfu']:>6.1%} "
+        print(f"{schedule:>12} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['pieces_s']:>8.3f} {r['mfu']:>6.1%} "
               f"{r['of_achievable']:>13.1%}")
     print("MFU: model FLOPs per second against --peak-tflops; of achievable: against --tflops (compute alone)")
+    print(f"pieces: what computing each GEMM in {args.ranks // args.piece_shards if args.piece_shards <= args.ranks else 1}"
+          f" pieces adds (fused and slicing, lockstep in {args.ranks}; --piece-shards {args.piece_shards}, --piece-fit "
+          f"{args.piece_fit})")
     print("unit_slicing: not a schedule of this library; one gather per decoder layer, norms included, one layer "
           "ahead (stock FSDP2's shape on one link): the bound of layer-level overlap")
     rec = recommend(cl)
-    print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']})")
+    best = best_piece_shards(model, cl, args.tokens, args.seq)
+    print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}, "
+          f"piece_shards={best})")
     return 0
 
 

@@ -19,6 +19,7 @@ class Unit:
     groups: tuple[int, ...] = ()  # the fused groups' weight elements, in order (sum: fused_numel)
     tokens: int = 0
     table: tuple[int, int] | None = None  # (rows, width) of a ring embedding (``CommFuseConfig.ring_embeddings``)
+    outs: tuple[int, ...] = ()  # the fused groups' output widths (cut into N pieces of out / N rows)
 
     def ring_step_numel(self, ranks: int) -> int:
         """A ring embedding's elements per ring step: the looked-up rows of one rank's tokens, or the table shard
@@ -38,34 +39,63 @@ class Cluster:
     cpu_s_per_byte: float = 0.0  # compute time the communication's CPU work takes per byte (shared cores)
     prefetch_depth: int = 2  # CommFuseConfig.prefetch_depth (lockstep)
     lookahead_bytes: float | None = None  # CommFuseConfig.lookahead_mb in bytes; None: "auto"; 0: lockstep
+    # A GEMM cut into N pieces of w = out / N output rows (as the fused and slicing schedules compute) takes
+    # 1 + a * (256 / w) ** p times the whole GEMM's time (``piece_slowdown``); None: as fast as the whole.
+    piece_fit: tuple[float, float] | None = None
+    piece_shards: int = 1  # CommFuseConfig.piece_shards (the elastic schedule's pieces: N / this)
+
+
+# The fit of benchmarks/cuda_check.py's ``gemm`` part on an H200 (bf16, 8192 tokens, Llama-3-8B shapes, forward and
+# backward; benchmarks/results/cuda-h200-2026-11-26-check.json): within 0.1 of every measured slowdown for w >= 512.
+H200_PIECE_FIT = (0.645, 0.89)
+
+
+def piece_slowdown(cl: Cluster, out: int, shards: int = 1) -> float:
+    """How much longer a group's GEMMs take in pieces of ``shards`` shards (``cl.ranks / shards`` pieces) than whole
+    (1.0 without ``piece_fit``)."""
+    if cl.piece_fit is None or cl.ranks <= shards or not out:
+        return 1.0
+    a, p = cl.piece_fit
+    return 1.0 + a * (256.0 / max(out * shards / cl.ranks, 1.0)) ** p
 
 
 def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
               tokens: int, seq: int) -> list[Unit]:
     kv = hidden * kv_heads // heads
     groups = [hidden * (hidden + 2 * kv), hidden * hidden, 2 * hidden * intermediate, intermediate * hidden]
+    outs = (hidden + 2 * kv, hidden, 2 * intermediate, hidden)  # q/k/v, o, gate/up, down
     attention = 4 * tokens * seq * hidden  # QK^T and AV, causal halves ignored
     units = [Unit("embedding", 0, vocab * hidden, 0.0, tokens=tokens, table=(vocab, hidden))]
     for i in range(layers):
         numel = sum(groups)
-        units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention, tuple(groups), tokens))
-    units.append(Unit("lm_head", vocab * hidden, hidden, 2.0 * tokens * vocab * hidden, (vocab * hidden,), tokens))
+        units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention, tuple(groups), tokens,
+                          outs=outs))
+    units.append(Unit("lm_head", vocab * hidden, hidden, 2.0 * tokens * vocab * hidden, (vocab * hidden,), tokens,
+                      outs=(vocab,)))
     return units
 
 
-def _gemm_items(units: list[Unit], cl: Cluster) -> list[tuple[int, float, int]]:
+def _gemm_items(units: list[Unit], cl: Cluster, shards: int = 1) -> list[tuple[int, float, int]]:
     """(weight elements, forward seconds, unit index) per fused group, and compute-only gaps (attention; numel 0),
-    in forward order."""
+    in forward order. A group's seconds are its GEMMs' in pieces of ``shards`` shards (``piece_slowdown``)."""
     items: list[tuple[int, float, int]] = []
     for at, u in enumerate(units):
         if not u.groups:
             items.append((0, u.flops / cl.flops_per_s, at))
             continue
         gemm = [2.0 * u.tokens * g / cl.flops_per_s for g in u.groups]
-        items += [(g, f, at) for g, f in zip(u.groups, gemm)]
+        slow = [piece_slowdown(cl, o, shards) for o in u.outs] if u.outs else [1.0] * len(gemm)
+        items += [(g, f * s, at) for g, f, s in zip(u.groups, gemm, slow)]
         if u.flops / cl.flops_per_s > sum(gemm):
             items.insert(len(items) - len(u.groups) + 1, (0, u.flops / cl.flops_per_s - sum(gemm), at))
     return items
+
+
+def piece_extra(units: list[Unit], cl: Cluster, shards: int = 1) -> float:
+    """Seconds a step's GEMMs take longer in pieces of ``shards`` shards than whole (forward and backward;
+    ``piece_slowdown``)."""
+    return sum(3.0 * 2.0 * u.tokens * g / cl.flops_per_s * (piece_slowdown(cl, o, shards) - 1.0)
+               for u in units for g, o in zip(u.groups, u.outs))
 
 
 def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
@@ -94,8 +124,8 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
     ends; the last unit of the backward sends its partials beside its own pieces (gradient step k when piece k starts), so the step
     ends with one hop at most. The last forward group (the lm_head) keeps its weight: its backward sends gradient
     partials only. Unfused parameters and ring embeddings as in ``lockstep``."""
-    n = cl.ranks
-    items = _gemm_items(units, cl)
+    n, shards = cl.ranks, cl.piece_shards
+    items = _gemm_items(units, cl, shards)
     fused = [i for i, (g, _, _) in enumerate(items) if g]
     unit_of = {i: items[i][2] for i in fused}
     full = {i: items[i][0] * cl.param_bytes for i in fused}  # a group's gathered weight
@@ -208,11 +238,14 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
             continue
         steps = begin(i, "forward", t)
         after = rest(i, "forward")
+        owed = 0.0  # compute of the landed shards not yet run (piece_shards: a run of them at once)
         for k in range(n):
             if k:
                 t = max(t, steps[k - 1])
             pace(t, n - k + n * after)
-            t += seconds / n
+            owed += seconds / n
+            if (k + 1) % shards == 0 or k == n - 1:
+                t, owed = t + owed, 0.0
     grads = 0.0  # the running unit's gradient bundle: bytes per step so far
     for i, (numel, seconds, unit) in reversed(list(enumerate(items))):  # backward: twice the forward's compute
         if not numel:
@@ -222,6 +255,7 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
         after = rest(i, "backward")
         own = unit == last_unit
         grads += 0.0 if own else numel / n * cl.grad_bytes
+        owed = 0.0  # dx of the landed shards not yet run (dW runs per piece: it feeds the gradient ring)
         for k in range(n):
             if k:
                 if steps:
@@ -231,7 +265,10 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
                 elif not after:  # the unit's last group: a step of the unit's gradient bundle
                     send(t, grads)
             pace(t, n - k + n * after)
-            t += 2 * seconds / n
+            t += seconds / n
+            owed += seconds / n
+            if (k + 1) % shards == 0 or k == n - 1:
+                t, owed = t + owed, 0.0
         if not after:
             grads = 0.0
     return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
@@ -245,7 +282,7 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
     its compute ends, all waited when the backward ends. Unfused parameters and ring embeddings as in
     ``lockstep``."""
     n = cl.ranks
-    items = _gemm_items(units, cl)
+    items = _gemm_items(units, cl, cl.piece_shards)  # its GEMMs in runs of piece_shards gathered shards
     ring = lambda numel, nbytes: (n - 1) * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)  # noqa: E731
     link = [0.0]
 

@@ -128,7 +128,9 @@ def test_planner_plays_the_elastic_lookahead():
 
 
 def test_plan_sweep(capsys):
-    assert plan.main(["--model", "gpt2", "--sweep"]) == 0
+    # --piece-fit none: the table's shape (the pieces' model is test_plan_models_the_gemm_pieces'; with it the
+    # sweep tries every piece_shards in every cell, minutes instead of seconds)
+    assert plan.main(["--model", "gpt2", "--sweep", "--piece-fit", "none"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == len(plan.SWEEP_RANKS) * len(plan.SWEEP_LINKS_GBPS)
@@ -216,3 +218,24 @@ def test_cuda_check_dry_run_on_cpu(tmp_path):
     assert {"llama/fused", "llama/lockstep", "llama/slicing"} <= set(report["shard"]["result"])
     assert report["gemm"]["result"]["pieces"]["o 256x256"]["1"]["slowdown_vs_whole"] == 1.0
     assert run("fake").returncode == 1
+
+
+def test_plan_models_the_gemm_pieces():
+    """The fused and slicing schedules compute a layer's GEMMs in pieces (N / piece_shards), which a GPU runs slower
+    than one GEMM (benchmarks/cuda_check.py's gemm part, fitted in plays.H200_PIECE_FIT); stock FSDP2's shape does
+    not. On 8 ranks over NVLink the pieces cost more than the link exposes, and whole pieces remove that cost."""
+    from dataclasses import replace
+
+    from commfuse_dp import plan, plays
+
+    model = plan.KNOWN_MODELS["llama3-8b"]
+    cl = plays.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, piece_fit=plays.H200_PIECE_FIT)
+    thin = plan.predict(model, cl, 16384, 8192)
+    whole = plan.predict(model, replace(cl, piece_shards=8), 16384, 8192)
+    assert thin["fused"]["pieces_s"] > 0.05 * thin["fused"]["compute_s"]
+    assert thin["fused"]["step_s"] > thin["unit_slicing"]["step_s"] and thin["unit_slicing"]["pieces_s"] == 0
+    assert whole["fused"]["pieces_s"] == 0 and whole["fused"]["step_s"] < thin["fused"]["step_s"]
+    assert plan.best_piece_shards(model, cl, 16384, 8192) == 8
+    free = plan.predict(model, replace(cl, piece_fit=None), 16384, 8192)
+    assert all(r["pieces_s"] == 0 for r in free.values())
+    assert free["fused"]["step_s"] == pytest.approx(whole["fused"]["step_s"], rel=1e-3)

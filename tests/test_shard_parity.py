@@ -208,6 +208,43 @@ def test_two_runs_are_bit_identical():
     run_ranks(_determinism_worker, 3, timeout=300)
 
 
+def _piece_shards_worker(rank, world_size):
+    """``piece_shards=2``: the forward's outputs and the backward's dx in runs of landed shards (fused/linear.py,
+    ``ShardRuns``). At 3 ranks the runs are uneven (rank 1: shards 1-0, then 2) and GPT-2's Conv1D members carry a
+    bias; the runs must have been taken (counted), the results equal the single process, and repeat bit for bit."""
+    from commfuse_dp.fused import linear, sliced
+
+    counted = {"forward": 0, "dx": 0}
+    forward_run, dx_run = linear._forward_run, linear._dx_run
+
+    def counting_forward(*args):
+        counted["forward"] += 1
+        return forward_run(*args)
+
+    def counting_dx(*args):
+        counted["dx"] += 1
+        return dx_run(*args)
+
+    linear._forward_run, linear._dx_run = counting_forward, counting_dx
+    sliced._forward_run, sliced._dx_run = counting_forward, counting_dx
+    config = cf.CommFuseConfig(min_fuse_numel=0, piece_shards=2)
+    for kind, schedule in (("gpt2", "fused"), ("llama", "slicing"), ("llama", "fused")):
+        before = dict(counted)
+        result = run_case(rank, world_size, kind, schedule,
+                          config=cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, piece_shards=2))
+        assert_parity(result, label=f"{kind}/{schedule}/piece_shards=2")
+        assert counted["forward"] > before["forward"] and counted["dx"] > before["dx"], (schedule, counted)
+    again = run_case(rank, world_size, "llama", "fused", config=config)
+    assert torch.equal(result["losses"][0], again["losses"][0])
+    for name, p in result["params"][0].items():
+        assert torch.equal(p, again["params"][0][name]), name
+    return True
+
+
+def test_piece_shards_match_single_process():
+    run_ranks(_piece_shards_worker, 3, timeout=600)
+
+
 def _bf16_worker(rank, world_size):
     """bf16 compute, fp32 master shards and fp32 reduction, against the fp32 single process. Measured at 2 ranks
     (fused and slicing alike): loss within 2.6e-2 (BERT; <= 2.3e-4 for GPT-2 and Llama), grad norms within

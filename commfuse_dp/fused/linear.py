@@ -31,8 +31,10 @@ two gradient-shard buffers live, never the full W, except for the last layer of 
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
 partials only. Elastic (the default from 3 ranks): the weight ring of a layer is requested ahead, into an
 ``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both: ``piece_steps``
-requests what goes beside piece k and returns what to wait for at its end. The reduction order is
-fixed by the ring, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
+requests what goes beside piece k and returns what to wait for at its end. With ``piece_shards`` = G > 1 and a
+whole gathered buffer, the forward's outputs and the backward's dx are computed G landed shards at a time
+(``ShardRuns``: fewer, wider GEMMs); the steps requested and waited stay those of the loop. The reduction order is
+fixed by the ring and by G, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
 steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
 each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
 """
@@ -46,10 +48,11 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from ..ring import transport
-from .layout import GroupLayout
+from .layout import GroupLayout, Member
 from .schedule import Landing, WeightRing, piece_steps
 
 if TYPE_CHECKING:
+    from ..engine import Engine
     from .modules import FusedGroupState
 
 
@@ -142,6 +145,7 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
     world = engine.ring.size
     keep = world > 1 and op == "forward" and not recompute and sched.keeps_weight(state)
     weights = sched.weights(state, params, cdt, op, keep, recompute)
+    runs = ShardRuns(engine, weights)
     for k in range(world):
         step = piece_steps(engine, k, weights, None)
         if not recompute:
@@ -150,13 +154,75 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
             sched.start_next(state, op)  # lockstep: the next layers' first ring steps, beside this last piece
         if transport._OBSERVERS:
             transport.notify("compute_begin", op, k)
-        _forward_piece(state.layout, weights.held(k), x2, outs, engine.ring.shard_held(k))
+        if runs.size == 1:
+            _forward_piece(state.layout, weights.held(k), x2, outs, engine.ring.shard_held(k))
+        else:
+            run = runs.add(k)
+            if run is not None:
+                _forward_run(state.layout, weights.slots, *run, x2, outs)
         if transport._OBSERVERS:
             transport.notify("compute", op, k)
         if step is not None:
             step.wait()
     sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
     return weights.slots if keep else None
+
+
+class ShardRuns:
+    """``CommFuseConfig.piece_shards``: the landed shards a piece computes, in runs of consecutive slots of the
+    gathered ``(N, numel)`` buffer. Piece k's shard is ``(r - k) mod N``: they come in descending order, so a run
+    ends after ``piece_shards`` of them, at shard 0 (the next is N-1, not adjacent) and at the last piece. Decided
+    by k alone, the same in every run of the program."""
+
+    def __init__(self, engine: Engine, weights: WeightRing | None) -> None:
+        self.ring = engine.ring
+        whole = weights is not None and weights.slots is not None
+        self.size = engine.config.piece_shards if whole and self.ring.size > 1 else 1
+        self._top: int | None = None  # the run's first (highest) shard
+
+    def add(self, k: int) -> tuple[int, int] | None:
+        """Piece k's shard joins the run; returns ``(low, high)`` shards (inclusive) when the run is complete."""
+        shard = self.ring.shard_held(k)
+        if self._top is None:
+            self._top = shard
+        if self._top - shard + 1 == self.size or shard == 0 or k == self.ring.size - 1:
+            run, self._top = (shard, self._top), None
+            return run
+        return None
+
+
+def _run_weight(m: Member, block: torch.Tensor, rows: int) -> torch.Tensor:
+    """Member ``m``'s first ``rows`` weight rows across the consecutive slots ``block`` (``(G, numel)``): one
+    ``(rows, in)`` matrix (a copy unless ``m`` is the slot's only part)."""
+    return block[:, m.offset:m.offset + m.weight_numel].reshape(-1, m.in_features)[:rows]
+
+
+def _forward_run(layout: GroupLayout, slots: torch.Tensor, low: int, high: int, x2: torch.Tensor,
+                 outs: list[torch.Tensor]) -> None:
+    """The output columns of shards ``low`` .. ``high`` (consecutive slots) in one GEMM per member."""
+    block = slots[low:high + 1]
+    block = block if block.dtype == x2.dtype else block.to(x2.dtype)
+    for m, y in zip(layout.members, outs):
+        lo, hi = m.rows(low)[0], m.rows(high)[1]
+        if hi == lo:
+            continue
+        w = _run_weight(m, block, hi - lo)
+        if m.has_bias:
+            bias = block[:, m.offset + m.weight_numel:m.offset + m.numel].reshape(-1)[:hi - lo]
+            torch.addmm(bias, x2, w.t(), out=y[:, lo:hi])
+        else:
+            torch.mm(x2, w.t(), out=y[:, lo:hi])
+
+
+def _dx_run(layout: GroupLayout, slots: torch.Tensor, low: int, high: int, dys: list[torch.Tensor | None],
+            dx: torch.Tensor) -> None:
+    """The input gradient's part from shards ``low`` .. ``high`` (consecutive slots): one GEMM per member."""
+    block = slots[low:high + 1]
+    block = block if block.dtype == dx.dtype else block.to(dx.dtype)
+    for m, dy in zip(layout.members, dys):
+        lo, hi = m.rows(low)[0], m.rows(high)[1]
+        if dy is not None and hi > lo:
+            dx.addmm_(dy[:, lo:hi], _run_weight(m, block, hi - lo))
 
 
 def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
@@ -204,6 +270,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         grads.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
         sched.add_grads(state, grads)
     dx = x2.new_zeros(x2.shape) if need_dx else None
+    runs = ShardRuns(engine, weights)
 
     for k in range(world):
         step = piece_steps(engine, k, weights, grads)
@@ -214,7 +281,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
             sched.start_next(state, "backward")
         if transport._OBSERVERS:
             transport.notify("compute_begin", "backward", k)
-        if need_dx:
+        if need_dx and runs.size == 1:
             s = ring.shard_held(k)
             held = weights.held(k)
             held = held if held.dtype == cdt else held.to(cdt)
@@ -222,6 +289,10 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
                 lo, hi = m.rows(s)
                 if dy is not None and hi > lo:
                     dx.addmm_(dy[:, lo:hi], m.weight(held, hi - lo))
+        elif need_dx:
+            run = runs.add(k)
+            if run is not None:
+                _dx_run(layout, weights.slots, *run, dys, dx)
         if grads is not None:
             t = ring.shard_reduced(k)
             part = grads.part(k)

@@ -10,8 +10,9 @@ CommFuse idea itself against it, in one run:
   layer i computes; layer i's gradient reduce-scatter runs on the ring thread during layer i-1's backward, and all
   of them are waited for once, when autograd finishes the backward (the tail: nothing hides the last one).
 The order of layers is the one recorded in the previous step (the first step runs without prefetch).
-Compute is exactly the fused schedule's pieces (``_forward_piece``, ``_grad_piece``), so the two schedules differ
-only in when communication happens.
+Compute is exactly the fused schedule's pieces (``_forward_piece``, ``_grad_piece``; with ``piece_shards`` = G,
+runs of G shards as there: ``_forward_run``, ``_dx_run``), so the two schedules differ only in when communication
+happens.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from torch.autograd.profiler import record_function
 from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from ..ring.transport import RingCommError
-from .linear import (PARAMS_AT, Call, _forward_piece, _grad_piece, accumulates, finish_forward, prepare_forward,
-                     unpack_grads)
+from .linear import (PARAMS_AT, Call, _dx_run, _forward_piece, _forward_run, _grad_piece, accumulates,
+                     finish_forward, prepare_forward, unpack_grads)
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -177,6 +178,11 @@ class SlicingScheduler:
             red.state.accumulate_grads(red.shard, red.grad_dtypes, red.train)
 
 
+def _runs(world: int, size: int) -> list[tuple[int, int]]:
+    """``piece_shards``: the gathered shards in runs of ``size`` (inclusive bounds), in shard order."""
+    return [(low, min(low + size, world) - 1) for low in range(0, world, size)]
+
+
 class SlicedLinearFn(torch.autograd.Function):
     """Same contract as ``FusedRingLinearFn``. Under ``loss.backward()`` the gradients of the weights arrive when the
     backward finishes; under ``torch.autograd.grad`` they are reduce-scattered at once and returned."""
@@ -190,8 +196,12 @@ class SlicedLinearFn(torch.autograd.Function):
                                                backward_gathers=x.requires_grad)
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "forward", 0)
-            for s in range(engine.ring.size):
-                _forward_piece(layout, flat[s], x2, outs2, s)
+            if engine.config.piece_shards == 1:
+                for s in range(engine.ring.size):
+                    _forward_piece(layout, flat[s], x2, outs2, s)
+            else:
+                for low, high in _runs(engine.ring.size, engine.config.piece_shards):
+                    _forward_run(layout, flat, low, high, x2, outs2)
             if transport._OBSERVERS:
                 transport.notify("compute", "forward", 0)
         return finish_forward(ctx, state, call, x, x2, params, outs)
@@ -212,7 +222,11 @@ class SlicedLinearFn(torch.autograd.Function):
             flat = sched.gather(state, params, cdt, "backward") if ctx.needs_input_grad[0] else None
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "backward", 0)
-            if flat is not None:
+            if flat is not None and engine.config.piece_shards > 1:
+                dx = x2.new_zeros(x2.shape)
+                for low, high in _runs(world, engine.config.piece_shards):
+                    _dx_run(layout, flat, low, high, dys, dx)
+            elif flat is not None:
                 dx = x2.new_zeros(x2.shape)
                 for s in range(world):
                     held = flat[s] if flat.dtype == cdt else flat[s].to(cdt)
