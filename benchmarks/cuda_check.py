@@ -16,6 +16,9 @@ Parts (each in its own process, with its own timeout, so that one failure or han
   ranks on one device), HSDP (2 copies) included, and counts host synchronisations inside a step.
 - ``sanitizer``: ``linear``, ``shard`` and ``fake`` again under ``TORCH_CUDA_SANITIZER=1`` (stream races between
   kernels).
+- ``pieces``: the library's fused layers on 8 fake ranks (Llama-3-8B layer shapes, 2 layers, bf16, 8192 tokens),
+  forward + backward for ``piece_shards`` 1, 2, 4, 8 against the unsharded model: what the pieces cost as the
+  library computes them (no bytes move; CUDA only).
 - ``gemm``: one GEMM cut into N shard-sized pieces (as the fused linear cuts it: output columns in the forward,
   ``dx`` accumulated piece by piece, ``dW`` shard by shard) against the whole GEMM, Llama-3-8B shapes, bf16, timed
   with CUDA events.
@@ -36,8 +39,8 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]  # the package, hf_models
-PARTS = ("env", "linear", "shard", "fake", "gemm", "sanitizer")
-TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120}
+PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer")
+TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240}
 
 
 def _device(args) -> torch.device:
@@ -237,6 +240,57 @@ def part_fake(args) -> dict:
             result[label]["landings_on_replicate_stream"] = replicas.on_stream
             if replicas.on_stream == 0:
                 raise AssertionError(f"{label}: no landing was handed to the replicate ring's stream")
+    return result
+
+
+def part_pieces(args) -> dict:
+    """The library's own fused layers on 8 ranks of a fake process group (no bytes move, so a step is compute and
+    host work), Llama-3-8B layer shapes (2 layers), bf16, 2 x 4096 tokens: forward + backward time for each
+    ``piece_shards`` against the unsharded model's (whole GEMMs)."""
+    import commfuse_dp as cf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = _device(args)
+    world = 8
+    _init_world(device, fake_world=world)
+    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
+    if args.quick:
+        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        batch, seq, reps = 2, 64, 2
+    else:
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
+        batch, seq, reps = 2, 4096, 3
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+
+    def timed(model) -> float:
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(2):  # the first step records the order; the second runs the lookahead
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    torch.manual_seed(0)
+    result = {"world": world, "tokens": batch * seq, "unsharded_s": timed(LlamaForCausalLM(cfg).to(device,
+                                                                                              torch.bfloat16))}
+    for shards in (1, 2, 4, 8):
+        model = LlamaForCausalLM(cfg).to(device, torch.bfloat16)
+        cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off",
+                                          piece_shards=shards))
+        seconds = timed(model)
+        result[f"piece_shards={shards}"] = {"s": seconds, "vs_unsharded": seconds / result["unsharded_s"]}
+        del model
+        torch.cuda.empty_cache()
     return result
 
 

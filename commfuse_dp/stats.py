@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class StepStats:
 
 
 class StatsRecorder:
-    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "last", "skipped", "cuda_waits")
+    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "_last", "skipped", "cuda_waits")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -46,14 +46,26 @@ class StatsRecorder:
         self.comm = self.exposed = 0.0
         self.ring_steps = 0
         self.skipped = 0  # steps whose gradients were dropped as non-finite (counted even with stats off)
-        self.last: StepStats | None = None
+        # the last finished step: StepStats, or (StepStats without its CUDA waits, those waits) until read
+        self._last: StepStats | tuple[StepStats, list] | None = None
         self.cuda_waits: list = []  # (event, event) pairs around the compute stream's waits on ring steps
+
+    @property
+    def last(self) -> StepStats | None:
+        """The last finished step. On CUDA its waits are timed by events that the device may not have reached
+        when the next step began (the host runs ahead): they are read here, when asked for, waiting for them
+        (a host synchronisation at the caller's request, never inside a step)."""
+        if isinstance(self._last, tuple):
+            stats, waits = self._last
+            self._last = _with_waits(stats, waits)
+        return self._last
 
     def begin_step(self) -> None:
         if not self.enabled:
             return
         if self.step >= 0:
-            self.last = self.current()
+            waits, self.cuda_waits = self.cuda_waits, []
+            self._last = (self.current(), waits) if waits else self.current()
         self.step += 1
         self.start = self.end = time.perf_counter()
         self.comm = self.exposed = 0.0
@@ -82,13 +94,27 @@ class StatsRecorder:
         self.end = time.perf_counter()
 
     def current(self) -> StepStats:
-        if self.cuda_waits:  # resolved once per step (this synchronises the events, not the device)
+        """The running step so far (its CUDA waits read now, waiting for their events: called when asked for)."""
+        if self.cuda_waits:
             waits, self.cuda_waits = self.cuda_waits, []
-            self.exposed += sum(b.elapsed_time(a) for b, a in waits) / 1e3
+            self.exposed += _waited(waits)
         wall = max(self.end - self.start, 0.0)
         return StepStats(step=self.step, wall_s=wall, compute_s=max(wall - self.exposed, 0.0), comm_s=self.comm,
                          exposed_comm_s=self.exposed, ring_steps=self.ring_steps,
                          skipped_steps=self.skipped)
+
+
+def _waited(waits: list) -> float:
+    """Seconds the compute stream waited between each pair of CUDA events (each waited for first: an event the
+    device has not reached has no time yet)."""
+    for _, after in waits:
+        after.synchronize()
+    return sum(before.elapsed_time(after) for before, after in waits) / 1e3
+
+
+def _with_waits(stats: StepStats, waits: list) -> StepStats:
+    exposed = stats.exposed_comm_s + _waited(waits)
+    return replace(stats, exposed_comm_s=exposed, compute_s=max(stats.wall_s - exposed, 0.0))
 
 
 @dataclass
