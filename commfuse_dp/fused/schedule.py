@@ -254,9 +254,8 @@ class Landing:
         self.state.accumulate_grads(self._final(), self.dtypes, self.train)
 
     def finish(self) -> list:
-        """HSDP: the parameters' gradient shards, to cross the copies. CPU: on the replicate ring's thread, after
-        waiting for the last step there (``Replicas.after``). CUDA: enqueued on the replicate ring's stream, which
-        waits for the last step's event first (``Replicas.after_event``)."""
+        """HSDP: the gradient shards to cross the copies, after the last step (CPU: on the replicate ring's thread,
+        ``Replicas.after``; CUDA: on its stream, behind the step's event, ``Replicas.after_event``)."""
         if self.grads.last.future is not None:
             self.grads.last.future.result()
         return self.state.landed_grads(self._final(), self.dtypes, self.train)
@@ -464,11 +463,10 @@ class FusedSchedule:
         self._landing.append(landing)
 
     def land(self, block: bool) -> None:
-        """Complete the landings whose last step arrived (``block``: all of them, waiting), in request order.
-        HSDP: a landing whose last step is requested goes to the replicate ring at once, which completes it when the
-        step lands and sends it across the copies (CPU: its thread, ``Replicas.after``; CUDA: its stream,
-        ``Replicas.after_event``): the host, which may run ahead of the compute (a GPU's, an emulated one's), never
-        holds it back until the end of the backward."""
+        """Complete the landings whose last step arrived (``block``: all, waiting), in request order. HSDP: a landing
+        whose last step is requested goes at once to the replicate ring (CPU: its thread, ``Replicas.after``; CUDA:
+        its stream, ``Replicas.after_event``), which completes it when the step lands and sends it across the
+        copies: a host running ahead of its compute (a GPU's, an emulated one's) never holds it back."""
         replicas = self.engine.replicas
         while self._landing:
             head = self._landing[0]
