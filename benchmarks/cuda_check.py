@@ -243,6 +243,25 @@ def part_fake(args) -> dict:
     return result
 
 
+def _timed(fn, device: torch.device, reps: int) -> float:
+    """Seconds per call of ``fn`` after two untimed calls (CUDA events on a GPU)."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
 def part_pieces(args) -> dict:
     """The library's own fused layers on 8 ranks of a fake process group (no bytes move, so a step is compute and
     host work), Llama-3-8B layer shapes (2 layers), bf16, 2 x 4096 tokens: forward + backward time for each
@@ -269,16 +288,8 @@ def part_pieces(args) -> dict:
             model(input_ids=ids, labels=ids).loss.backward()
             model.zero_grad(set_to_none=True)
 
-        for _ in range(2):  # the first step records the order; the second runs the lookahead
-            step()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
+        # two untimed steps: the first records the order, the second runs the lookahead
+        return _timed(step, device, reps)
 
     torch.manual_seed(0)
     result = {"world": world, "tokens": batch * seq, "unsharded_s": timed(LlamaForCausalLM(cfg).to(device,
@@ -342,21 +353,7 @@ def part_gemm(args) -> dict:
     reps = 2 if args.quick else 10
 
     def timed(fn) -> float:
-        for _ in range(2):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3 / reps
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps
+        return _timed(fn, device, reps)
 
     out = {"tokens": tokens, "dtype": str(dtype), "pieces": {}}
     for name, (fan_out, fan_in) in shapes.items():

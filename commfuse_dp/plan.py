@@ -81,11 +81,9 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         r = simulate(units, slowed, schedule)
         return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slowed.flops_per_s / cl.flops_per_s}
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
-    pieces = plays.piece_extra(units, cl, cl.piece_shards)
-    lockstep_pieces = plays.piece_extra(units, cl)
     if schedule == "slicing":
         return {"step_s": plays.slicing(units, cl) if n > 1 else compute, "compute_s": compute, "flops": flops,
-                "pieces_s": pieces}
+                "pieces_s": plays.piece_extra(units, cl, cl.piece_shards)}
     if schedule == "unit_slicing":
         # Not a schedule of this library: the strongest layer-level overlap, stock FSDP2's shape with its collectives
         # on one link (one gather per unit, norms included, one unit ahead). The link serves requests in issue order:
@@ -116,7 +114,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
         play = plays.lockstep if lockstep else plays.elastic
         t = compute if n == 1 else play(units, cl)
-        return {"step_s": t, "compute_s": compute, "flops": flops, "pieces_s": lockstep_pieces if lockstep else pieces}
+        return {"step_s": t, "compute_s": compute, "flops": flops, "pieces_s": plays.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

@@ -195,12 +195,14 @@ def test_layers_with_only_small_params_join_the_root_unit():
     run_ranks(_small_units_worker, 2, timeout=300)
 
 
-def _determinism_worker(rank, world_size):
-    first = run_case(rank, world_size, "llama", "fused")
-    second = run_case(rank, world_size, "llama", "fused")
+def _assert_identical(first, second):
     assert torch.equal(first["losses"][0], second["losses"][0])
     for name, p in first["params"][0].items():
         assert torch.equal(p, second["params"][0][name]), name
+
+
+def _determinism_worker(rank, world_size):
+    _assert_identical(run_case(rank, world_size, "llama", "fused"), run_case(rank, world_size, "llama", "fused"))
     return True
 
 
@@ -234,10 +236,7 @@ def _piece_shards_worker(rank, world_size):
                           config=cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, piece_shards=2))
         assert_parity(result, label=f"{kind}/{schedule}/piece_shards=2")
         assert counted["forward"] > before["forward"] and counted["dx"] > before["dx"], (schedule, counted)
-    again = run_case(rank, world_size, "llama", "fused", config=config)
-    assert torch.equal(result["losses"][0], again["losses"][0])
-    for name, p in result["params"][0].items():
-        assert torch.equal(p, again["params"][0][name]), name
+    _assert_identical(result, run_case(rank, world_size, "llama", "fused", config=config))
     return True
 
 

@@ -10,8 +10,8 @@ CommFuse idea itself against it, in one run:
   layer i computes; layer i's gradient reduce-scatter runs on the ring thread during layer i-1's backward, and all
   of them are waited for once, when autograd finishes the backward (the tail: nothing hides the last one).
 The order of layers is the one recorded in the previous step (the first step runs without prefetch).
-Compute is exactly the fused schedule's pieces (``_forward_piece``, ``_grad_piece``; with ``piece_shards`` = G,
-runs of G shards as there: ``_forward_run``, ``_dx_run``), so the two schedules differ only in when communication
+Compute is exactly the fused schedule's pieces (``_forward_run``, ``_dx_run`` over runs of ``piece_shards``
+gathered shards, one each by default; ``_grad_piece``), so the two schedules differ only in when communication
 happens.
 """
 
@@ -27,8 +27,8 @@ from torch.autograd.profiler import record_function
 from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from ..ring.transport import RingCommError
-from .linear import (PARAMS_AT, Call, _dx_run, _forward_piece, _forward_run, _grad_piece, accumulates,
-                     finish_forward, prepare_forward, unpack_grads)
+from .linear import (PARAMS_AT, Call, _dx_run, _forward_run, _grad_piece, accumulates, finish_forward,
+                     prepare_forward, unpack_grads)
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -196,12 +196,8 @@ class SlicedLinearFn(torch.autograd.Function):
                                                backward_gathers=x.requires_grad)
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "forward", 0)
-            if engine.config.piece_shards == 1:
-                for s in range(engine.ring.size):
-                    _forward_piece(layout, flat[s], x2, outs2, s)
-            else:
-                for low, high in _runs(engine.ring.size, engine.config.piece_shards):
-                    _forward_run(layout, flat, low, high, x2, outs2)
+            for low, high in _runs(engine.ring.size, engine.config.piece_shards):
+                _forward_run(layout, flat, low, high, x2, outs2)
             if transport._OBSERVERS:
                 transport.notify("compute", "forward", 0)
         return finish_forward(ctx, state, call, x, x2, params, outs)
@@ -222,18 +218,10 @@ class SlicedLinearFn(torch.autograd.Function):
             flat = sched.gather(state, params, cdt, "backward") if ctx.needs_input_grad[0] else None
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "backward", 0)
-            if flat is not None and engine.config.piece_shards > 1:
+            if flat is not None:
                 dx = x2.new_zeros(x2.shape)
                 for low, high in _runs(world, engine.config.piece_shards):
                     _dx_run(layout, flat, low, high, dys, dx)
-            elif flat is not None:
-                dx = x2.new_zeros(x2.shape)
-                for s in range(world):
-                    held = flat[s] if flat.dtype == cdt else flat[s].to(cdt)
-                    for m, dy in zip(members, dys):
-                        lo, hi = m.rows(s)
-                        if dy is not None and hi > lo:
-                            dx.addmm_(dy[:, lo:hi], m.weight(held, hi - lo))
             if any(train):
                 parts = x2.new_zeros(world, layout.numel, dtype=ctx.call.rdt)
                 for t in range(world):
