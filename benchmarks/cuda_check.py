@@ -40,6 +40,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]  # the package, hf_models
 PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer")
+# CUDA_CHECK_SYNC_ERRORS=1: a synchronisation inside a step raises (with TORCH_SHOW_CPP_STACKTRACES=1, its C++ stack)
+SYNC_MODE = "error" if os.environ.get("CUDA_CHECK_SYNC_ERRORS") else "warn"
 TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240}
 
 
@@ -142,8 +144,11 @@ def _train(model, batches, device, autocast: bool, sync_debug: bool):
     losses, norms, syncs = [], [], {}
 
     def seen(message, *args, **kwargs) -> None:
-        if "synchroniz" in str(message):
+        # the first set_sync_debug_mode of a process warns that the mode "is a prototype feature": not a sync
+        if "synchroniz" in str(message) and "prototype feature" not in str(message):
             site = _sync_site()
+            if site.startswith("?"):  # no Python frame of ours: the message says more
+                site += f" | {str(message)[:200]}"
             syncs[site] = syncs.get(site, 0) + 1
 
     for step, batch in enumerate(batches):
@@ -152,10 +157,19 @@ def _train(model, batches, device, autocast: bool, sync_debug: bool):
             warnings.simplefilter("always")
             warnings.showwarning = seen
             if sync_debug and device.type == "cuda" and step > 0:
-                torch.cuda.set_sync_debug_mode("warn")
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(**batch).loss
-            loss.backward()
+                torch.cuda.set_sync_debug_mode(SYNC_MODE)
+            try:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(**batch).loss
+                loss.backward()
+            except RuntimeError as err:  # SYNC_MODE "error": where the first synchronisation was made
+                if "synchroniz" not in str(err):
+                    raise
+                import traceback
+
+                torch.cuda.set_sync_debug_mode(0)
+                syncs["first_sync_raised"] = traceback.format_exc()[-6000:]
+                return torch.stack(losses or [torch.zeros(())]), torch.stack(norms or [torch.zeros(())]), syncs
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -280,26 +294,34 @@ def part_pieces(args) -> dict:
     else:
         cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
-        batch, seq, reps = 2, 4096, 3
+        batch, seq, reps = 2, 4096, 10
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
 
-    def timed(model) -> float:
+    def timed(model) -> tuple[float, float]:
+        """(device seconds per step, host seconds to issue one step): where the host is the slower, the step is
+        host-bound and the pieces' GEMM cost cannot show."""
         def step() -> None:
             model(input_ids=ids, labels=ids).loss.backward()
             model.zero_grad(set_to_none=True)
 
         # two untimed steps: the first records the order, the second runs the lookahead
-        return _timed(step, device, reps)
+        seconds = _timed(step, device, reps)
+        t0 = time.perf_counter()
+        step()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        return seconds, host
 
     torch.manual_seed(0)
-    result = {"world": world, "tokens": batch * seq, "unsharded_s": timed(LlamaForCausalLM(cfg).to(device,
-                                                                                              torch.bfloat16))}
+    whole, whole_host = timed(LlamaForCausalLM(cfg).to(device, torch.bfloat16))
+    result = {"world": world, "tokens": batch * seq, "reps": reps, "unsharded_s": whole,
+              "unsharded_host_s": whole_host}
     for shards in (1, 2, 4, 8):
         model = LlamaForCausalLM(cfg).to(device, torch.bfloat16)
         cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off",
                                           piece_shards=shards))
-        seconds = timed(model)
-        result[f"piece_shards={shards}"] = {"s": seconds, "vs_unsharded": seconds / result["unsharded_s"]}
+        seconds, host = timed(model)
+        result[f"piece_shards={shards}"] = {"s": seconds, "vs_unsharded": seconds / whole, "host_s": host}
         del model
         torch.cuda.empty_cache()
     return result
