@@ -13,12 +13,13 @@ Parts (each in its own process, with its own timeout, so that one failure or han
 - ``fake``: 4 ranks (``--fake-world``) in this one process on a ``fake`` process group (``torch.testing``'s: every
   send and receive completes at once and moves nothing). The numbers are meaningless; it runs the multi-rank CUDA code
   (communication streams, events, buffers that cross streams) that NCCL cannot run on one GPU (NCCL refuses two
-  ranks on one device), HSDP (2 copies) included, and counts host synchronisations inside a step.
+  ranks on one device), HSDP (2 copies) included, and counts host synchronisations inside a step. It runs on the
+  CPU too (the dry run: the same schedules on the CPU transport).
 - ``sanitizer``: ``linear``, ``shard`` and ``fake`` again under ``TORCH_CUDA_SANITIZER=1`` (stream races between
   kernels).
 - ``pieces``: the library's fused layers on 8 fake ranks (Llama-3-8B layer shapes, 2 layers, bf16, 8192 tokens),
   forward + backward for ``piece_shards`` 1, 2, 4, 8 against the unsharded model: what the pieces cost as the
-  library computes them (no bytes move; CUDA only).
+  library computes them (no bytes move; with ``--quick`` on the CPU, tiny shapes: only a dry run).
 - ``gemm``: one GEMM cut into N shard-sized pieces (as the fused linear cuts it: output columns in the forward,
   ``dx`` accumulated piece by piece, ``dW`` shard by shard) against the whole GEMM, Llama-3-8B shapes, bf16, timed
   with CUDA events.

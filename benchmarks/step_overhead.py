@@ -2,12 +2,20 @@
 bytes have already arrived (the cost a fused layer pays per ring step on top of its compute).
 
     python benchmarks/step_overhead.py                    # 2 ranks over loopback, 4 KiB and 1 MiB shards
+    python benchmarks/step_overhead.py --fake-worlds 2,4,8,16   # a whole training step's host time, no peers
 
 Per size, ``--steps`` ring steps run with a busy compute piece of ``--piece-ms`` between start and wait (long enough
 for the bytes to land), and the table shows the median time inside ``start_step`` (issue) and inside ``wait``.
 Their sum is the host overhead per ring step. It also times what a fused layer adds once per ring *operation*
 (not per step) to name it: ``StepState.ring_op`` (the identity tag and the label for errors) against the plain
 counter tag it replaced (``Ring.next_tag``). This is a measurement, not a test.
+
+``--fake-worlds``: the host time of whole training steps of a tiny Llama (2 layers, hidden 64, 2 x 64 tokens) in
+one process that is rank 0 of W on torch's ``fake`` process group (every send and receive completes at once and
+moves nothing; one thread), per schedule, against the same model unsharded. With compute this small, the
+difference is the library's host work per step (on a GPU the host issues it ahead of the device; it shows once it
+exceeds the device's time). Divided by the ring steps started and compute pieces run per step (counted with
+``observe_ring``), it gives a host cost per ring step, the floor a ring step costs whatever the link.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import argparse
 import datetime
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -83,6 +92,79 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     return op, tag
 
 
+def _fake_world(world: int, schedules: list[str], reps: int) -> dict:
+    """One process, rank 0 of ``world`` on a fake group: seconds per training step per schedule, and counts."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import commfuse_dp as cf
+    from commfuse_dp.ring.transport import observe_ring
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def timed(model) -> tuple[float, dict]:
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(2):  # the first records the layer order, the second runs the lookahead
+            step()
+        counts: dict = {}
+        with observe_ring(lambda event, op, k: counts.__setitem__(event, counts.get(event, 0) + 1)):
+            step()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), counts
+
+    torch.manual_seed(0)
+    result = {"unsharded": timed(LlamaForCausalLM(cfg))[0]}
+    for schedule in schedules:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        # ring embeddings and the non-finite check exchange counts and flags, which a fake group never delivers
+        options = dict(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off")
+        cf.shard(model, cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
+                 else cf.CommFuseConfig(schedule=schedule, **options))
+        result[schedule] = timed(model)
+    dist.destroy_process_group()
+    return result
+
+
+def _fake_table(args) -> int:
+    import json
+    import subprocess
+
+    print(f"host time per training step, tiny Llama (2 layers, hidden 64, 128 tokens), rank 0 of W on a fake "
+          f"group (nothing moves), one thread, median of {args.reps} steps")
+    print(f"{'W':>3} {'schedule':>9} {'step ms':>8} {'unsharded':>9} {'extra ms':>9} {'ring steps':>10} "
+          f"{'pieces':>7} {'us per step+piece':>17}")
+    for world in args.fake_worlds:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-fake", str(world),
+                               "--schedules", ",".join(args.schedules), "--reps", str(args.reps)],
+                              capture_output=True, text=True, timeout=600)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"W={world} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            return 1
+        result = json.loads(lines[-1][7:])
+        base = result.pop("unsharded")
+        for schedule, (seconds, counts) in result.items():
+            steps, pieces = counts.get("start", 0), counts.get("compute", 0)
+            extra = seconds - base
+            per = extra / max(1, steps + pieces)
+            print(f"{world:>3} {schedule:>9} {seconds * 1e3:>8.1f} {base * 1e3:>9.1f} {extra * 1e3:>9.1f} "
+                  f"{steps:>10} {pieces:>7} {per * 1e6:>17.0f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -90,7 +172,21 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="4096,1048576", help="bytes per shard, comma-separated")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--piece-ms", type=float, default=2.0, help="busy compute between start and wait")
+    parser.add_argument("--fake-worlds", default=None,
+                        help="instead: whole training steps' host time on a fake group of each of these sizes")
+    parser.add_argument("--schedules", default="fused,lockstep,slicing", help="with --fake-worlds")
+    parser.add_argument("--reps", type=int, default=20, help="timed steps per schedule, with --fake-worlds")
+    parser.add_argument("--one-fake", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.schedules = args.schedules.split(",")
+    if args.one_fake:
+        import json
+
+        print("RESULT " + json.dumps(_fake_world(args.one_fake, args.schedules, args.reps)), flush=True)
+        return 0
+    if args.fake_worlds:
+        args.fake_worlds = [int(w) for w in args.fake_worlds.split(",")]
+        return _fake_table(args)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     result = run_loopback(_rank, args.world_size, args, timeout=600)
     if result is None:

@@ -206,18 +206,22 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
 
 def test_cuda_check_dry_run_on_cpu(tmp_path):
     """The GPU check script (benchmarks/cuda_check.py) runs its parts on the CPU too, so it does not rot between the
-    sessions that are lent a GPU; it must fail when a part fails (here: the fake group, which needs CUDA)."""
+    sessions that are lent a GPU; it must fail when a part fails or does not run (here: no time left for it)."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cuda_check.py")
-    run = lambda parts: subprocess.run(  # noqa: E731
-        [sys.executable, script, "--device", "cpu", "--quick", "--parts", parts, "--out", str(tmp_path)],
+    run = lambda parts, *more: subprocess.run(  # noqa: E731
+        [sys.executable, script, "--device", "cpu", "--quick", "--parts", parts, "--out", str(tmp_path), *more],
         capture_output=True, text=True, timeout=300)
-    proc = run("linear,shard,gemm")
+    proc = run("linear,shard,gemm,fake")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "cuda_check.json").read_text())
     assert report["linear"]["result"]["cases"] == 8
     assert {"llama/fused", "llama/lockstep", "llama/slicing"} <= set(report["shard"]["result"])
     assert report["gemm"]["result"]["pieces"]["o 256x256"]["1"]["slowdown_vs_whole"] == 1.0
-    assert run("fake").returncode == 1
+    # 4 ranks of a fake group on the CPU (nothing moves): every schedule, HSDP included, runs its steps
+    assert {label: r["ran_steps"] for label, r in report["fake"]["result"].items()} == {
+        "llama/fused": 3, "llama/lockstep": 3, "llama/slicing": 3, "llama/fused/replicate=2": 3}
+    failed = run("linear", "--budget-s", "1")
+    assert failed.returncode == 1 and "not run" in failed.stdout, failed.stdout[-2000:]
 
 
 def test_plan_models_the_gemm_pieces():
