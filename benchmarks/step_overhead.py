@@ -92,7 +92,7 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     return op, tag
 
 
-def _fake_world(world: int, schedules: list[str], reps: int) -> dict:
+def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu") -> dict:
     """One process, rank 0 of ``world`` on a fake group: seconds per training step per schedule, and counts."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,7 +105,10 @@ def _fake_world(world: int, schedules: list[str], reps: int) -> dict:
     sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device).index or 0)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def timed(model) -> tuple[float, dict]:
         def step() -> None:
@@ -121,14 +124,15 @@ def _fake_world(world: int, schedules: list[str], reps: int) -> dict:
         for _ in range(reps):
             t0 = time.perf_counter()
             step()
+            sync()  # (on a GPU: the device's time too, which this small a model keeps far below the host's)
             times.append(time.perf_counter() - t0)
         return statistics.median(times), counts
 
     torch.manual_seed(0)
-    result = {"unsharded": timed(LlamaForCausalLM(cfg))[0]}
+    result = {"unsharded": timed(LlamaForCausalLM(cfg).to(device))[0]}
     for schedule in schedules:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg).to(device)
         # ring embeddings and the non-finite check exchange counts and flags, which a fake group never delivers
         options = dict(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off")
         cf.shard(model, cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
@@ -142,13 +146,14 @@ def _fake_table(args) -> int:
     import json
     import subprocess
 
-    print(f"host time per training step, tiny Llama (2 layers, hidden 64, 128 tokens), rank 0 of W on a fake "
-          f"group (nothing moves), one thread, median of {args.reps} steps")
+    print(f"host time per training step, tiny Llama (2 layers, hidden 64, 128 tokens) on {args.device}, rank 0 of "
+          f"W on a fake group (nothing moves), one thread, median of {args.reps} steps")
     print(f"{'W':>3} {'schedule':>9} {'step ms':>8} {'unsharded':>9} {'extra ms':>9} {'ring steps':>10} "
           f"{'pieces':>7} {'us per step+piece':>17}")
     for world in args.fake_worlds:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-fake", str(world),
-                               "--schedules", ",".join(args.schedules), "--reps", str(args.reps)],
+                               "--schedules", ",".join(args.schedules), "--reps", str(args.reps),
+                               "--device", args.device],
                               capture_output=True, text=True, timeout=600)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -176,13 +181,14 @@ def main(argv=None) -> int:
                         help="instead: whole training steps' host time on a fake group of each of these sizes")
     parser.add_argument("--schedules", default="fused,lockstep,slicing", help="with --fake-worlds")
     parser.add_argument("--reps", type=int, default=20, help="timed steps per schedule, with --fake-worlds")
+    parser.add_argument("--device", default="cpu", help="with --fake-worlds: cpu, or cuda (kernel launches too)")
     parser.add_argument("--one-fake", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.schedules = args.schedules.split(",")
     if args.one_fake:
         import json
 
-        print("RESULT " + json.dumps(_fake_world(args.one_fake, args.schedules, args.reps)), flush=True)
+        print("RESULT " + json.dumps(_fake_world(args.one_fake, args.schedules, args.reps, args.device)), flush=True)
         return 0
     if args.fake_worlds:
         args.fake_worlds = [int(w) for w in args.fake_worlds.split(",")]
