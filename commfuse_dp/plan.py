@@ -81,9 +81,12 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         r = simulate(units, slowed, schedule)
         return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slowed.flops_per_s / cl.flops_per_s}
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
+    # ... and the host issues every ring step and piece of the fused groups (``plays.host_seconds``)
+    host = plays.host_seconds(units, cl)
     if schedule == "slicing":
-        return {"step_s": plays.slicing(units, cl) if n > 1 else compute, "compute_s": compute, "flops": flops,
-                "pieces_s": plays.piece_extra(units, cl, cl.piece_shards)}
+        t = plays.slicing(units, cl) if n > 1 else compute
+        return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops,
+                "pieces_s": plays.piece_extra(units, cl, cl.piece_shards), "host_s": host}
     if schedule == "unit_slicing":
         # Not a schedule of this library: the strongest layer-level overlap, stock FSDP2's shape with its collectives
         # on one link (one gather per unit, norms included, one unit ahead). The link serves requests in issue order:
@@ -114,7 +117,8 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
         play = plays.lockstep if lockstep else plays.elastic
         t = compute if n == 1 else play(units, cl)
-        return {"step_s": t, "compute_s": compute, "flops": flops, "pieces_s": plays.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
+        return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops, "host_s": host,
+                "pieces_s": plays.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
@@ -140,17 +144,20 @@ def best_piece_shards(model: tuple, cl: Cluster, tokens: int, seq: int) -> int:
 def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: float | None = None
             ) -> dict[str, dict]:
     """Per schedule: step and compute seconds (whole GEMMs), ``pieces_s`` (what computing the GEMMs in N pieces
-    adds: fused and slicing, with ``cl.piece_fit``), exposed communication (the rest), ``mfu`` (model FLOPs per
-    second against the hardware's peak, ``peak_flops_per_s``; the achievable rate when none is given) and
-    ``of_achievable`` (against ``cl.flops_per_s``, what compute alone reaches: 1.0 means no exposed
-    communication and no pieces)."""
+    adds: fused and slicing, with ``cl.piece_fit``), exposed communication (the rest of the device's time),
+    ``host_s`` (the host's time to issue the fused groups, with ``cl.host_fit``: the step is at least that),
+    ``mfu`` (model FLOPs per second against the hardware's peak, ``peak_flops_per_s``; the achievable rate when
+    none is given) and ``of_achievable`` (against ``cl.flops_per_s``, what compute alone reaches: 1.0 means no
+    exposed communication and no pieces)."""
     peak = peak_flops_per_s or cl.flops_per_s
     units = units_for(*model, tokens=tokens, seq=seq)
     out = {}
     for schedule in SCHEDULES:
         r = simulate(units, cl, schedule)
         r.setdefault("pieces_s", 0.0)
-        r["exposed_s"] = max(r["step_s"] - r["compute_s"] - r["pieces_s"], 0.0)
+        r.setdefault("host_s", 0.0)
+        # (the device's time: where the host is the longer, the step waits for it, not for the link)
+        r["exposed_s"] = max(r.get("device_s", r["step_s"]) - r["compute_s"] - r["pieces_s"], 0.0)
         r["mfu"] = r["flops"] / (r["step_s"] * peak)
         r["of_achievable"] = r["flops"] / (r["step_s"] * cl.flops_per_s)
         out[schedule] = r
@@ -305,16 +312,16 @@ SWEEP_LINKS_GBPS = (6.25, 12.5, 25.0, 50.0, 100.0, 200.0, 450.0)
 SWEEP_TOKENS = (2048, 4096, 8192, 16384)
 
 
-def _piece_fit(text: str) -> tuple[float, float] | None:
-    """``--piece-fit``: 'h200', 'none' or 'A,P'."""
+def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
+    """``--piece-fit`` / ``--host-fit``: 'h200', 'none' or two non-negative numbers 'A,B'."""
     if text == "none":
         return None
     if text == "h200":
-        return plays.H200_PIECE_FIT
-    a, p = (float(x) for x in text.split(","))
-    if a < 0 or p < 0:
+        return h200
+    a, b = (float(x) for x in text.split(","))
+    if a < 0 or b < 0:
         raise ValueError(text)
-    return a, p
+    return a, b
 
 
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
@@ -382,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--piece-shards", type=int, default=1,
                         help="CommFuseConfig.piece_shards of the fused schedule: weight shards per compute piece "
                              "(default 1)")
+    parser.add_argument("--host-fit", default="none",
+                        help="the host's time per fused group per step, a + b * ranks seconds (fused and slicing "
+                             "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'none' "
+                             "(default: not modelled), 'h200' (1.7 ms + 0.30 ms x ranks, measured on an H200's host "
+                             "with benchmarks/step_overhead.py --fake-worlds) or 'A,B' in seconds")
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
     parser.add_argument("--sweep", action="store_true",
                         help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
@@ -392,9 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                              "unit_slicing: one gather per decoder layer, norms included, stock FSDP2's shape)")
     args = parser.parse_args(argv)
     try:
-        fit = _piece_fit(args.piece_fit)
+        fit = _pair(args.piece_fit, plays.H200_PIECE_FIT)
     except ValueError:
         parser.error(f"--piece-fit {args.piece_fit!r}: give 'h200', 'none' or two numbers 'A,P' (e.g. 0.645,0.89)")
+    try:
+        host_fit = _pair(args.host_fit, plays.H200_HOST_FIT)
+    except ValueError:
+        parser.error(f"--host-fit {args.host_fit!r}: give 'h200', 'none' or two numbers 'A,B' (e.g. 1.7e-3,3e-4)")
     if args.calibrate:
         return calibrate(args.calibrate, args.latency_us)
     if args.sweep:
@@ -411,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"hardware's peak); give the peak of the accelerator you plan for")
     model = load_model(args.model)
     cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
-                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards)
+                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit)
     if args.nodes != 1:
         if args.nodes < 1 or args.ranks % args.nodes:
             parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
@@ -422,14 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
     print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
           f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
-    print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'pieces s':>8} {'MFU':>6} {'of achievable':>13}")
+    print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'pieces s':>8} {'host s':>7} {'MFU':>6} "
+          f"{'of achievable':>13}")
     for schedule, r in results.items():
-        print(f"{schedule:>12} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['pieces_s']:>8.3f} {r['mfu']:>6.1%} "
-              f"{r['of_achievable']:>13.1%}")
+        print(f"{schedule:>12} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['pieces_s']:>8.3f} {r['host_s']:>7.3f} "
+              f"{r['mfu']:>6.1%} {r['of_achievable']:>13.1%}")
     print("MFU: model FLOPs per second against --peak-tflops; of achievable: against --tflops (compute alone)")
     print(f"pieces: what computing each GEMM in {args.ranks // args.piece_shards if args.piece_shards <= args.ranks else 1}"
           f" pieces adds (fused and slicing, lockstep in {args.ranks}; --piece-shards {args.piece_shards}, --piece-fit "
           f"{args.piece_fit})")
+    print(f"host: the host's time to issue the fused groups' ring steps and pieces (--host-fit {args.host_fit}); "
+          f"a step is at least that long")
     print("unit_slicing: not a schedule of this library; one gather per decoder layer, norms included, one layer "
           "ahead (stock FSDP2's shape on one link): the bound of layer-level overlap")
     rec = recommend(cl)

@@ -43,11 +43,29 @@ class Cluster:
     # 1 + a * (256 / w) ** p times the whole GEMM's time (``piece_slowdown``); None: as fast as the whole.
     piece_fit: tuple[float, float] | None = None
     piece_shards: int = 1  # CommFuseConfig.piece_shards (the elastic schedule's pieces: N / this)
+    # The host's time per fused group per step, a + b * N seconds, for the fused and slicing schedules
+    # (``host_seconds``); None: not modelled.
+    host_fit: tuple[float, float] | None = None
 
 
 # The fit of benchmarks/cuda_check.py's ``gemm`` part on an H200 (bf16, 8192 tokens, Llama-3-8B shapes, forward and
 # backward; benchmarks/results/cuda-h200-2026-11-26-check.json): within 0.1 of every measured slowdown for w >= 512.
 H200_PIECE_FIT = (0.645, 0.89)
+
+
+# The host's time per fused group per step on the lent H200's host with CUDA tensors, a least-squares line through
+# ``benchmarks/step_overhead.py --fake-worlds 2,4,8,16 --device cuda`` (extra ms over the unsharded model, 9 fused
+# groups; benchmarks/results/host-overhead-2026-11-26.txt): fused 1.62 + 0.302 N ms, slicing 1.76 + 0.301 N ms.
+H200_HOST_FIT = (1.7e-3, 0.30e-3)
+
+
+def host_seconds(units: list[Unit], cl: Cluster) -> float:
+    """What the host spends issuing one step's fused groups (their ring steps, pieces and schedule bookkeeping:
+    about 3 (N-1) ring steps and 2N pieces per group): the step cannot be shorter. 0 without ``host_fit``."""
+    if cl.host_fit is None or cl.ranks == 1:
+        return 0.0
+    a, b = cl.host_fit
+    return sum(len(u.groups) for u in units) * (a + b * cl.ranks)
 
 
 def piece_slowdown(cl: Cluster, out: int, shards: int = 1) -> float:

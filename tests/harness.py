@@ -3,8 +3,8 @@
     from harness import run_ranks
     values = run_ranks(worker, world_size=3, args=(...,))   # worker(rank, world_size, *args) -> picklable
 
-- Ranks are separate processes started from a fork server that has torch preloaded (a rank starts in ~0.1 s
-  instead of re-importing torch). ``worker`` must be a module-level function of an importable module.
+- Ranks are separate processes started from a fork server that has torch, the library and transformers' model
+  classes preloaded (``PRELOAD``: a rank starts in ~0.1 s instead of importing them for seconds). ``worker`` must be a module-level function of an importable module.
 - The parent hosts the TCP store on 127.0.0.1 (a free port chosen by the OS), so ports never collide between
   tests; each rank joins it and calls ``init_process_group`` before ``worker`` runs.
 - Each rank computes on one thread (``torch.set_num_threads(1)``), as under torchrun.

@@ -243,3 +243,33 @@ def test_plan_models_the_gemm_pieces():
     free = plan.predict(model, replace(cl, piece_fit=None), 16384, 8192)
     assert all(r["pieces_s"] == 0 for r in free.values())
     assert free["fused"]["step_s"] == pytest.approx(whole["fused"]["step_s"], rel=1e-3)
+
+
+def test_plan_models_the_host():
+    """``--host-fit``: the host issues about 3 (N-1) ring steps and 2N pieces per fused group per step (measured with
+    benchmarks/step_overhead.py --fake-worlds: plays.H200_HOST_FIT), so a step is at least that long. Llama-3-8B on
+    8 ranks over NVLink keeps the device the longer; at 64 ranks the host is, and grows with the ranks; off, nothing
+    changes."""
+    from dataclasses import replace
+
+    from commfuse_dp import plan, plays
+
+    model = plan.KNOWN_MODELS["llama3-8b"]
+    cl = plays.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, host_fit=plays.H200_HOST_FIT)
+    off = plan.predict(model, replace(cl, host_fit=None), 8192, 4096)
+    on = plan.predict(model, cl, 8192, 4096)
+    groups = 32 * 4 + 1  # q/k/v, o, gate/up, down per layer, and the lm_head
+    assert on["fused"]["host_s"] == pytest.approx(groups * (1.7e-3 + 8 * 0.30e-3))
+    assert on["fused"]["step_s"] == off["fused"]["step_s"] > on["fused"]["host_s"]
+    assert off["fused"]["host_s"] == 0 and on["unit_slicing"]["host_s"] == 0
+    wide = plan.predict(model, replace(cl, ranks=64), 8192, 4096)
+    wider = plan.predict(model, replace(cl, ranks=128), 8192, 4096)
+    for schedule in ("fused", "slicing", "lockstep"):
+        assert wide[schedule]["step_s"] == wide[schedule]["host_s"] > wide["unit_slicing"]["step_s"]
+        assert wider[schedule]["step_s"] > wide[schedule]["step_s"]
+    out = subprocess.run([sys.executable, "-m", "commfuse_dp.plan", "--model", "llama3-8b", "--ranks", "64",
+                          "--host-fit", "h200"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "host s" in out.stdout, out.stderr
+    bad = subprocess.run([sys.executable, "-m", "commfuse_dp.plan", "--host-fit", "fast"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--host-fit 'fast'" in bad.stderr
