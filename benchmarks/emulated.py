@@ -3,8 +3,10 @@
 A GPU computes without the host's CPU, so on a real cluster a rank's communication never competes with its compute
 for a core. Here 4 or 8 ranks share 2 cores. To time the schedules of such a cluster faithfully, each compute
 piece -- every GEMM (``mm``, ``addmm``, ``bmm``, ``baddbmm``: the fused linears' pieces, the FSDP2 units' layers,
-the lm_head and so the loss) and every attention kernel, forward and backward -- is replaced, under a
-``TorchDispatchMode``, by a wait of ``FLOPs / (X TFLOP/s)`` on this rank's own clock (the host sleeps: the GIL and
+the lm_head and so the loss) and every attention kernel, forward and backward -- is replaced, while the
+accelerator is active, by a Python kernel registered over torch's own CPU kernel of that op (``torch.library``; no
+other op passes through Python, so the host's cost of everything else is what it is without the accelerator): a
+wait of ``FLOPs / (X TFLOP/s)`` on this rank's own clock (the host sleeps: the GIL and
 the cores are free for the communication threads), and its output is a zero tensor of the right shape, dtype and
 strides. FLOPs are counted as ``torch.utils.flop_counter`` counts them (attention: the full ``L x S`` score
 matrix, causal or not).
@@ -36,7 +38,6 @@ import time
 
 import torch
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 MIN_SLEEP_S = 2e-4
@@ -53,13 +54,13 @@ _FLOPS[aten.addmm_] = flop_counter.flop_registry[aten.addmm]
 _FLOPS[aten.baddbmm_] = flop_counter.flop_registry[aten.baddbmm]
 
 
-class EmulatedAccelerator(TorchDispatchMode):
+class EmulatedAccelerator:
     """Under ``with EmulatedAccelerator(tflops):``, GEMMs and attention cost time at ``tflops`` and return zeros."""
 
     def __init__(self, tflops: float, host_ahead: bool = False) -> None:
-        super().__init__()
         self.host_ahead = host_ahead
         self._thread: int | None = None  # the thread whose compute is emulated (set on entering)
+        self._library: torch.library.Library | None = None
         if not tflops > 0:
             raise ValueError(f"EmulatedAccelerator: tflops must be > 0, got {tflops!r}")
         self.flops_per_s = tflops * 1e12
@@ -71,16 +72,17 @@ class EmulatedAccelerator(TorchDispatchMode):
         self._known: dict = {}
         self.spans: list[tuple[float, float]] | None = None  # a list: record (start, end) of each piece (timelines)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        count = _FLOPS.get(func.overloadpacket)
-        if count is None or any(t not in (torch.Tensor, torch.nn.Parameter) for t in types):
-            return func(*args, **kwargs)
+    def _emulate(self, func, args, kwargs):
+        """One GEMM or attention kernel: its FLOPs on the clock, zeros out."""
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(f"EmulatedAccelerator: {func} ran on another thread than the one whose compute is "
+                               "emulated; while it is active, this process's CPU GEMMs are emulated on that thread "
+                               "only (the bench's compute thread)")
         key = _signature(func, args, kwargs)
         known = self._known.get(key) if key is not None else None
         if known is None:
             shapes = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # output shapes, no compute
-            known = (int(count(*args, **kwargs, out_val=shapes)), shapes)
+            known = (int(_FLOPS[func.overloadpacket](*args, **kwargs, out_val=shapes)), shapes)
             if key is not None:
                 self._known[key] = known
         flops, shapes = known
@@ -100,20 +102,29 @@ class EmulatedAccelerator(TorchDispatchMode):
         return tree_map(lambda m: _zeros_like_meta(m, device), shapes)
 
     def __enter__(self):
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("EmulatedAccelerator: one is active already in this process (they do not nest)")
+        self._thread = threading.get_ident()
+        self._library = _override_kernels(self)
+        _ACTIVE = self
         if self.host_ahead:
             from commfuse_dp.ring.topology import set_device_clock
 
-            self._thread = threading.get_ident()
             set_device_clock(self.device_clock)
-        return super().__enter__()
+        return self
 
     def __exit__(self, *exc):
+        global _ACTIVE
         if self.host_ahead:
             from commfuse_dp.ring.topology import set_device_clock
 
             self.synchronize()
             set_device_clock(None)
-        return super().__exit__(*exc)
+        self._library._destroy()  # the CPU kernels are torch's own again
+        self._library = None
+        _ACTIVE = None
+        return False
 
     def device_clock(self) -> float | None:
         """When the compute issued so far ends (None on another thread: its ring work waits for nothing)."""
@@ -134,6 +145,36 @@ class EmulatedAccelerator(TorchDispatchMode):
         ahead = self._due - now
         if not self.host_ahead and ahead > MIN_SLEEP_S:
             time.sleep(ahead)
+
+
+_ACTIVE: EmulatedAccelerator | None = None
+# The CPU kernels an accelerator replaces while it is active (every overload of these with a CPU kernel).
+_EMULATED = (aten.mm, aten.addmm, aten.addmm_, aten.bmm, aten.baddbmm, aten.baddbmm_,
+             aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
+
+def _override_kernels(accelerator: EmulatedAccelerator) -> torch.library.Library:
+    """Register ``accelerator._emulate`` as the CPU kernel of the GEMM and attention ops (torch's own come back when
+    the returned library is destroyed). Only these ops pay for a Python call; every other op runs as it would
+    without the accelerator (a ``TorchDispatchMode`` put a Python call of ~28 us in front of every op, views
+    included, which inflated the host time of schedules with many small ops)."""
+    import warnings
+
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+        for packet in _EMULATED:
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+                    library.impl(op.name().split("::")[1], _kernel(accelerator, op), "CPU")
+    return library
+
+
+def _kernel(accelerator: EmulatedAccelerator, op):
+    def emulated(*args, **kwargs):
+        return accelerator._emulate(op, args, kwargs)
+    return emulated
 
 
 def _signature(func, args, kwargs):
