@@ -72,8 +72,9 @@ class EmulatedAccelerator:
         self._known: dict = {}
         self.spans: list[tuple[float, float]] | None = None  # a list: record (start, end) of each piece (timelines)
 
-    def _emulate(self, func, args, kwargs):
-        """One GEMM or attention kernel: its FLOPs on the clock, zeros out."""
+    def _emulate(self, func, args, kwargs, writes):
+        """One GEMM or attention kernel: its FLOPs on the clock, zeros out. ``writes``: the positions of the
+        arguments it writes into (``_writes``)."""
         if threading.get_ident() != self._thread:
             raise RuntimeError(f"EmulatedAccelerator: {func} ran on another thread than the one whose compute is "
                                "emulated; while it is active, this process's CPU GEMMs are emulated on that thread "
@@ -89,14 +90,16 @@ class EmulatedAccelerator:
         self.flops += flops
         self.pieces += 1
         self._wait(flops / self.flops_per_s)
-        written = _written(func, args, kwargs)
-        if written:
+        if writes:
             # ``out=`` (the fused linear's ``torch.mm(x, w.t(), out=y[:, lo:hi])``): the result is zeros, written
             # where asked. In place (``dx.addmm_(dy, w)``): ``self`` plus a zero product is ``self``, left as is.
-            for name, tensor in written:
-                if name != "self":
-                    tensor.zero_()
-            tensors = [tensor for _, tensor in written]
+            tensors = []
+            for i, name in writes:
+                tensor = args[i] if i is not None and i < len(args) else kwargs.get(name)
+                if isinstance(tensor, torch.Tensor):
+                    if name != "self":
+                        tensor.zero_()
+                    tensors.append(tensor)
             return tensors[0] if len(tensors) == 1 else tuple(tensors)
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         return tree_map(lambda m: _zeros_like_meta(m, device), shapes)
@@ -172,37 +175,40 @@ def _override_kernels(accelerator: EmulatedAccelerator) -> torch.library.Library
 
 
 def _kernel(accelerator: EmulatedAccelerator, op):
+    writes = _writes(op)
+
     def emulated(*args, **kwargs):
-        return accelerator._emulate(op, args, kwargs)
+        return accelerator._emulate(op, args, kwargs, writes)
     return emulated
 
 
 def _signature(func, args, kwargs):
-    """What a call's FLOPs and output shapes depend on, hashable; None when an argument is neither a tensor nor
-    hashable (then nothing is cached)."""
-    def one(value):
-        if isinstance(value, torch.Tensor):
-            return ("T", tuple(value.shape), value.stride(), value.dtype, value.device)
-        if isinstance(value, (list, tuple)):
-            return tuple(one(v) for v in value)
-        hash(value)
-        return value
-
+    """What a call's FLOPs and output shapes depend on (op, shapes, strides, dtypes, other arguments), hashable;
+    None when an argument is neither a tensor nor hashable (then nothing is cached). Flat: it runs per piece."""
+    key = [func, *map(_described, args)]
+    for name in sorted(kwargs):
+        key += (name, _described(kwargs[name]))
+    key = tuple(key)
     try:
-        return (func, tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))
+        hash(key)
     except TypeError:
         return None
+    return key
 
 
-def _written(func, args, kwargs) -> list[tuple[str, torch.Tensor]]:
-    """The tensors ``func`` writes into (its ``out=`` arguments, or ``self`` of an in-place op), by schema."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            if isinstance(value, torch.Tensor):
-                written.append((arg.name, value))
-    return written
+def _described(value):
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.stride(), value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple(map(_described, value))
+    return value
+
+
+def _writes(func) -> tuple[tuple[int | None, str], ...]:
+    """Where ``func``'s written arguments are (its ``out=`` ones, or ``self`` of an in-place op), by schema:
+    ``(position or None if keyword-only, name)``."""
+    return tuple((None if arg.kwarg_only else i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
 
 
 def _meta(value):
