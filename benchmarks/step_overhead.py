@@ -16,6 +16,11 @@ moves nothing; one thread), per schedule, against the same model unsharded. With
 difference is the library's host work per step (on a GPU the host issues it ahead of the device; it shows once it
 exceeds the device's time). Divided by the ring steps started and compute pieces run per step (counted with
 ``observe_ring``), it gives a host cost per ring step, the floor a ring step costs whatever the link.
+``--bench-model``: the same with the bench's default model and batch under the emulated accelerator (its GEMMs
+cost neither CPU nor time): the host work one rank of ``commfuse-dp bench --compute emulated`` does per step
+(less the ring embedding, which a fake group cannot run).
+
+    python benchmarks/step_overhead.py --fake-worlds 8 --schedules fused,slicing --bench-model
 """
 
 from __future__ import annotations
@@ -92,8 +97,12 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     return op, tag
 
 
-def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu") -> dict:
-    """One process, rank 0 of ``world`` on a fake group: seconds per training step per schedule, and counts."""
+def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu", bench_model: bool = False) -> dict:
+    """One process, rank 0 of ``world`` on a fake group: seconds per training step per schedule, and counts.
+    ``bench_model``: the bench's default model and batch under the emulated accelerator instead of the tiny Llama."""
+    import contextlib
+    from types import SimpleNamespace
+
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,13 +115,22 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    accelerator, min_fuse_numel = contextlib.nullcontext, 0
+    if bench_model:
+        from commfuse_dp.benchmarks import worker
+        from commfuse_dp.benchmarks.emulated import EmulatedAccelerator
+
+        shape = SimpleNamespace(**{name.replace("-", "_"): value for name, value in worker.MODEL_DEFAULTS})
+        cfg, ids, min_fuse_numel = worker.model_config(shape), worker.make_batch(shape, 0)["input_ids"], shape.min_fuse_numel
+        accelerator = lambda: EmulatedAccelerator(1e6, host_ahead=True)  # noqa: E731  (GEMMs: no CPU, no time)
     if device != "cpu":
         torch.cuda.set_device(torch.device(device).index or 0)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def timed(model) -> tuple[float, dict]:
         def step() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
+            with accelerator():
+                model(input_ids=ids, labels=ids).loss.backward()
             model.zero_grad(set_to_none=True)
 
         for _ in range(2):  # the first records the layer order, the second runs the lookahead
@@ -134,7 +152,7 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).to(device)
         # ring embeddings and the non-finite check exchange counts and flags, which a fake group never delivers
-        options = dict(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off")
+        options = dict(min_fuse_numel=min_fuse_numel, ring_embeddings=False, nonfinite_grads="off")
         cf.shard(model, cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
                  else cf.CommFuseConfig(schedule=schedule, **options))
         result[schedule] = timed(model)
@@ -146,14 +164,16 @@ def _fake_table(args) -> int:
     import json
     import subprocess
 
-    print(f"host time per training step, tiny Llama (2 layers, hidden 64, 128 tokens) on {args.device}, rank 0 of "
+    model = ("the bench's model (4 layers x 512, 512 tokens) under the emulated accelerator" if args.bench_model
+             else "tiny Llama (2 layers, hidden 64, 128 tokens)")
+    print(f"host time per training step, {model} on {args.device}, rank 0 of "
           f"W on a fake group (nothing moves), one thread, median of {args.reps} steps")
     print(f"{'W':>3} {'schedule':>9} {'step ms':>8} {'unsharded':>9} {'extra ms':>9} {'ring steps':>10} "
           f"{'pieces':>7} {'us per step+piece':>17}")
     for world in args.fake_worlds:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-fake", str(world),
                                "--schedules", ",".join(args.schedules), "--reps", str(args.reps),
-                               "--device", args.device],
+                               "--device", args.device] + (["--bench-model"] if args.bench_model else []),
                               capture_output=True, text=True, timeout=600)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -182,13 +202,18 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default="fused,lockstep,slicing", help="with --fake-worlds")
     parser.add_argument("--reps", type=int, default=20, help="timed steps per schedule, with --fake-worlds")
     parser.add_argument("--device", default="cpu", help="with --fake-worlds: cpu, or cuda (kernel launches too)")
+    parser.add_argument("--bench-model", action="store_true",
+                        help="with --fake-worlds: the bench's default model and batch (4 layers x 512, 512 tokens, "
+                             "its min_fuse_numel) under the emulated accelerator (GEMMs cost no CPU), on the CPU: "
+                             "the host work a rank of `commfuse-dp bench --compute emulated` does per step")
     parser.add_argument("--one-fake", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.schedules = args.schedules.split(",")
     if args.one_fake:
         import json
 
-        print("RESULT " + json.dumps(_fake_world(args.one_fake, args.schedules, args.reps, args.device)), flush=True)
+        print("RESULT " + json.dumps(_fake_world(args.one_fake, args.schedules, args.reps, args.device,
+                                                 args.bench_model)), flush=True)
         return 0
     if args.fake_worlds:
         args.fake_worlds = [int(w) for w in args.fake_worlds.split(",")]

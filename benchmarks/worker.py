@@ -56,6 +56,11 @@ NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_o
 TIMELINE_VARIANTS = ("fused", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
 
+# The bench's default model and batch (its --hidden ... --min-fuse-numel)
+MODEL_DEFAULTS = (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
+                  ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16))
+
+
 def model_config(args):
     from transformers import LlamaConfig
 
@@ -351,8 +356,7 @@ def main(argv=None) -> int:
                              "each GEMM (benchmarks/emulated.py)")
     parser.add_argument("--lookahead-mb", default="auto", help="CommFuseConfig.lookahead_mb of the fused variant")
     parser.add_argument("--nodes", type=int, default=1, help="copies for the hsdp_* variants (the bench's --nodes)")
-    for name, default in (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
-                          ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16)):
+    for name, default in MODEL_DEFAULTS:
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
 
