@@ -325,23 +325,26 @@ def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
 
 
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
-          against: str = "slicing", piece_fit: tuple[float, float] | None = None) -> int:
+          against: str = "slicing", piece_fit: tuple[float, float] | None = None,
+          host_fit: tuple[float, float] | None = None) -> int:
     """Fused step time over ``against``'s (``slicing`` or ``unit_slicing``) for every (ranks, link, tokens per rank)
     of the sweep grid; prints a table and returns the number of cells where fused is slower. The last lines count
     the cells against both. With ``piece_fit`` (GEMM pieces cost time), each schedule computes in pieces as its
     best ``piece_shards`` does: fused the one ``best_piece_shards`` recommends, slicing (which gathers whole
-    layers) all shards at once."""
+    layers) all shards at once. With ``host_fit``, each step is at least the host's time to issue it."""
     model = load_model(model_name)
     print(f"{model_name}: fused (elastic lookahead) step time / {against}'s; {latency_us:g} us per ring step, "
           f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}; tokens per rank across, ranks x GB/s down"
           + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}, each schedule at its best "
-             f"piece_shards" if piece_fit else ""))
+             f"piece_shards" if piece_fit else "")
+          + (f"; the host needs {host_fit[0] * 1e3:g} + {host_fit[1] * 1e3:g} N ms per fused group per step"
+             if host_fit else ""))
     print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
     ratios: dict[str, list[float]] = {"slicing": [], "unit_slicing": []}
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
             cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
-                         piece_fit=piece_fit)
+                         piece_fit=piece_fit, host_fit=host_fit)
             cells = []
             for tokens in SWEEP_TOKENS:
                 if piece_fit is None:
@@ -414,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         return calibrate(args.calibrate, args.latency_us)
     if args.sweep:
-        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit)
+        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit)
         return 0
     for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
         if getattr(args, name) < 1:

@@ -135,6 +135,11 @@ def test_plan_sweep(capsys):
     rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == len(plan.SWEEP_RANKS) * len(plan.SWEEP_LINKS_GBPS)
     assert "fused slower than slicing (*) in" in out
+    # with the host's time per fused group: every step is at least that (the host bounds the small model's steps)
+    assert plan.main(["--model", "gpt2", "--sweep", "--piece-fit", "none", "--host-fit", "h200"]) == 0
+    hosted = capsys.readouterr().out
+    assert "the host needs 1.7 + 0.3 N ms per fused group per step" in hosted
+    assert [line for line in hosted.splitlines() if line.split() and line.split()[0].isdigit()] != rows
 
 
 def test_mfu_is_against_the_peak():
