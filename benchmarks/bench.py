@@ -37,7 +37,7 @@ import tempfile
 import time
 
 from .cluster import EmulatedCluster
-from .worker import EXTRA_VARIANTS, MMAP_ENV, NODE_VARIANTS, VARIANTS
+from .worker import EXTRA_VARIANTS, MMAP_ENV, MODEL_DEFAULTS, NODE_VARIANTS, VARIANTS
 
 CPU_NOTES = {
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
@@ -179,15 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--compute emulated: ahead (default): the host goes on while the emulated device computes, "
                              "as beside a GPU (ring work waits for the compute requested before it); sync: the host "
                              "sleeps until each GEMM is done (the runs before 2026-11-26)")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=0, help="key/value heads (GQA); default: --heads")
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--min-fuse-numel", type=int, default=1 << 16, help="CommFuseConfig.min_fuse_numel")
+    helps = {"kv-heads": "key/value heads (GQA); default: --heads", "min-fuse-numel": "CommFuseConfig.min_fuse_numel"}
+    for name, default in MODEL_DEFAULTS:
+        parser.add_argument(f"--{name}", type=int, default=default, help=helps.get(name))
     parser.add_argument("--burst-kb", type=int, default=128,
                         help="tc tbf burst of every link, KiB (default 128; the results before 2026-11-25 evening used "
                              "1024). After an idle gap a link sends up to this much above its rate: schedules that "

@@ -153,7 +153,8 @@ class EmulatedAccelerator:
 _ACTIVE: EmulatedAccelerator | None = None
 # The CPU kernels an accelerator replaces while it is active (every overload of these with a CPU kernel).
 _EMULATED = (aten.mm, aten.addmm, aten.addmm_, aten.bmm, aten.baddbmm, aten.baddbmm_,
-             aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward)
+             aten._scaled_dot_product_flash_attention_for_cpu,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward)
 
 
 def _override_kernels(accelerator: EmulatedAccelerator) -> torch.library.Library:

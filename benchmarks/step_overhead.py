@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -121,8 +122,9 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
         from commfuse_dp.benchmarks.emulated import EmulatedAccelerator
 
         shape = SimpleNamespace(**{name.replace("-", "_"): value for name, value in worker.MODEL_DEFAULTS})
-        cfg, ids, min_fuse_numel = worker.model_config(shape), worker.make_batch(shape, 0)["input_ids"], shape.min_fuse_numel
-        accelerator = lambda: EmulatedAccelerator(1e6, host_ahead=True)  # noqa: E731  (GEMMs: no CPU, no time)
+        cfg, ids = worker.model_config(shape), worker.make_batch(shape, 0)["input_ids"]
+        min_fuse_numel = shape.min_fuse_numel
+        accelerator = functools.partial(EmulatedAccelerator, 1e6, host_ahead=True)  # GEMMs: no CPU, no time
     if device != "cpu":
         torch.cuda.set_device(torch.device(device).index or 0)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
@@ -215,6 +217,8 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(_fake_world(args.one_fake, args.schedules, args.reps, args.device,
                                                  args.bench_model)), flush=True)
         return 0
+    if args.bench_model and args.device != "cpu":
+        parser.error("--bench-model runs on the CPU (the emulated accelerator replaces CPU kernels)")
     if args.fake_worlds:
         args.fake_worlds = [int(w) for w in args.fake_worlds.split(",")]
         return _fake_table(args)
