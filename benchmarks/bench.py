@@ -246,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes > 1:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks: the rates are inside a node; between "
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
+    from commfuse_dp.config import CommFuseConfig
+
     payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),
                "tbf_burst_kb": args.burst_kb,
-               "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab",
-                                                        "seq", "batch")},
+               "model": {**{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
+                                                           "vocab", "seq", "batch")},
+                         "direct_kb": CommFuseConfig().direct_kb},  # fused_ring: 0
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE.format(burst=args.burst_kb)}, "wall_s": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as f:

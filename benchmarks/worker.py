@@ -21,6 +21,9 @@ Variants:
 - ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
 - ``fused_lockstep`` (only when asked for): ``fused`` with ``lookahead_mb=0``, each layer's ring steps beside its
   own pieces (the schedule before the elastic lookahead).
+- ``fused_ring`` (only when asked for): ``fused`` with ``direct_kb=0``: every bucketed collective goes round the
+  ring, also the tiny ones (the root unit's norms, the ring embedding's token ids) that otherwise take one direct
+  round (the library before 2026-11-26 evening).
 - ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
   the same time, with no dependency between them. The best any overlap can do on this machine, where the
   communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
@@ -51,7 +54,8 @@ import torch.distributed as dist
 
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
-EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
+EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
+                  "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
@@ -139,6 +143,9 @@ class Runner:
 
     def _build_fused_lockstep(self):
         self._build_fused(lookahead_mb=0)
+
+    def _build_fused_ring(self):
+        self._build_fused(direct_kb=0)
 
     def _build_slicing(self):
         self._build_fused("slicing")

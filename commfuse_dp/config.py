@@ -52,6 +52,12 @@ class CommFuseConfig:
     """Size of one ring bucket in MiB. Many small tensors are packed into flat buckets of this size; a larger
     tensor is cut into chunks of this size that pipeline through the ring."""
 
+    direct_kb: float = 1024.0
+    """A bucketed collective (FSDP2 units, the bucketed rings) whose whole tensor is at most this many KiB, on more
+    than 2 ranks, exchanges with every peer in one round instead of going round the ring in N-1 steps: the same
+    bytes, one latency instead of N-1 (the root unit's norms, gathered at a step's head and reduced at its tail,
+    are such a bucket). Results are the ring's bit for bit. ``0``: always the ring."""
+
     min_fuse_numel: int = 1 << 16
     """A linear whose weight shard has fewer elements than this is not fused (a ring step costs a fixed latency
     that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead. Linears that read the same
@@ -163,6 +169,10 @@ class CommFuseConfig:
         self.bucket_mb = _number("bucket_mb", self.bucket_mb, float)
         if not self.bucket_mb > 0:
             raise ValueError(f"CommFuseConfig.bucket_mb={self.bucket_mb!r}: must be a number of MiB > 0, e.g. 25")
+        self.direct_kb = _number("direct_kb", self.direct_kb, float)
+        if not self.direct_kb >= 0:
+            raise ValueError(f"CommFuseConfig.direct_kb={self.direct_kb!r}: must be a number of KiB >= 0 (0: every "
+                             f"bucketed collective goes round the ring)")
         self.min_fuse_numel = _number("min_fuse_numel", self.min_fuse_numel, int)
         if self.min_fuse_numel < 0:
             raise ValueError(f"CommFuseConfig.min_fuse_numel={self.min_fuse_numel!r}: must be an integer >= 0")
@@ -194,6 +204,11 @@ class CommFuseConfig:
         self.param_dtype = _dtype("param_dtype", self.param_dtype)
         self.reduce_dtype = _dtype("reduce_dtype", self.reduce_dtype)
         self.exclude = _patterns("exclude", self.exclude)
+
+    @property
+    def ring_kwargs(self) -> dict[str, float]:
+        """The keyword arguments of ``ring_all_gather`` / ``ring_reduce_scatter`` this config sets."""
+        return {"bucket_mb": self.bucket_mb, "direct_kb": self.direct_kb, "timeout_s": self.timeout_s}
 
     @property
     def bucket_bytes(self) -> int:
@@ -353,7 +368,7 @@ def _parse_env(name: str, raw: str) -> Any:
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
     if name == "lookahead_mb" and text.lower() == "auto":
         return "auto"
-    if name in ("bucket_mb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
+    if name in ("bucket_mb", "direct_kb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
                 "piece_shards"):
         try:
             return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate", "piece_shards") \

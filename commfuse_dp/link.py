@@ -91,10 +91,11 @@ class Link:
         self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
 
     def step(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, steps: int,
-             before: Callable[[], None] | None = None) -> Pending:
+             before: Callable[[], None] | None = None, direct: bool = False) -> Pending:
         """Request one ring step: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
         ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
-        must stay untouched (``recvs``: unread) until the step is waited for."""
+        must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
+        instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``)."""
         if transport._OBSERVERS:
             transport.notify("start", op.phase, k)
         ring = self.ring
@@ -103,8 +104,10 @@ class Link:
         def issue() -> transport.StepHandle:
             if before is not None:
                 before()
+            peers = ring.peers if direct else None
             return transport.start_step(ring, sends, recvs, tag=op.tag, op=op.phase, step=k, steps=steps,
-                                        timeout_s=self.timeout_s, label=op, observed=False)
+                                        timeout_s=self.timeout_s, label=op, observed=False, send_to=peers,
+                                        recv_from=peers)
 
         if tensor.is_cuda:
             current = torch.cuda.current_stream(tensor.device)

@@ -261,6 +261,7 @@ def calibrate(path: str, latency_us: float) -> int:
     m = bench["model"]
     model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m["heads"], m["vocab"])
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
+    direct_bytes = m.get("direct_kb", 0) * 1024  # runs that do not record it went round the ring
     units = units_for(*model, tokens=tokens, seq=seq)
     flops = 3 * sum(u.flops for u in units)
     # What the bench's comm_only moves per rank: every unit gathered twice and reduce-scattered once, except the ring
@@ -293,7 +294,7 @@ def calibrate(path: str, latency_us: float) -> int:
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
         f_rate, b_rate = flops / compute, zero3_bytes / comm
         cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
-                     cpu_s_per_byte=cpu_per_byte)
+                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes)
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue

@@ -46,6 +46,8 @@ class Cluster:
     # The host's time per fused group per step, a + b * N seconds, for the fused and slicing schedules
     # (``host_seconds``); None: not modelled.
     host_fit: tuple[float, float] | None = None
+    direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
+
 
 
 # The fit of benchmarks/cuda_check.py's ``gemm`` part on an H200 (bf16, 8192 tokens, Llama-3-8B shapes, forward and
@@ -118,11 +120,13 @@ def piece_extra(units: list[Unit], cl: Cluster, shards: int = 1) -> float:
 
 def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
     """The exposed exchanges at a step's head (nbytes: parameter bytes) or tail (gradient bytes): parameters that
-    are not fused, through one bucketed ring, and each ring embedding's exchange."""
+    are not fused, through one bucketed collective (one direct round when within ``direct_bytes``), and each ring
+    embedding's exchange."""
     n = cl.ranks
     other = sum(u.other_numel for u in units if not u.table)
     tables = sum((n - 1) * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s) for u in units if u.table)
-    return (n - 1) * (cl.latency_s + other / n * nbytes / cl.bytes_per_s) + tables
+    rounds = 1 if n > 2 and other * nbytes <= cl.direct_bytes else n - 1
+    return rounds * cl.latency_s + (n - 1) * other / n * nbytes / cl.bytes_per_s + tables
 
 
 def elastic(units: list[Unit], cl: Cluster) -> float:

@@ -113,7 +113,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
     replicas = None
     if mesh.ndim == 2:
-        replicas = Replicas(mesh.get_group(0), config.timeout_s, config.bucket_mb)
+        replicas = Replicas(mesh.get_group(0), config.ring_kwargs)
     world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
     engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
     steps = StepState(engine)

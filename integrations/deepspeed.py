@@ -310,8 +310,7 @@ class _RingBackend:
         if pg is None:
             return self._inner.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
         cfg = self._handle.config
-        work = ring_all_gather(output_tensor, input_tensor, pg, async_op=async_op, bucket_mb=cfg.bucket_mb,
-                               timeout_s=cfg.timeout_s)
+        work = ring_all_gather(output_tensor, input_tensor, pg, async_op=async_op, **cfg.ring_kwargs)
         self._count("all_gather_into_tensor", output_tensor.numel())
         return _async_result(work, async_op)
 
@@ -322,7 +321,7 @@ class _RingBackend:
                                                      async_op=async_op)
         cfg = self._handle.config
         work = ring_reduce_scatter(output_tensor, input_tensor, pg, _op_name(op), async_op=async_op,
-                                   bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)
+                                   **cfg.ring_kwargs)
         self._count("reduce_scatter_tensor", input_tensor.numel())
         return _async_result(work, async_op)
 
@@ -354,9 +353,8 @@ class _RingBackend:
             buf = flat.new_zeros(shard * ring.size)
             buf[:flat.numel()].copy_(flat)
         own = buf[ring.rank * shard:(ring.rank + 1) * shard]
-        works = [ring_reduce_scatter(own, buf, pg, _op_name(op), async_op=async_op, bucket_mb=cfg.bucket_mb,
-                                     timeout_s=cfg.timeout_s),
-                 ring_all_gather(buf, own, pg, async_op=async_op, bucket_mb=cfg.bucket_mb, timeout_s=cfg.timeout_s)]
+        works = [ring_reduce_scatter(own, buf, pg, _op_name(op), async_op=async_op, **cfg.ring_kwargs),
+                 ring_all_gather(buf, own, pg, async_op=async_op, **cfg.ring_kwargs)]
 
         def copy_back() -> None:
             if buf is not flat:

@@ -16,6 +16,7 @@ def test_defaults_and_keywords():
     ("schedule", "zero3", "allowed values are ('fused', 'slicing')"),
     ("bucket_mb", 0, "bucket_mb=0"),
     ("bucket_mb", "big", "must be a number"),
+    ("direct_kb", -1, "direct_kb=-1.0: must be a number of KiB >= 0"),
     ("min_fuse_numel", -1, ">= 0"),
     ("min_fuse_numel", 1.5, "whole number"),
     ("timeout_s", -3, "timeout_s=-3"),

@@ -33,9 +33,11 @@ def _parity_worker(rank, world_size):
                 continue
             x = _data(rank, n, dtype)
             ours, ref = torch.empty(world_size * n, dtype=dtype), torch.empty(world_size * n, dtype=dtype)
-            ring_all_gather(ours, x, bucket_mb=bucket_mb)
+            ring_all_gather(ours, x, bucket_mb=bucket_mb)  # small ones at 3+ ranks: the direct exchange
             dist.all_gather_into_tensor(ref, x)
             assert torch.equal(ours, ref), f"all-gather differs: {dtype}, n={n}"
+            ring_all_gather(ours, x, bucket_mb=bucket_mb, direct_kb=0)  # always the ring
+            assert torch.equal(ours, ref), f"all-gather (ring only) differs: {dtype}, n={n}"
             # In place, as FSDP2 calls it: the input is a view of the output at rank * n.
             inplace = torch.empty(world_size * n, dtype=dtype)
             inplace[rank * n:(rank + 1) * n].copy_(x)
@@ -52,6 +54,9 @@ def _parity_worker(rank, world_size):
                 again = torch.empty(n, dtype=dtype)
                 ring_reduce_scatter(again, y, op=op, bucket_mb=bucket_mb)
                 assert torch.equal(again, ours), "ring reduce-scatter is not deterministic"
+                # The direct exchange sums in the ring's order: the same bits as the ring
+                ring_reduce_scatter(again, y, op=op, bucket_mb=bucket_mb, direct_kb=0)
+                assert torch.equal(again, ours), f"direct and ring reduce-scatter differ: {dtype} n={n} {op}"
                 checked += 1
     return checked
 

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from ..engine import Engine
+from ..ring.collectives import goes_direct
 from .schedule import GradRing, WeightRing, piece_steps
 
 
@@ -25,10 +26,16 @@ class RingOwner(Protocol):
 
 
 def gather(state: RingOwner, mine: torch.Tensor, phase: str) -> torch.Tensor:
-    """All-gather a same-shape tensor from every rank: ``out[j]`` is rank j's."""
-    ring = state.engine.ring
+    """All-gather a same-shape tensor from every rank: ``out[j]`` is rank j's. A small one (``direct_kb``) in one
+    direct exchange with every peer, as ``ring_all_gather`` does."""
+    engine = state.engine
+    ring = engine.ring
     out = mine.new_empty(ring.size, *mine.shape)
     out[ring.rank].copy_(mine)
+    if goes_direct(ring, out, engine.config.direct_kb):
+        engine.link.step([out[ring.rank]] * len(ring.peers), [out[p] for p in ring.peers],
+                         state.steps.ring_op(state.op, phase), 0, 1, direct=True).wait()
+        return out
     gather_into(state, out, phase)
     return out
 

@@ -38,8 +38,8 @@ from ..ring.topology import get_ring
 
 
 class Replicas:
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, bucket_mb: float) -> None:
-        self.group, self.timeout_s, self.bucket_mb = group, timeout_s, bucket_mb
+    def __init__(self, group: dist.ProcessGroup, ring_kwargs: dict[str, float]) -> None:
+        self.group, self.ring_kwargs = group, ring_kwargs
         self.ring = get_ring(group, op="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -163,11 +163,10 @@ class Replicas:
         padded[:flat.numel()].copy_(flat)
         mine = padded.new_empty(part)
         label = f"{what} across the model's copies (HSDP)"
-        ring_reduce_scatter(mine, padded, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb, label=label,
-                            async_op=async_op, tag=tags[0])
+        ring_reduce_scatter(mine, padded, self.group, label=label, async_op=async_op, tag=tags[0], **self.ring_kwargs)
         # Ops of one ring run in the order they were issued (its one thread on CPU, its stream on CUDA)
-        work = ring_all_gather(padded, mine, self.group, timeout_s=self.timeout_s, bucket_mb=self.bucket_mb,
-                               label=label, async_op=async_op, tag=tags[1])
+        work = ring_all_gather(padded, mine, self.group, label=label, async_op=async_op, tag=tags[1],
+                               **self.ring_kwargs)
         return padded[:flat.numel()], work
 
 

@@ -96,7 +96,7 @@ class SlicingScheduler:
         flat = packed.new_empty(ring.size, state.layout.numel)
         op = self.steps.ring_op(state.op, phase)
         work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True, tag=op.tag, label=op,
-                               bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
+                               **self.engine.config.ring_kwargs)
         return Gathered(work, flat, time.perf_counter())
 
     def _wait(self, started: float, work: dist.Work | None) -> None:
@@ -147,8 +147,7 @@ class SlicingScheduler:
         shard = parts.new_empty(state.layout.numel)
         op = self.steps.ring_op(state.op, "backward")
         work = ring_reduce_scatter(shard, parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
-                                   tag=op.tag, label=op, bucket_mb=self.engine.config.bucket_mb,
-                                   timeout_s=self.engine.config.timeout_s)
+                                   tag=op.tag, label=op, **self.engine.config.ring_kwargs)
         self._reducing.append(Reducing(work, shard, state, grad_dtypes, train, time.perf_counter()))
 
     def reduce_scatter_now(self, state: FusedGroupState, parts: torch.Tensor) -> torch.Tensor:
@@ -157,7 +156,7 @@ class SlicingScheduler:
         op = self.steps.ring_op(state.op, "backward")
         began = time.perf_counter()
         ring_reduce_scatter(shard, parts.view(-1), self.engine.ring.group, dist.ReduceOp.SUM, tag=op.tag, label=op,
-                            bucket_mb=self.engine.config.bucket_mb, timeout_s=self.engine.config.timeout_s)
+                            **self.engine.config.ring_kwargs)
         if self.engine.stats.enabled:
             self.engine.stats.blocking(began, time.perf_counter())
         _, post = self.engine.divide_factors()

@@ -17,6 +17,14 @@ Bucketing: a shard larger than ``bucket_mb`` is cut into chunks that pipeline th
 at tick T, chunk c is at step T - c, so up to N-1 chunks are in flight at once and the reduce-scatter staging
 memory is two buckets per chunk in flight, not two shards. Many small tensors are packed into flat buckets by
 the ``*_coalesced`` variants.
+
+Small collectives go direct: when the whole tensor (``N*n`` elements) is at most ``direct_kb`` KiB and N > 2, each
+rank exchanges with every peer in one round instead of N-1 ring steps (the same bytes leave each rank; one latency
+instead of N-1, which is what a tiny bucket costs: the root unit's norms at a step's head and tail). All-gather:
+rank r sends its shard to every peer and receives shard p from rank p. Reduce-scatter: rank r sends its piece of
+shard p to rank p and receives every rank's piece of shard r, then sums them in the ring's order (rank r+1's
+piece, plus rank r+2's, ..., plus its own last), so the result is the ring's bit for bit. At N = 2 the ring is
+one round already.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from .transport import start_step
 
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_DIRECT_KB = 1024.0
 
 _SUM_OPS = {"sum": False, "avg": True}
 
@@ -41,7 +50,7 @@ _SUM_OPS = {"sum": False, "avg": True}
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                     timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
-                    label: object = None) -> dist.Work | None:
+                    label: object = None, direct_kb: float = DEFAULT_DIRECT_KB) -> dist.Work | None:
     """All-gather ``input`` from every rank of ``group`` into ``output`` (rank-major), through the ring.
 
     Same contract as ``dist.all_gather_into_tensor``: ``output`` has ``world_size * input.numel()`` elements,
@@ -49,15 +58,19 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     (FSDP2 passes it so). With ``async_op=True`` a ``Work`` is returned (CPU: the ring runs on the group's ring
     thread); on CUDA the ring runs on the ring's stream and the current stream waits for it. ``tag`` and
     ``label`` are for the fused layers (an identity tag, and what to name in an error); by default the next tag
-    of the group's counter.
+    of the group's counter. ``direct_kb``: an ``output`` of at most this many KiB is exchanged with every peer in
+    one round instead of going round the ring (0: always the ring).
     """
     ring = get_ring(group, op="ring_all_gather")
     _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
     tag = ring.next_tag() if tag is None else tag  # on the issuing thread: ops pair up in issue order
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_all_gather")
 
+    direct = goes_direct(ring, output, direct_kb, chunked=input.numel() > chunk)
+
     def run() -> None:
-        _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label)
+        (_all_gather_direct if direct else _all_gather_flat)(ring, output.view(-1), input.view(-1), tag, chunk,
+                                                              timeout_s, label)
 
     return _dispatch(ring, run, output.device, async_op, (output, input))
 
@@ -66,10 +79,10 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
                         op: dist.ReduceOp | dist.ReduceOp.RedOpType | str = dist.ReduceOp.SUM, *,
                         async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                         timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
-                        label: object = None) -> dist.Work | None:
+                        label: object = None, direct_kb: float = DEFAULT_DIRECT_KB) -> dist.Work | None:
     """Sum (``op=SUM``) or average (``op=AVG``) ``input`` (``world_size`` rank-major shards) over the ranks of
-    ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``. ``tag`` and
-    ``label``: as for ``ring_all_gather``."""
+    ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``. ``tag``,
+    ``label`` and ``direct_kb`` (of ``input``): as for ``ring_all_gather``."""
     ring = get_ring(group, op="ring_reduce_scatter")
     _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,
                 input_numel=ring.size * output.numel())
@@ -77,8 +90,11 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     tag = ring.next_tag() if tag is None else tag
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
 
+    direct = goes_direct(ring, input, direct_kb, chunked=output.numel() > chunk)
+
     def run() -> None:
-        _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label)
+        (_reduce_scatter_direct if direct else _reduce_scatter_flat)(ring, output.view(-1), input.view(-1), tag,
+                                                                     chunk, timeout_s, average, label)
 
     return _dispatch(ring, run, output.device, async_op, (output, input))
 
@@ -184,6 +200,46 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
         if sends:
             start_step(ring, sends, recvs, tag=tag, op="reduce_scatter", step=tick, steps=ticks - 1,
                        timeout_s=timeout_s, label=label).wait()
+    if average:
+        out.div_(world)
+
+
+def goes_direct(ring: Ring, whole: torch.Tensor, direct_kb: float, chunked: bool = False) -> bool:
+    """Whether a collective of ``whole`` (the gathered output, or the reduce-scatter's input) is one direct exchange
+    with every peer: more than 2 ranks, ``whole`` within ``direct_kb`` KiB, and its shard within one bucket
+    (``chunked``: it is not; the ring pipelines its buckets)."""
+    if not direct_kb >= 0:
+        raise ValueError(f"direct_kb={direct_kb!r} must be >= 0 (KiB; 0: always the ring)")
+    return ring.size > 2 and not chunked and whole.numel() * whole.element_size() <= direct_kb * 1024
+
+
+def _all_gather_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
+                       timeout_s: float, label: object = None) -> None:
+    n, rank = inp.numel(), ring.rank
+    own = out[rank * n:(rank + 1) * n]
+    if own.data_ptr() != inp.data_ptr() and n:
+        own.copy_(inp)
+    if n == 0:
+        return
+    peers = ring.peers
+    start_step(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag=tag, op="all_gather",
+               step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers, recv_from=peers).wait()
+
+
+def _reduce_scatter_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
+                           timeout_s: float, average: bool, label: object = None) -> None:
+    n, rank, world = out.numel(), ring.rank, ring.size
+    if n == 0:
+        return
+    peers = ring.peers  # the ring's order of summation for shard r: rank r+1 first, this rank's own piece last
+    received = inp.new_empty(world - 1, n)
+    start_step(ring, [inp[p * n:(p + 1) * n] for p in peers], list(received.unbind(0)), tag=tag,
+               op="reduce_scatter", step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers,
+               recv_from=peers).wait()
+    total = received[0]
+    for j in range(1, world - 1):
+        total = total.add_(received[j])
+    torch.add(total, inp[rank * n:(rank + 1) * n], out=out)
     if average:
         out.div_(world)
 

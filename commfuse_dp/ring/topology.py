@@ -33,6 +33,7 @@ class Ring:
         self.prev = (self.rank - 1) % self.size
         self.global_next = dist.get_global_rank(group, self.next)
         self.global_prev = dist.get_global_rank(group, self.prev)
+        self.peers = [(self.rank + j) % self.size for j in range(1, self.size)]  # ring order: next first, prev last
         self.backend = str(dist.get_backend(group))
         self._seq = 0
         self._lock = threading.Lock()

@@ -60,11 +60,14 @@ class RingCommError(RuntimeError):
 class StepHandle:
     """The in-flight part of one ring step: the works of its sends and receives."""
 
-    __slots__ = ("ring", "sends", "recvs", "op", "step", "steps", "deadline", "timeout_s", "cuda", "label")
+    __slots__ = ("ring", "sends", "recvs", "op", "step", "steps", "deadline", "timeout_s", "cuda", "label",
+                 "send_to", "recv_from")
 
     def __init__(self, ring: Ring, sends: list, recvs: list, op: str, step: int, steps: int,
-                 timeout_s: float, cuda: bool, label: object = None) -> None:
+                 timeout_s: float, cuda: bool, label: object = None, send_to: Sequence[int] | None = None,
+                 recv_from: Sequence[int] | None = None) -> None:
         self.ring, self.sends, self.recvs = ring, sends, recvs
+        self.send_to, self.recv_from = send_to, recv_from  # group ranks per work; None: ring.next / ring.prev
         self.op, self.step, self.steps, self.label = op, step, steps, label
         self.timeout_s, self.cuda = timeout_s, cuda
         self.deadline = time.monotonic() + timeout_s
@@ -92,8 +95,9 @@ class StepHandle:
         until = self.deadline - min(0.1 * self.timeout_s, 10.0)
         # Receives first: they are what the next piece of compute needs; a send completes when the peer
         # has posted the matching receive.
-        for works, peer, direction in ((self.recvs, ring.prev, "receive from"), (self.sends, ring.next, "send to")):
-            for work in works:
+        for works, peers, direction in ((self.recvs, self.recv_from or [ring.prev] * len(self.recvs), "receive from"),
+                                        (self.sends, self.send_to or [ring.next] * len(self.sends), "send to")):
+            for work, peer in zip(works, peers):
                 remaining = until - time.monotonic()
                 try:
                     work.wait(timedelta(seconds=max(remaining, 1e-3)))
@@ -129,35 +133,39 @@ class StepHandle:
 
 def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], *,
                tag: int, op: str, step: int, steps: int, timeout_s: float, label: object = None,
-               observed: bool = True) -> StepHandle:
+               observed: bool = True, send_to: Sequence[int] | None = None,
+               recv_from: Sequence[int] | None = None) -> StepHandle:
     """Start one ring step: every tensor in ``sends`` goes to ``ring.next``, every tensor in ``recvs`` is
     filled from ``ring.prev``. Tensors must be contiguous and stay untouched until ``wait()`` returns.
     On CUDA the caller must be inside ``torch.cuda.stream(ring.comm_stream(device))``. ``label``: what this
-    step belongs to (a fused layer's ``RingOp``), named in errors. ``observed``: as for ``StepHandle.wait``."""
+    step belongs to (a fused layer's ``RingOp``), named in errors. ``observed``: as for ``StepHandle.wait``.
+    ``send_to`` / ``recv_from``: a group rank per tensor instead (a direct exchange: the small collectives of
+    ``collectives.py`` send to every peer in one round)."""
     if ring.broken is not None:
         raise RingCommError(f"commfuse ring {op}: the ring broke earlier and cannot be used: {ring.broken}",
                             op=op, step=step, peer=None, reason="broken")
     if observed and _OBSERVERS:
         notify("start", op, step)
     tensor = sends[0] if sends else recvs[0]
+    to = send_to if send_to is not None else [ring.next] * len(sends)
+    source = recv_from if recv_from is not None else [ring.prev] * len(recvs)
     if tensor.is_cuda:
-        p2p = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=ring.next) for t in sends]
-        p2p += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=ring.prev) for t in recvs]
+        p2p = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=p) for t, p in zip(sends, to)]
+        p2p += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=p) for t, p in zip(recvs, source)]
         works = dist.batch_isend_irecv(p2p)
-        return StepHandle(ring, works[:len(sends)], works[len(sends):], op, step, steps, timeout_s, True, label)
-    pg, handle = ring.group, StepHandle(ring, [], [], op, step, steps, timeout_s, False, label)
+        return StepHandle(ring, works[:len(sends)], works[len(sends):], op, step, steps, timeout_s, True, label,
+                          send_to, recv_from)
+    pg = ring.group
+    handle = StepHandle(ring, [], [], op, step, steps, timeout_s, False, label, send_to, recv_from)
     # Receives first: a gloo send moves its bytes once the receiver has posted the receive, and the notice that
     # it has then leaves ahead of this rank's own outgoing bytes instead of queueing behind them.
-    try:  # gloo raises here already when the peer's connection is gone
-        for t in recvs:
-            handle.recvs.append(pg.recv([t], ring.prev, tag))
-    except RuntimeError as err:
-        raise handle._failure(err, ring.prev, "receive from") from err
-    try:
-        for t in sends:
-            handle.sends.append(pg.send([t], ring.next, tag))
-    except RuntimeError as err:
-        raise handle._failure(err, ring.next, "send to") from err
+    for works, tensors, peers, post, direction in ((handle.recvs, recvs, source, pg.recv, "receive from"),
+                                                   (handle.sends, sends, to, pg.send, "send to")):
+        for t, peer in zip(tensors, peers):
+            try:  # gloo raises here already when the peer's connection is gone
+                works.append(post([t], peer, tag))
+            except RuntimeError as err:
+                raise handle._failure(err, peer, direction) from err
     return handle
 
 
