@@ -64,10 +64,10 @@ def test_bad_input_is_rejected_clearly():
 TIMEOUT_S = 4.0
 
 
-def _fault_worker(rank, world_size, fault, victim):
+def _fault_worker(rank, world_size, fault, victim, direct_kb):
     x = torch.full((1000,), float(rank))
     out = torch.empty(world_size * 1000)
-    ring_all_gather(out, x, timeout_s=TIMEOUT_S)  # a healthy step first: the ring is up
+    ring_all_gather(out, x, timeout_s=TIMEOUT_S, direct_kb=direct_kb)  # a healthy step first: the ring is up
     if rank == victim:
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -79,8 +79,9 @@ def _fault_worker(rank, world_size, fault, victim):
             time.sleep(0.5)  # let the victim be gone before the ring starts
             start = time.monotonic()
         for _ in range(3):
-            ring_reduce_scatter(torch.empty(1000), torch.ones(world_size * 1000), timeout_s=TIMEOUT_S)
-            ring_all_gather(out, x, timeout_s=TIMEOUT_S)
+            ring_reduce_scatter(torch.empty(1000), torch.ones(world_size * 1000), timeout_s=TIMEOUT_S,
+                                direct_kb=direct_kb)
+            ring_all_gather(out, x, timeout_s=TIMEOUT_S, direct_kb=direct_kb)
     except RingCommError as err:
         return {"elapsed": time.monotonic() - start, "message": str(err), "peer": err.peer,
                 "step": err.step, "reason": err.reason}
@@ -88,10 +89,11 @@ def _fault_worker(rank, world_size, fault, victim):
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_faulty_peer_fails_every_rank_in_time(world_size, fault):
+@pytest.mark.parametrize("world_size,direct_kb", [(2, 1024), (3, 1024), (3, 0)], ids=["2", "3-direct", "3-ring"])
+def test_faulty_peer_fails_every_rank_in_time(world_size, direct_kb, fault):
+    # 4 KiB tensors: at 3 ranks one direct round with both peers (direct_kb=1024) or a ring of 2 steps (0)
     victim = 1
-    results = run_ranks(_fault_worker, world_size, (fault, victim), check=False, timeout=60)
+    results = run_ranks(_fault_worker, world_size, (fault, victim, direct_kb), check=False, timeout=60)
     survivors = [res for res in results if res.rank != victim]
     for res in survivors:
         assert res.ok, res.describe()
