@@ -166,6 +166,7 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
 
         def __init__(self, keys: list, step_bytes: float, left: int) -> None:
             self.keys, self.step_bytes, self.left = keys, step_bytes, left
+            self.paced = False  # in ``paced``: its steps left count in ``paced_left``
 
         def request(self, at: float, count: int) -> int:
             count = min(count, self.left)
@@ -174,6 +175,8 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
                 for key in self.keys:
                     ahead[key].append(done)
             self.left -= count
+            if self.paced:
+                paced_left[0] -= count
             return count
 
     kept = fused[-1]
@@ -182,6 +185,12 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
     ahead: dict[tuple[int, str], list[float]] = {}
     bundle_of: dict[tuple[int, str], Bundle] = {}
     paced: list[Bundle] = []
+    paced_left = [0]  # the steps left of the bundles in ``paced``
+
+    def pace_later(bundle: Bundle) -> None:
+        bundle.paced = True
+        paced.append(bundle)
+        paced_left[0] += bundle.left
 
     def weight_bundle(keys: list) -> Bundle:
         bundle = Bundle(keys, sum(items[i][0] for i, _ in keys) / n * cl.param_bytes, n - 1)
@@ -204,7 +213,7 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
             nbytes = sum(full[i] for i, _ in keys)
             if held + nbytes > budget:
                 return
-            paced.append(weight_bundle(keys))
+            pace_later(weight_bundle(keys))
             held += nbytes
 
     def begin(i: int, phase: str, t: float) -> list[float]:
@@ -234,8 +243,9 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
         return count - at
 
     def pace(t: float, pieces_left: int) -> None:
-        left = sum(b.left for b in paced)
-        quota = -(-left // pieces_left)
+        if not paced:
+            return
+        quota = -(-paced_left[0] // pieces_left)
         while quota and paced:
             quota -= paced[0].request(t, quota)
             if not paced[0].left:
@@ -354,6 +364,7 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
         groups = [i for i, (g, _, _) in enumerate(seq) if g]
         first_done: dict[int, float] = {}
         deferred = None
+        latency, rate = cl.latency_s, cl.bytes_per_s
         for i, (numel, seconds, _) in enumerate(seq):
             if not numel:
                 t += seconds
@@ -363,22 +374,32 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
             if i not in first_done:  # not prefetched: step 0 starts with the group
                 first_done[i] = send(t, shard * cl.param_bytes)
             done = first_done[i]
-            for k in range(n):
+            # steps 1 .. n-2 carry a weight shard (and in backward a gradient partial); the link's clock is
+            # kept local here (the same arithmetic as ``send``: this loop is the sweep's hot path)
+            middle = shard * (cl.param_bytes + (cl.grad_bytes if backward else 0))
+            link_t = link[0]
+            for k in range(n - 1):
                 if k > 0:
-                    nbytes = shard * ((cl.param_bytes if k < n - 1 else 0) + (cl.grad_bytes if backward else 0))
-                    done = send(t, nbytes) if nbytes else t
-                if k == n - 1:  # the last piece: prefetch the following groups' step 0
-                    at = groups.index(i)
-                    for j in groups[at + 1:at + 1 + depth]:
-                        if j not in first_done:
-                            first_done[j] = send(t, seq[j][0] / n * cl.param_bytes)
+                    link_t = done = (t if t > link_t else link_t) + latency + middle / rate
                 t += piece
                 if k == 0 and deferred is not None:
                     t, deferred = max(t, deferred), None
-                if k < n - 1:
-                    t = max(t, done)
-                elif backward:  # the last step lands during the next group's first piece
-                    deferred = done
+                if done > t:
+                    t = done
+            link[0] = link_t
+            k = n - 1  # the last piece
+            if k > 0:
+                nbytes = shard * (cl.grad_bytes if backward else 0)
+                done = send(t, nbytes) if nbytes else t
+            at = groups.index(i)  # the last piece: prefetch the following groups' step 0
+            for j in groups[at + 1:at + 1 + depth]:
+                if j not in first_done:
+                    first_done[j] = send(t, seq[j][0] / n * cl.param_bytes)
+            t += piece
+            if k == 0 and deferred is not None:
+                t, deferred = max(t, deferred), None
+            if backward:  # the last step lands during the next group's first piece
+                deferred = done
         return max(t, deferred) if deferred is not None else t
 
     t = link[0] = edges(units, cl, cl.param_bytes)
