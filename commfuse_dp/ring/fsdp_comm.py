@@ -49,7 +49,7 @@ class RingAllGather(_RingComm, AllGather):
                  async_op: bool = False) -> dist.Work | None:
         began = time.perf_counter()
         work = ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
-                               bucket_mb=self.config.bucket_mb, direct_kb=self.config.direct_kb, timeout_s=self.config.timeout_s)
+                               **self.config.ring_kwargs)
         if self.recorder is not None and work is None:
             self.recorder.blocking(began, time.perf_counter())
         return work
@@ -69,8 +69,7 @@ class RingReduceScatter(_RingComm, ReduceScatter):
         scale = None
         if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
             scale, op = op.factor, dist.ReduceOp.SUM
-        ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label,
-                            bucket_mb=self.config.bucket_mb, direct_kb=self.config.direct_kb, timeout_s=self.config.timeout_s)
+        ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label, **self.config.ring_kwargs)
         if scale is not None:
             output_tensor.mul_(scale)
         if self.recorder is not None:
