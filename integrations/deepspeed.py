@@ -10,7 +10,7 @@ What changes in a user's script: one call after ``deepspeed.initialize``, one at
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": 3},
-        "commfuse": {"bucket_mb": 25, "timeout_s": 300},    # optional; only these two keys
+        "commfuse": {"bucket_mb": 25, "timeout_s": 300},    # optional; these keys and direct_kb only
     }
     deepspeed.init_distributed()                              # "gloo" on CPU
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -69,8 +69,9 @@ Numerics: the ring reduce-scatter sums in ring order, so results may differ from
 
 Configuration: the ``"commfuse"`` top-level section of the DeepSpeed config (DeepSpeed keeps unknown top-level
 keys; it is read from ``engine._config._param_dict``), or ``cfg=`` (a :class:`commfuse_dp.CommFuseConfig` or a
-mapping). Only the ring fields apply here: ``bucket_mb`` (ring bucket / chunk size) and ``timeout_s`` (a stalled
-or dead peer raises :class:`commfuse_dp.RingCommError` within it instead of hanging). Any other key is an error
+mapping). Only the ring fields apply here: ``bucket_mb`` (ring bucket / chunk size), ``direct_kb`` (a collective
+of at most this many KiB is one direct round with every peer instead of N-1 ring steps) and ``timeout_s`` (a
+stalled or dead peer raises :class:`commfuse_dp.RingCommError` within it instead of hanging). Any other key is an error
 naming the key. Without either, the defaults of ``CommFuseConfig``.
 
 Refused: an engine whose model was sharded by :func:`commfuse_dp.shard` (both would shard one model; DeepSpeed
@@ -105,7 +106,7 @@ from commfuse_dp.ring.topology import EXIT_DRAIN_S, drain_gloo_workers, get_ring
 __all__ = ["RING_FIELDS", "RingCollectives", "RingStats", "attach_to_trainer_callback", "config_from_deepspeed",
            "drain_gloo_workers", "enable_ring_collectives", "shutdown"]
 
-RING_FIELDS = ("bucket_mb", "timeout_s")
+RING_FIELDS = ("bucket_mb", "direct_kb", "timeout_s")
 """The ``CommFuseConfig`` fields that apply to DeepSpeed's collectives (the rest configure ``commfuse_dp.shard``)."""
 
 _lock = threading.Lock()
@@ -209,8 +210,8 @@ class RingCollectives:
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"
-        return (f"RingCollectives({state}, bucket_mb={self.config.bucket_mb:g}, timeout_s={self.config.timeout_s:g}, "
-                f"groups={self.group_ranks}, calls={dict(self.stats.calls)})")
+        return (f"RingCollectives({state}, bucket_mb={self.config.bucket_mb:g}, direct_kb={self.config.direct_kb:g}, "
+                f"timeout_s={self.config.timeout_s:g}, groups={self.group_ranks}, calls={dict(self.stats.calls)})")
 
 
 # ---- the backend wrapper ----------------------------------------------------------------------------------------

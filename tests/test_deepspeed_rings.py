@@ -177,7 +177,8 @@ def test_commfuse_section_of_the_deepspeed_config():
 
     assert config_from_deepspeed({"zero_optimization": {"stage": 3}}) is None
     cfg = config_from_deepspeed({"commfuse": {"bucket_mb": 4, "timeout_s": 30}})
-    assert (cfg.bucket_mb, cfg.timeout_s) == (4.0, 30.0)
+    assert (cfg.bucket_mb, cfg.direct_kb, cfg.timeout_s) == (4.0, 1024.0, 30.0)
+    assert config_from_deepspeed({"commfuse": {"direct_kb": 0}}).direct_kb == 0.0  # every collective on the ring
     with pytest.raises(ValueError, match="unknown key 'bucket_mbb'; did you mean 'bucket_mb'"):
         config_from_deepspeed({"commfuse": {"bucket_mbb": 4}})
     with pytest.raises(ValueError, match="'min_fuse_numel' configures commfuse_dp.shard"):
