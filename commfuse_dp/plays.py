@@ -49,7 +49,6 @@ class Cluster:
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
 
 
-
 # The fit of benchmarks/cuda_check.py's ``gemm`` part on an H200 (bf16, 8192 tokens, Llama-3-8B shapes, forward and
 # backward; benchmarks/results/cuda-h200-2026-11-26-check.json): within 0.1 of every measured slowdown for w >= 512.
 H200_PIECE_FIT = (0.645, 0.89)
@@ -387,16 +386,17 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
                 if done > t:
                     t = done
             link[0] = link_t
-            k = n - 1  # the last piece
-            if k > 0:
-                nbytes = shard * (cl.grad_bytes if backward else 0)
-                done = send(t, nbytes) if nbytes else t
-            at = groups.index(i)  # the last piece: prefetch the following groups' step 0
+            # the last piece: its step carries gradient partials only (backward); the following groups' step 0
+            if n > 1 and backward and cl.grad_bytes:
+                done = send(t, shard * cl.grad_bytes)
+            elif n > 1:
+                done = t
+            at = groups.index(i)
             for j in groups[at + 1:at + 1 + depth]:
                 if j not in first_done:
                     first_done[j] = send(t, seq[j][0] / n * cl.param_bytes)
             t += piece
-            if k == 0 and deferred is not None:
+            if n == 1 and deferred is not None:  # the loop above ran no piece
                 t, deferred = max(t, deferred), None
             if backward:  # the last step lands during the next group's first piece
                 deferred = done

@@ -69,8 +69,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     direct = goes_direct(ring, output, direct_kb, chunked=input.numel() > chunk)
 
     def run() -> None:
-        (_all_gather_direct if direct else _all_gather_flat)(ring, output.view(-1), input.view(-1), tag, chunk,
-                                                              timeout_s, label)
+        _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label, direct)
 
     return _dispatch(ring, run, output.device, async_op, (output, input))
 
@@ -93,8 +92,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     direct = goes_direct(ring, input, direct_kb, chunked=output.numel() > chunk)
 
     def run() -> None:
-        (_reduce_scatter_direct if direct else _reduce_scatter_flat)(ring, output.view(-1), input.view(-1), tag,
-                                                                     chunk, timeout_s, average, label)
+        _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label, direct)
 
     return _dispatch(ring, run, output.device, async_op, (output, input))
 
@@ -146,12 +144,17 @@ def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Seque
 # ---- the rings --------------------------------------------------------------------------------------------
 
 def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
-                     timeout_s: float, label: object = None) -> None:
+                     timeout_s: float, label: object = None, direct: bool = False) -> None:
     n, world, rank = inp.numel(), ring.size, ring.rank
     own = out[rank * n:(rank + 1) * n]
     if own.data_ptr() != inp.data_ptr() and n:
         own.copy_(inp)
     if world == 1 or n == 0:
+        return
+    if direct:  # one round: the own shard to every peer, shard p from rank p
+        peers = ring.peers
+        start_step(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag=tag, op="all_gather",
+                   step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers, recv_from=peers).wait()
         return
     bounds = _chunks(n, chunk)
     ticks = len(bounds) + world - 2
@@ -167,13 +170,18 @@ def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int,
 
 
 def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
-                         timeout_s: float, average: bool, label: object = None) -> None:
+                         timeout_s: float, average: bool, label: object = None, direct: bool = False) -> None:
     n, world = out.numel(), ring.size
     if world == 1:
         if out.data_ptr() != inp.data_ptr() and n:
             out.copy_(inp)
         return
     if n == 0:
+        return
+    if direct:
+        _reduce_scatter_direct(ring, out, inp, tag, timeout_s, label)
+        if average:
+            out.div_(world)
         return
     bounds = _chunks(n, chunk)
     width = min(chunk, n)
@@ -213,35 +221,20 @@ def goes_direct(ring: Ring, whole: torch.Tensor, direct_kb: float, chunked: bool
     return ring.size > 2 and not chunked and whole.numel() * whole.element_size() <= direct_kb * 1024
 
 
-def _all_gather_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
-                       timeout_s: float, label: object = None) -> None:
-    n, rank = inp.numel(), ring.rank
-    own = out[rank * n:(rank + 1) * n]
-    if own.data_ptr() != inp.data_ptr() and n:
-        own.copy_(inp)
-    if n == 0:
-        return
+def _reduce_scatter_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, timeout_s: float,
+                           label: object) -> None:
+    """One round: this rank's piece of shard p to rank p; every peer's piece of shard r back, summed in the ring's
+    order (rank r+1's first, this rank's own last), so the sum is the ring's bit for bit."""
+    n, rank = out.numel(), ring.rank
     peers = ring.peers
-    start_step(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag=tag, op="all_gather",
-               step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers, recv_from=peers).wait()
-
-
-def _reduce_scatter_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
-                           timeout_s: float, average: bool, label: object = None) -> None:
-    n, rank, world = out.numel(), ring.rank, ring.size
-    if n == 0:
-        return
-    peers = ring.peers  # the ring's order of summation for shard r: rank r+1 first, this rank's own piece last
-    received = inp.new_empty(world - 1, n)
+    received = inp.new_empty(len(peers), n)
     start_step(ring, [inp[p * n:(p + 1) * n] for p in peers], list(received.unbind(0)), tag=tag,
                op="reduce_scatter", step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers,
                recv_from=peers).wait()
     total = received[0]
-    for j in range(1, world - 1):
-        total = total.add_(received[j])
+    for piece in received[1:]:
+        total.add_(piece)
     torch.add(total, inp[rank * n:(rank + 1) * n], out=out)
-    if average:
-        out.div_(world)
 
 
 # ---- dispatch: sync, async on the ring thread (CPU), or on the ring stream (CUDA) -----------------------

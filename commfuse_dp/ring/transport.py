@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from itertools import repeat
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -95,8 +96,8 @@ class StepHandle:
         until = self.deadline - min(0.1 * self.timeout_s, 10.0)
         # Receives first: they are what the next piece of compute needs; a send completes when the peer
         # has posted the matching receive.
-        for works, peers, direction in ((self.recvs, self.recv_from or [ring.prev] * len(self.recvs), "receive from"),
-                                        (self.sends, self.send_to or [ring.next] * len(self.sends), "send to")):
+        for works, peers, direction in ((self.recvs, self.recv_from or repeat(ring.prev), "receive from"),
+                                        (self.sends, self.send_to or repeat(ring.next), "send to")):
             for work, peer in zip(works, peers):
                 remaining = until - time.monotonic()
                 try:
@@ -147,8 +148,8 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
     if observed and _OBSERVERS:
         notify("start", op, step)
     tensor = sends[0] if sends else recvs[0]
-    to = send_to if send_to is not None else [ring.next] * len(sends)
-    source = recv_from if recv_from is not None else [ring.prev] * len(recvs)
+    to = send_to if send_to is not None else repeat(ring.next)
+    source = recv_from if recv_from is not None else repeat(ring.prev)
     if tensor.is_cuda:
         p2p = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=p) for t, p in zip(sends, to)]
         p2p += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=p) for t, p in zip(recvs, source)]
