@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                "tbf_burst_kb": args.burst_kb,
                "model": {**{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
                                                            "vocab", "seq", "batch")},
-                         "direct_kb": CommFuseConfig().direct_kb},  # fused_ring: 0
+                         "direct_kb": CommFuseConfig().direct_kb,  # fused_ring: 0
+                         "embedding_rows": "direct"},  # the ring embedding's rows in one round (since 2026-11-27)
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE.format(burst=args.burst_kb)}, "wall_s": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as f:

@@ -34,8 +34,8 @@ Variants:
   layer and root, with ``use_ring_collectives`` (FSDP2's own all-reduce across the copies, on gloo).
 - ``comm_only``: the bytes ``shard()`` moves in one step, through the rings, no compute (the communication bound):
   all-gather forward, all-gather backward and reduce-scatter backward of every decoder layer and of the final norm
-  and lm_head, layer by layer; the embedding as the ring embedding moves it (token rows, or the table forward and
-  its gradient backward).
+  and lm_head, layer by layer; the embedding as the ring embedding moves it (token rows, one direct round each
+  way, or the table forward and its gradient backward).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import resource
 import statistics
@@ -194,12 +195,12 @@ class Runner:
         numels = [sum(p.numel() for p in unit) for unit in units]
         shards = [torch.zeros(-(-n // self.world)) for n in numels]
         fulls = [torch.zeros(self.world * s.numel()) for s in shards]
-        # The embedding moves what shard()'s ring embedding moves: the looked-up rows of every rank's tokens (and
-        # the token ids) when they are fewer than a table shard's rows, else the table forward and its gradient
-        # backward.
+        # The embedding moves what shard()'s ring embedding moves: when a rank's tokens are fewer than a table
+        # shard's rows, the token ids and then, each way, the rows of its tokens that other ranks own (ids spread
+        # evenly: T/N rows with each peer, in one direct round); else the table forward and its gradient backward.
         tokens, chunk = self.args.batch * self.args.seq, -(-embed.shape[0] // self.world)
         rows = tokens <= chunk
-        width = (tokens if rows else chunk) * embed.shape[1]
+        width = (-(-tokens // self.world) if rows else chunk) * embed.shape[1]
         e_shard, e_full = torch.zeros(width), torch.zeros(self.world * width)
         ids, all_ids = torch.zeros(tokens, dtype=torch.int64), torch.zeros(self.world * tokens, dtype=torch.int64)
         del model
@@ -207,7 +208,7 @@ class Runner:
         def step():
             if rows:
                 ring_all_gather(all_ids, ids)
-                ring_reduce_scatter(e_shard, e_full)
+                ring_all_gather(e_full, e_shard, direct_kb=math.inf)  # (T/N rows to and from every peer)
             else:
                 ring_all_gather(e_full, e_shard)
             for shard, full in zip(shards, fulls):  # forward all-gathers
@@ -216,7 +217,7 @@ class Runner:
                 ring_all_gather(full, shard)
                 ring_reduce_scatter(shard, full)
             if rows:
-                ring_all_gather(e_full, e_shard)
+                ring_all_gather(e_full, e_shard, direct_kb=math.inf)
             else:
                 ring_reduce_scatter(e_shard, e_full)
 

@@ -91,11 +91,13 @@ class Link:
         self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
 
     def step(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, steps: int,
-             before: Callable[[], None] | None = None, direct: bool = False) -> Pending:
+             before: Callable[[], None] | None = None, direct: bool = False,
+             send_to: list[int] | None = None, recv_from: list[int] | None = None) -> Pending:
         """Request one ring step: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
         ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
         must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
-        instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``)."""
+        instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``), or from the group
+        ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``)."""
         if transport._OBSERVERS:
             transport.notify("start", op.phase, k)
         ring = self.ring
@@ -106,8 +108,9 @@ class Link:
                 before()
             peers = ring.peers if direct else None
             return transport.start_step(ring, sends, recvs, tag=op.tag, op=op.phase, step=k, steps=steps,
-                                        timeout_s=self.timeout_s, label=op, observed=False, send_to=peers,
-                                        recv_from=peers)
+                                        timeout_s=self.timeout_s, label=op, observed=False,
+                                        send_to=peers if send_to is None else send_to,
+                                        recv_from=peers if recv_from is None else recv_from)
 
         if tensor.is_cuda:
             current = torch.cuda.current_stream(tensor.device)

@@ -59,7 +59,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
 
     def moved(u: Unit, nbytes: int) -> float:  # one pass of a unit's parameters (or of a ring embedding's rows)
         if u.table and schedule != "no_overlap":
-            return 0.0 if n == 1 else steps * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s)
+            return plays.table_seconds(u, cl, nbytes)
         return coll(u.fused_numel + u.other_numel, nbytes)
 
     fwd = [u.flops / cl.flops_per_s for u in units]
@@ -73,7 +73,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
         # stack): the compute of an overlapping schedule slows by that much.
-        total = sum(steps * u.ring_step_numel(n) * (cl.param_bytes + cl.grad_bytes) if u.table else
+        total = sum(u.exchange(n, cl.rows_ring)[1] * (cl.param_bytes + cl.grad_bytes) if u.table else
                     (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
                     for u in units)  # bytes one rank sends per step
         slowed = replace(cl, cpu_s_per_byte=0.0,
@@ -262,11 +262,12 @@ def calibrate(path: str, latency_us: float) -> int:
     model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m["heads"], m["vocab"])
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
     direct_bytes = m.get("direct_kb", 0) * 1024  # runs that do not record it went round the ring
+    rows_ring = m.get("embedding_rows") != "direct"  # so did the ring embedding's rows before 2026-11-27
     units = units_for(*model, tokens=tokens, seq=seq)
     flops = 3 * sum(u.flops for u in units)
     # What the bench's comm_only moves per rank: every unit gathered twice and reduce-scattered once, except the ring
     # embedding's two exchanges.
-    zero3_bytes = sum(2 * (world - 1) * u.ring_step_numel(world) * 4 if u.table else
+    zero3_bytes = sum(2 * u.exchange(world, rows_ring)[1] * 4 if u.table else
                       3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
     # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
     # are slower than the rings the planner models.
@@ -294,7 +295,7 @@ def calibrate(path: str, latency_us: float) -> int:
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
         f_rate, b_rate = flops / compute, zero3_bytes / comm
         cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
-                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes)
+                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring)
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue

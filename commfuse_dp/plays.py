@@ -21,11 +21,18 @@ class Unit:
     table: tuple[int, int] | None = None  # (rows, width) of a ring embedding (``CommFuseConfig.ring_embeddings``)
     outs: tuple[int, ...] = ()  # the fused groups' output widths (cut into N pieces of out / N rows)
 
-    def ring_step_numel(self, ranks: int) -> int:
-        """A ring embedding's elements per ring step: the looked-up rows of one rank's tokens, or the table shard
-        if that is smaller (``fused/embedding.py`` picks the smaller)."""
+    def exchange(self, ranks: int, rows_ring: bool = False) -> tuple[int, int]:
+        """A ring embedding's exchange, one way: (rounds, elements one rank sends). While a rank's tokens are no
+        more than a shard's rows (``fused/embedding.py`` picks that path), the rows of its tokens that the other
+        shards own, in one direct round (``rows_ring``: the dense ring of the library before 2026-11-27, N-1
+        steps of every token's row); else the table shard, round an N-1-step ring."""
         rows, width = self.table
-        return min(self.tokens, -(-rows // ranks)) * width
+        chunk = -(-rows // ranks)
+        if self.tokens > chunk:
+            return ranks - 1, (ranks - 1) * chunk * width
+        if rows_ring:
+            return ranks - 1, (ranks - 1) * self.tokens * width
+        return 1, self.tokens * (ranks - 1) // ranks * width
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,15 @@ class Cluster:
     # (``host_seconds``); None: not modelled.
     host_fit: tuple[float, float] | None = None
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
+    rows_ring: bool = False  # the ring embedding's rows as a dense ring (runs before 2026-11-27; ``Unit.exchange``)
+
+
+def table_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
+    """A ring embedding's exchange one way (``nbytes``: bytes per element), latency included."""
+    if cl.ranks == 1:
+        return 0.0
+    rounds, numel = u.exchange(cl.ranks, cl.rows_ring)
+    return rounds * cl.latency_s + numel * nbytes / cl.bytes_per_s
 
 
 # The fit of benchmarks/cuda_check.py's ``gemm`` part on an H200 (bf16, 8192 tokens, Llama-3-8B shapes, forward and
@@ -123,7 +139,7 @@ def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
     embedding's exchange."""
     n = cl.ranks
     other = sum(u.other_numel for u in units if not u.table)
-    tables = sum((n - 1) * (cl.latency_s + u.ring_step_numel(n) * nbytes / cl.bytes_per_s) for u in units if u.table)
+    tables = sum(table_seconds(u, cl, nbytes) for u in units if u.table)
     rounds = 1 if n > 2 and other * nbytes <= cl.direct_bytes else n - 1
     return rounds * cl.latency_s + (n - 1) * other / n * nbytes / cl.bytes_per_s + tables
 

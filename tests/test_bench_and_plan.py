@@ -42,8 +42,11 @@ def test_planner_ring_embedding_moves_the_smaller_of_rows_and_table():
     units = plan.units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=4096, seq=4096)
     embedding = units[0]
     assert embedding.table == (vocab, hidden)
-    assert embedding.ring_step_numel(8) == 4096 * hidden  # 4096 tokens < 16032 rows per shard: rows travel
-    assert embedding.ring_step_numel(64) == -(-vocab // 64) * hidden  # 2004 rows per shard < 4096 tokens: the table
+    # 4096 tokens < 16032 rows per shard: the rows other shards own travel, in one direct round (7/8 of them)
+    assert embedding.exchange(8) == (1, 4096 * 7 // 8 * hidden)
+    assert embedding.exchange(8, rows_ring=True) == (7, 7 * 4096 * hidden)  # the dense ring before 2026-11-27
+    # 2004 rows per shard < 4096 tokens: the table shard, round the ring
+    assert embedding.exchange(64) == (63, 63 * -(-vocab // 64) * hidden)
     # Where rows travel, a slower link costs the fused schedule less than if the whole table had to travel.
     cl = _cluster(ranks=8, gbps=5.0)
     table_units = [plan.Unit("embedding", 0, vocab * hidden, 0.0)] + units[1:]

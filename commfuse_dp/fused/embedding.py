@@ -6,18 +6,21 @@ on the largest token count ``T`` of any rank, which the ranks swap first):
 
 - *rows* (``T ≤ c``: the tokens of a rank are fewer than the rows of a shard, the usual case for large vocabularies):
 
-  forward: the ranks' token ids go round the ring (all-gather, ``T`` ids per step); then a reduce-scatter ring
-  of ``(T, H)`` partial outputs: at step k this rank looks up, for the tokens of rank ``t = (r - k - 1) mod N``,
-  the rows it owns (zero elsewhere) and adds the partial sum received from ``prev``; after N-1 steps it holds the
-  complete rows of its own tokens. Every output row has exactly one non-zero contribution, so the result is exact.
+  forward: the ranks' token ids are all-gathered (with the count swap: how many of each rank's tokens fall in
+  each shard, so every rank knows every message's size). Then one direct exchange: this rank sends each peer
+  the rows it owns of that peer's tokens, and receives from each peer the rows of its own tokens that the peer
+  owns; it copies them into place. Every row comes from exactly one rank, so the result is exact.
 
-  backward: the output gradients ``dY`` go round the ring (all-gather); beside each step this rank adds the held
-  rank's rows into the gradient of the table rows it owns (``index_add``). Padding-index rows get no gradient.
+  backward: the reverse exchange: this rank sends each peer the output-gradient rows ``dY`` of its tokens whose
+  ids that peer owns, and adds what it receives into the gradient of the table rows it owns (``index_add``, the
+  ranks in ring order: its own first, then ``r-1``, ``r-2``, ...). Padding-index rows get no gradient.
 
 - *table* (``T > c``): the classic ZeRO-3 path, an all-gather of the table shards, a plain lookup, and a
   reduce-scatter of the dense table gradient. The backward needs no table, so nothing is gathered twice.
 
-Per rank and per step, rows moves ``(N-1)·T·H`` elements each way and table ``(N-1)·c·H``. The gradient is
+Per rank and per step, rows moves at most ``T·H`` elements each way (the rows of its tokens owned elsewhere:
+about ``(N-1)/N·T·H`` for ids spread over the shards), in one round whatever N; table ``(N-1)·c·H`` in N-1 ring
+steps. The gradient is
 exchanged even inside ``no_sync()`` (the rows of the other ranks are needed to form this rank's shard at all);
 its sum over ranks is divided as ``CommFuseConfig.grad_divide`` says, like every other gradient.
 """
@@ -31,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
-from .exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce
+from .exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce, swap as _swap
 from .reads import guarded_class
 from .replicas import autograd_grad, grad_node
 from .step import StepState
@@ -67,21 +70,24 @@ class RingEmbeddingFn(torch.autograd.Function):
             # The only host read of the step here (a CUDA host synchronisation): every rank's token count sizes the
             # buffers, and whether any rank has an id out of range makes every rank raise, not only that one.
             bad = ((flat < 0) | (flat >= state.num_embeddings)).any().to(torch.int64)
-            mine = torch.stack([torch.full_like(bad, flat.numel()), bad])
+            # and how many of this rank's tokens each shard owns: the sizes of the rows exchange's messages
+            owners = flat.clamp(0, state.num_embeddings - 1) // state.chunk
+            per_shard = torch.bincount(owners, minlength=engine.ring.size)
+            mine = torch.cat([torch.stack([torch.full_like(bad, flat.numel()), bad]), per_shard])
             counts = _gather(state, mine, "embedding counts").tolist()
-            if any(flag for _, flag in counts):  # every rank raises, not only the one with the bad ids
-                ranks = [r for r, (_, flag) in enumerate(counts) if flag]
+            if any(row[1] for row in counts):  # every rank raises, not only the one with the bad ids
+                ranks = [r for r, row in enumerate(counts) if row[1]]
                 raise IndexError(f"embedding: token ids out of range [0, {state.num_embeddings}) on rank(s) {ranks} "
                                  f"(group ranks); check the tokenizer's vocabulary against the model's "
                                  f"{state.num_embeddings} embedding rows")
-            most = max(n for n, _ in counts)
-            ctx.state, ctx.most = state, most
+            most = max(row[0] for row in counts)
+            ctx.state = state
             if most <= state.chunk:
                 padded = flat.new_full((most,), -1)
                 padded[:flat.numel()] = flat
                 ids_all = _gather(state, padded, "embedding ids")
-                out = _rows_forward(state, weight, ids_all, cdt)
-                ctx.save_for_backward(ids_all)
+                ctx.held = held = _Held(state, ids_all, [row[2:] for row in counts])
+                out = _rows_forward(state, weight, held, cdt)
             else:
                 out = _table_forward(state, weight, flat, cdt)
                 ctx.save_for_backward(flat)
@@ -97,16 +103,15 @@ class RingEmbeddingFn(torch.autograd.Function):
         engine = state.engine
         if engine.replicas is not None:  # the end of this backward sends its gradient across the copies
             state.steps.backward_begins()
-        (saved,) = ctx.saved_tensors
         hidden = grad_out.shape[-1]
         rdt = engine.reduce_dtype(engine.compute_dtype(ctx.weight_dtype))
         pre, post = engine.divide_factors()
         dy = grad_out.reshape(-1, hidden).to(rdt)
         with record_function("commfuse::embedding_backward"):
             if ctx.rows_mode:
-                grad = _rows_backward(state, saved, dy, ctx.most, rdt, pre)
+                grad = _rows_backward(state, ctx.held, dy, pre)
             else:
-                grad = _table_backward(state, saved, dy, rdt, pre)
+                grad = _table_backward(state, ctx.saved_tensors[0], dy, rdt, pre)
         if post != 1.0:
             grad.div_(post)
         grad = grad.to(ctx.weight_dtype)
@@ -117,42 +122,66 @@ class RingEmbeddingFn(torch.autograd.Function):
 
 # ---- the two exchanges ----------------------------------------------------------------------------------
 
-def _rows_forward(state: EmbeddingState, weight: torch.Tensor, ids_all: torch.Tensor,
-                  cdt: torch.dtype) -> torch.Tensor:
-    index, mine = _owned(state, ids_all, skip_padding=False)
+class _Held:
+    """Where each rank's tokens are looked up: ``counts[p][s]`` of rank p's tokens have ids in shard s (host
+    ints, from the count swap); ``order[p]`` lists p's token positions grouped by owning shard, each group in
+    token order (a stable sort, on the device: no host read)."""
 
-    def lookup(t: int, part: torch.Tensor) -> None:
-        if index is None:
-            part.zero_()
-            return
-        if weight.dtype == cdt:
-            torch.index_select(weight, 0, index[t], out=part)
-        else:
-            part.copy_(weight.index_select(0, index[t]))
-        part.masked_fill_(~mine[t].unsqueeze(1), 0)
+    def __init__(self, state: EmbeddingState, ids_all: torch.Tensor, counts: list[list[int]]) -> None:
+        world = state.engine.ring.size
+        owner = torch.where(ids_all < 0, world, ids_all // state.chunk)  # padding (-1) after every shard
+        self.ids_all, self.counts = ids_all, counts
+        self.order = torch.sort(owner, dim=1, stable=True).indices
+        self.starts = [[sum(row[:s]) for s in range(world)] for row in counts]
 
-    return _reduce(state, (ids_all.shape[1], weight.shape[1]), cdt, weight.device, lookup,
-                   "embedding forward", then=_prefetch_layers(state))
+    def positions(self, p: int, s: int) -> torch.Tensor:
+        """Positions among rank p's tokens of those whose ids shard s owns, in token order."""
+        start = self.starts[p][s]
+        return self.order[p, start:start + self.counts[p][s]]
+
+    def local_ids(self, state: EmbeddingState, p: int) -> torch.Tensor:
+        """This rank's table rows for rank p's tokens that it owns (in ``positions(p, rank)`` order)."""
+        return self.ids_all[p].index_select(0, self.positions(p, state.engine.ring.rank)) - state.lo
 
 
-def _rows_backward(state: EmbeddingState, ids_all: torch.Tensor, dy: torch.Tensor, most: int, rdt: torch.dtype,
-                   pre: float) -> torch.Tensor:
-    engine = state.engine
-    world, rank = engine.ring.size, engine.ring.rank
-    hidden = dy.shape[1]
-    held = dy.new_empty(world, most, hidden)
-    held[rank, :dy.shape[0]].copy_(dy)
-    held[rank, dy.shape[0]:].zero_()
+def _rows_forward(state: EmbeddingState, weight: torch.Tensor, held: _Held, cdt: torch.dtype) -> torch.Tensor:
+    ring = state.engine.ring
+    rank = ring.rank
+
+    def rows_for(p: int) -> torch.Tensor:  # the rows this rank owns of rank p's tokens
+        return weight.index_select(0, held.local_ids(state, p)).to(cdt)
+
+    out = weight.new_empty(sum(held.counts[rank]), weight.shape[1], dtype=cdt)
+    sends = {p: rows_for(p) for p in ring.peers if held.counts[p][rank]}
+    recvs = {p: out.new_empty(held.counts[rank][p], out.shape[1]) for p in ring.peers if held.counts[rank][p]}
+    step = _swap(state, sends, recvs, "embedding forward", then=_prefetch_layers(state))
+    out.index_copy_(0, held.positions(rank, rank), rows_for(rank))
+    if step is not None:
+        step.wait()
+    for p, rows in recvs.items():
+        out.index_copy_(0, held.positions(rank, p), rows)
+    return out
+
+
+def _rows_backward(state: EmbeddingState, held: _Held, dy: torch.Tensor, pre: float) -> torch.Tensor:
+    ring = state.engine.ring
+    rank = ring.rank
+    if state.padding_idx is not None:  # padding tokens give their rows no gradient
+        dy = dy.masked_fill((held.ids_all[rank, :dy.shape[0]] == state.padding_idx).unsqueeze(1), 0)
     if pre != 1.0:
-        held[rank].div_(pre)
-    index, mine = _owned(state, ids_all, skip_padding=True)
-    grad = dy.new_zeros(state.rows, hidden)
-
-    def add(s: int) -> None:
-        if index is not None:  # rows of other shards add exact zeros
-            grad.index_add_(0, index[s], held[s].masked_fill(~mine[s].unsqueeze(1), 0))
-
-    _gather_into(state, held, "embedding backward", add)
+        dy = dy / pre
+    sends = {p: dy.index_select(0, held.positions(rank, p)) for p in ring.peers if held.counts[rank][p]}
+    recvs = {p: dy.new_empty(held.counts[p][rank], dy.shape[1]) for p in ring.peers if held.counts[p][rank]}
+    step = _swap(state, sends, recvs, "embedding backward")
+    grad = dy.new_zeros(state.rows, dy.shape[1])
+    for k in range(ring.size):  # the ring's order, as the sum of a ring would add them
+        s = ring.shard_held(k)
+        if s == rank:
+            grad.index_add_(0, held.local_ids(state, rank), dy.index_select(0, held.positions(rank, rank)))
+            if step is not None:
+                step.wait()
+        elif s in recvs:
+            grad.index_add_(0, held.local_ids(state, s), recvs[s])
     return grad
 
 
@@ -189,20 +218,6 @@ def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor,
 def _prefetch_layers(state: EmbeddingState) -> Callable[[], None]:
     """Queued behind the embedding's last ring step: the first fused layers' first steps (``prefetch_next``)."""
     return lambda: state.steps.schedule.start_first("forward")
-
-
-def _owned(state: EmbeddingState, ids_all: torch.Tensor, *,
-           skip_padding: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """For every rank's ids (a row of ``ids_all``): the local row of each id, clamped into the shard, and whether
-    this rank owns it. Dense, with no ``nonzero``: the lookups take every position and zero the ones not owned, so
-    the host never waits for the GPU here. ``(None, None)`` when this rank owns no rows."""
-    if state.rows == 0:
-        return None, None
-    local = ids_all - state.lo
-    mine = (local >= 0) & (local < state.rows)
-    if skip_padding and state.padding_idx is not None:
-        mine &= ids_all != state.padding_idx
-    return local.clamp_(0, state.rows - 1), mine
 
 
 # ---- the module ------------------------------------------------------------------------------------------

@@ -40,6 +40,21 @@ def gather(state: RingOwner, mine: torch.Tensor, phase: str) -> torch.Tensor:
     return out
 
 
+def swap(state: RingOwner, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], phase: str,
+         then: Callable[[], None] | None = None):
+    """One direct exchange of tensors of any size: ``sends[p]`` goes to group rank p, ``recvs[p]`` is filled from
+    rank p. Both sides of each pair know its sizes and leave out a pair with nothing to move. ``then()`` runs right
+    after the request. Returns the pending step (``wait()`` before reading ``recvs``), or None if nothing moves."""
+    op = state.steps.ring_op(state.op, phase)  # on every rank, moving or not: the ring-op sequence stays the same
+    step = None
+    if sends or recvs:
+        step = state.engine.link.step(list(sends.values()), list(recvs.values()), op, 0, 1,
+                                      send_to=list(sends), recv_from=list(recvs))
+    if then is not None:
+        then()
+    return step
+
+
 def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable[[int], None] | None = None,
                 then: Callable[[], None] | None = None) -> None:
     """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring, lockstep); ``piece(s)`` runs on each
