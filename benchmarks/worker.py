@@ -195,11 +195,12 @@ class Runner:
         numels = [sum(p.numel() for p in unit) for unit in units]
         shards = [torch.zeros(-(-n // self.world)) for n in numels]
         fulls = [torch.zeros(self.world * s.numel()) for s in shards]
-        # The embedding moves what shard()'s ring embedding moves: when a rank's tokens are fewer than a table
-        # shard's rows, the token ids and then, each way, the rows of its tokens that other ranks own (ids spread
-        # evenly: T/N rows with each peer, in one direct round); else the table forward and its gradient backward.
+        # The embedding moves what shard()'s ring embedding moves: the token ids and then, each way, the rows of
+        # its tokens that other ranks own (ids spread evenly: T/N rows with each peer, in one direct round), where
+        # those are fewer than the table ring's (N-1) shards (plays.Unit.exchange); else the table forward and its
+        # gradient backward.
         tokens, chunk = self.args.batch * self.args.seq, -(-embed.shape[0] // self.world)
-        rows = tokens <= chunk
+        rows = tokens * (self.world - 1) // self.world <= (self.world - 1) * chunk
         width = (-(-tokens // self.world) if rows else chunk) * embed.shape[1]
         e_shard, e_full = torch.zeros(width), torch.zeros(self.world * width)
         ids, all_ids = torch.zeros(tokens, dtype=torch.int64), torch.zeros(self.world * tokens, dtype=torch.int64)

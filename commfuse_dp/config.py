@@ -62,7 +62,8 @@ class CommFuseConfig:
     """A linear whose weight shard has fewer elements than this is not fused (a ring step costs a fixed latency
     that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead. Linears that read the same
     input (q/k/v, gate/up) share their ring steps, so they are judged together, by the sum of their shards: GQA's
-    small ``k_proj``/``v_proj`` are fused with ``q_proj``."""
+    small ``k_proj``/``v_proj`` are fused with ``q_proj``. Under the elastic schedule (``lookahead_mb`` not 0) the
+    fused groups of one FSDP2 unit share ring steps, so a small group is fused where its unit has a large one."""
 
     param_dtype: torch.dtype | None = None
     """Dtype of the forward/backward compute and of the weight shards sent around the ring (e.g. ``bfloat16``).
@@ -109,9 +110,9 @@ class CommFuseConfig:
 
     ring_embeddings: bool = True
     """An ``nn.Embedding`` whose table shard has at least ``min_fuse_numel`` elements (and is not tied to another
-    module) is sharded by rows and exchanges looked-up rows and their gradients instead of the table when the
-    tokens of a rank are fewer than the rows of a shard (``fused/embedding.py``), for either schedule. Off: the
-    table goes through FSDP2 and the bucketed rings like the other unfused parameters."""
+    module) is sharded by rows and exchanges looked-up rows and their gradients instead of the table where that
+    moves fewer bytes, about while a rank's tokens are fewer than the table's rows (``fused/embedding.py``), for
+    either schedule. Off: the table goes through FSDP2 and the bucketed rings like the other unfused parameters."""
 
     replicate: int = 1
     """HSDP (docs/design.md, "Past one node"): the data-parallel ranks form ``replicate`` groups of equal size, each

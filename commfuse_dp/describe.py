@@ -20,8 +20,8 @@ With N ranks, for
   all-gather forward and backward and reduce-scatter, ``(N-1)/N`` of the unit's padded bytes each. The root is
   not resharded after forward (FSDP2's default), so it gathers once.
 - a ring embedding: it depends on the tokens. The figures are those of its *table* path (all-gather the table
-  shards, reduce-scatter the table gradient), an upper bound: with ``T`` tokens per rank, fewer than the rows of a
-  shard, the *rows* path moves at most ``T·H`` elements each way instead (one direct exchange).
+  shards, reduce-scatter the table gradient), an upper bound: the *rows* path, taken where it moves less, receives
+  at most ``T·H`` elements each way with ``T`` tokens per rank (one direct exchange).
 
 Gathers move the compute dtype (``param_dtype``, else the parameter's), reduce-scatters ``reduce_dtype`` (else the
 compute dtype).
@@ -65,7 +65,7 @@ class EmbeddingInfo:
     forward_gather_bytes: int  # table path: an upper bound
     backward_gather_bytes: int
     reduce_scatter_bytes: int
-    note: str = "upper bound (table path); the rows path moves at most T*H elements each way when T <= rows per shard"
+    note: str = "upper bound (table path); the rows path, taken where it moves less, receives at most T*H elements each way"
 
 
 @dataclass

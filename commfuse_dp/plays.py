@@ -22,17 +22,19 @@ class Unit:
     outs: tuple[int, ...] = ()  # the fused groups' output widths (cut into N pieces of out / N rows)
 
     def exchange(self, ranks: int, rows_ring: bool = False) -> tuple[int, int]:
-        """A ring embedding's exchange, one way: (rounds, elements one rank sends). While a rank's tokens are no
-        more than a shard's rows (``fused/embedding.py`` picks that path), the rows of its tokens that the other
-        shards own, in one direct round (``rows_ring``: the dense ring of the library before 2026-11-27, N-1
-        steps of every token's row); else the table shard, round an N-1-step ring."""
+        """A ring embedding's exchange, one way: (rounds, elements one rank sends). The rows of its tokens that the
+        other shards own (ids spread evenly over the shards), in one direct round, where that is fewer than the
+        table ring's ``(N-1)·c`` rows (``fused/embedding.py``'s ``rows_cheaper``); else the table shard, round an
+        N-1-step ring. ``rows_ring``: the library before 2026-11-27, whose rows went round an N-1-step ring of
+        every token's row, taken while the tokens were no more than a shard's rows."""
         rows, width = self.table
         chunk = -(-rows // ranks)
-        if self.tokens > chunk:
-            return ranks - 1, (ranks - 1) * chunk * width
         if rows_ring:
-            return ranks - 1, (ranks - 1) * self.tokens * width
-        return 1, self.tokens * (ranks - 1) // ranks * width
+            return ranks - 1, (ranks - 1) * (self.tokens if self.tokens <= chunk else chunk) * width
+        moved = self.tokens * (ranks - 1) // ranks
+        if moved > (ranks - 1) * chunk:
+            return ranks - 1, (ranks - 1) * chunk * width
+        return 1, moved * width
 
 
 @dataclass(frozen=True)

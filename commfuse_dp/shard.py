@@ -3,7 +3,8 @@
 1. Every eligible linear (``nn.Linear``, HF ``Conv1D``) whose weight shard has at least ``min_fuse_numel``
    elements becomes a ring-fused layer (``fused/``): its weight and bias become DTensor shards on a 1-D data-parallel
    mesh, and its forward and backward run the fused rings. Linears that read the same input (``q/k/v``,
-   ``query/key/value``, ``gate/up``) share ring steps.
+   ``query/key/value``, ``gate/up``) share ring steps; under the elastic schedule so do a unit's groups, and a
+   small linear is fused where its unit has a large one.
 2. Every ``nn.Embedding`` with a large enough, untied table becomes a ring embedding (``fused/embedding.py``,
    ``CommFuseConfig.ring_embeddings``): sharded by rows, it exchanges looked-up rows instead of the table when
    that moves fewer bytes.
@@ -122,7 +123,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     data_dependent = lockstep.data_dependent_modules(model)
     excluded = lockstep.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
     tied = _tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
-    fused = _fusable_linears(model, config, engine.ring.size, excluded, tied)
+    unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
+    fused = _fusable_linears(model, config, engine.ring.size, excluded, tied, unit_modules)
     fused_params: set[nn.Parameter] = set()
     bound: list[tuple[str, nn.Module, dict[str, int]]] = []  # fused modules and their sharded params' dims
     for name, module, transposed in fused:
@@ -147,7 +149,6 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     scalars = ScalarParams(model, mesh, engine)  # 0-d: fully_shard refuses them; replicated, averaged (scalars.py)
     kept_out = fused_params | scalars.params  # what fully_shard leaves alone
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
     _bundle_units(steps, unit_modules)
     if units is None:
         unit_modules = [u for u in unit_modules
@@ -219,7 +220,8 @@ def _conv1d_class() -> type | None:
 
 
 def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, excluded: lockstep.Exclusions,
-                     tied_tables: dict[int, tuple[nn.Embedding, nn.Linear]]) -> list[tuple[str, nn.Module, bool]]:
+                     tied_tables: dict[int, tuple[nn.Embedding, nn.Linear]],
+                     unit_modules: list[nn.Module]) -> list[tuple[str, nn.Module, bool]]:
     conv1d = _conv1d_class()
     owners = _param_owners(model)
     fused, candidates, small, tied, other = [], [], 0, 0, Counter()
@@ -237,12 +239,28 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclu
         elif isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)):
             other[kind.__name__] += 1
     # Linears that read the same input ride the same ring steps, so they are judged together: GQA's k_proj and
-    # v_proj, each below min_fuse_numel, are fused with q_proj when the group's shard is large enough.
+    # v_proj, each below min_fuse_numel, are fused with q_proj when the group's shard is large enough. Under the
+    # elastic schedule every fused group of a unit rides that unit's ring steps (one bundle per step), so a small
+    # group in a unit with a large one is fused too: at 8 ranks a 512-wide o_proj (a 32768-element shard) then
+    # costs no ring latency of its own, where unfused it would join the root unit's gather at the step's head.
+    small_groups = []
     for group in _shared_input_groups(candidates):
         if sum(m.weight.numel() for _, m, _ in group) // world < config.min_fuse_numel:
-            small += len(group)
+            small_groups.append(group)
         else:
             fused += group
+    if small_groups and _bundled(config, world):
+        innermost = _innermost_unit(unit_modules)
+        with_fused = {innermost.get(id(m)) for _, m, _ in fused} - {None}
+        rides = [g for g in small_groups if innermost.get(id(g[0][1])) in with_fused]
+        small_groups = [g for g in small_groups if g not in rides]
+        if rides:
+            order = {id(m): i for i, m in enumerate(model.modules())}
+            fused = sorted(fused + [entry for g in rides for entry in g], key=lambda e: order[id(e[1])])
+            logger.info("commfuse_dp: %d linears below min_fuse_numel=%d elements are fused with the larger groups "
+                        "of their unit, whose ring steps they share", sum(len(g) for g in rides),
+                        config.min_fuse_numel)
+    small = sum(len(g) for g in small_groups)
     if small:
         logger.info("commfuse_dp: %d linears have weight shards (summed with the linears that read the same input, "
                     "q/k/v, gate/up) below min_fuse_numel=%d elements and go through the bucketed rings instead",
@@ -351,14 +369,25 @@ def _unfused_numel(unit: nn.Module, fused_params: set[nn.Parameter]) -> int:
     return sum(p.numel() for p in unit.parameters() if p not in fused_params)
 
 
+def _bundled(config: CommFuseConfig, world: int) -> bool:
+    """Whether the fused groups of a unit share ring steps: the elastic schedule (``fused/schedule.py``)."""
+    return config.schedule == "fused" and config.prefetch_next and world > 1 and config.lookahead_mb != 0
+
+
+def _innermost_unit(unit_modules: list[nn.Module]) -> dict[int, int]:
+    """``id(module)`` -> index of the innermost unit module around it (``unit_modules`` is innermost first)."""
+    innermost: dict[int, int] = {}
+    for at, unit in enumerate(unit_modules):
+        for module in unit.modules():
+            innermost.setdefault(id(module), at)
+    return innermost
+
+
 def _bundle_units(steps: StepState, unit_modules: list[nn.Module]) -> None:
     """Each fused group's unit (``FusedGroupState.unit``): the innermost unit module around it, also where that
     unit is too small to be an FSDP2 unit of its own. The elastic schedule bundles the ring steps of a unit's
     groups (``fused/schedule.py``)."""
-    innermost: dict[int, int] = {}
-    for at, unit in enumerate(unit_modules):  # innermost first
-        for module in unit.modules():
-            innermost.setdefault(id(module), at)
+    innermost = _innermost_unit(unit_modules)
     for state in steps.states:
         state.unit = innermost.get(id(state.modules[0]))
 

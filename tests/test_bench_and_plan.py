@@ -42,11 +42,16 @@ def test_planner_ring_embedding_moves_the_smaller_of_rows_and_table():
     units = plan.units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=4096, seq=4096)
     embedding = units[0]
     assert embedding.table == (vocab, hidden)
-    # 4096 tokens < 16032 rows per shard: the rows other shards own travel, in one direct round (7/8 of them)
+    # the rows other shards own travel, in one direct round (7/8 of them at 8 ranks); also at 64 ranks, where a
+    # shard has 2004 rows, fewer than the tokens, but the table ring would move 63 of them
     assert embedding.exchange(8) == (1, 4096 * 7 // 8 * hidden)
-    assert embedding.exchange(8, rows_ring=True) == (7, 7 * 4096 * hidden)  # the dense ring before 2026-11-27
-    # 2004 rows per shard < 4096 tokens: the table shard, round the ring
-    assert embedding.exchange(64) == (63, 63 * -(-vocab // 64) * hidden)
+    assert embedding.exchange(64) == (1, 4096 * 63 // 64 * hidden)
+    # before 2026-11-27: a dense ring of every token's row, or the table beyond a shard's rows
+    assert embedding.exchange(8, rows_ring=True) == (7, 7 * 4096 * hidden)
+    assert embedding.exchange(64, rows_ring=True) == (63, 63 * -(-vocab // 64) * hidden)
+    # more tokens per rank than the table has rows: the table
+    many = plan.Unit("embedding", 0, vocab * hidden, 0.0, tokens=2 * vocab, table=(vocab, hidden))
+    assert many.exchange(8) == (7, 7 * -(-vocab // 8) * hidden)
     # Where rows travel, a slower link costs the fused schedule less than if the whole table had to travel.
     cl = _cluster(ranks=8, gbps=5.0)
     table_units = [plan.Unit("embedding", 0, vocab * hidden, 0.0)] + units[1:]

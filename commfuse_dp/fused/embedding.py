@@ -2,9 +2,10 @@
 
 Rank j owns rows ``[j·c, (j+1)·c)`` of the ``(V, H)`` table, ``c = ceil(V / N)`` (``torch.chunk``), as a
 ``Shard(0)`` DTensor. Each call picks the cheaper of two exchanges, the same choice on every rank (it depends only
-on the largest token count ``T`` of any rank, which the ranks swap first):
+on what the ranks swap first: how many of each rank's tokens fall in each shard):
 
-- *rows* (``T ≤ c``: the tokens of a rank are fewer than the rows of a shard, the usual case for large vocabularies):
+- *rows* (while it moves fewer bytes than the table ring, ``rows_cheaper``: for ids spread over the shards, about
+  while the tokens of a rank are fewer than the table's rows, ``T ≤ N·c``):
 
   forward: the ranks' token ids are all-gathered (with the count swap: how many of each rank's tokens fall in
   each shard, so every rank knows every message's size). Then one direct exchange: this rank sends each peer
@@ -15,14 +16,14 @@ on the largest token count ``T`` of any rank, which the ranks swap first):
   ids that peer owns, and adds what it receives into the gradient of the table rows it owns (``index_add``, the
   ranks in ring order: its own first, then ``r-1``, ``r-2``, ...). Padding-index rows get no gradient.
 
-- *table* (``T > c``): the classic ZeRO-3 path, an all-gather of the table shards, a plain lookup, and a
+- *table* (otherwise): the classic ZeRO-3 path, an all-gather of the table shards, a plain lookup, and a
   reduce-scatter of the dense table gradient. The backward needs no table, so nothing is gathered twice.
 
-Per rank and per step, rows moves at most ``T·H`` elements each way (the rows of its tokens owned elsewhere:
-about ``(N-1)/N·T·H`` for ids spread over the shards), in one round whatever N; table ``(N-1)·c·H`` in N-1 ring
-steps. The gradient is
-exchanged even inside ``no_sync()`` (the rows of the other ranks are needed to form this rank's shard at all);
-its sum over ranks is divided as ``CommFuseConfig.grad_divide`` says, like every other gradient.
+Per rank and per step, rows receives at most ``T·H`` elements each way (the rows of its tokens owned elsewhere:
+about ``(N-1)/N·T·H`` for ids spread over the shards) and sends the rows of its shard that the others' tokens use,
+in one round whatever N; table moves ``(N-1)·c·H`` in N-1 ring steps. The gradient is exchanged even inside
+``no_sync()`` (the rows of the other ranks are needed to form this rank's shard at all); its sum over ranks is
+divided as ``CommFuseConfig.grad_divide`` says, like every other gradient.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class EmbeddingState:
         self.chunk = -(-num_embeddings // world)  # rows per shard (torch.chunk)
         self.lo = min(rank * self.chunk, num_embeddings)
         self.rows = min(self.chunk, num_embeddings - self.lo)
+        self.width = module.weight.shape[1]
         padding = module.padding_idx
         self.padding_idx = None if padding is None else padding % num_embeddings
 
@@ -82,7 +84,9 @@ class RingEmbeddingFn(torch.autograd.Function):
                                  f"{state.num_embeddings} embedding rows")
             most = max(row[0] for row in counts)
             ctx.state = state
-            if most <= state.chunk:
+            ctx.rows_mode = rows_cheaper(state, [row[2:] for row in counts], most,
+                                         torch.empty((), dtype=cdt).element_size())
+            if ctx.rows_mode:
                 padded = flat.new_full((most,), -1)
                 padded[:flat.numel()] = flat
                 ids_all = _gather(state, padded, "embedding ids")
@@ -91,7 +95,6 @@ class RingEmbeddingFn(torch.autograd.Function):
             else:
                 out = _table_forward(state, weight, flat, cdt)
                 ctx.save_for_backward(flat)
-        ctx.rows_mode = most <= state.chunk
         ctx.weight_dtype = weight.dtype
         return out[:flat.numel()].view(*ids.shape, weight.shape[1])
 
@@ -121,6 +124,18 @@ class RingEmbeddingFn(torch.autograd.Function):
 
 
 # ---- the two exchanges ----------------------------------------------------------------------------------
+
+def rows_cheaper(state: EmbeddingState, counts: list[list[int]], most: int, itemsize: int) -> bool:
+    """Whether the rows exchange moves no more bytes on the busiest rank than the table ring moves on every one:
+    the rows it sends or receives (``counts[p][s]``: rank p's tokens in shard s), whichever is more, plus the ids
+    all-gather, against ``(N-1)·c`` table rows. The same on every rank (every rank has every count)."""
+    world, width = state.engine.ring.size, state.width
+    if world == 1:
+        return True
+    rows = max(max(sum(counts[p][s] for p in range(world) if p != s), sum(counts[s][p] for p in range(world) if p != s))
+               for s in range(world))
+    return rows * width * itemsize + (world - 1) * most * 8 <= (world - 1) * state.chunk * width * itemsize
+
 
 class _Held:
     """Where each rank's tokens are looked up: ``counts[p][s]`` of rank p's tokens have ids in shard s (host
