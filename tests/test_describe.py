@@ -121,3 +121,25 @@ def test_small_projections_are_judged_with_the_linears_that_share_their_input():
     result = run_ranks(_gqa_worker, 2, timeout=120)[0]
     group = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
     assert result == {name: ("RingLinear", group) for name in ("q_proj", "k_proj", "v_proj")}, result
+
+
+def _unit_worker(rank, world_size):
+    # The same layer: q/k/v (3072-element group shard) and o_proj (2048) reach min_fuse_numel=2000 at 2 ranks; the
+    # MLP's gate/up group (1024) and down_proj (512) do not, but they sit in the decoder layer's unit.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kinds = {}
+    for label, options in (("elastic", {}), ("lockstep", {"lookahead_mb": 0}), ("slicing", {"schedule": "slicing"})):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=hf_models.VOCAB, hidden_size=64, intermediate_size=16,
+                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
+        cf.shard(model, cf.CommFuseConfig(min_fuse_numel=2000, **options))
+        mlp = model.model.layers[0].mlp
+        kinds[label] = {name: type(getattr(mlp, name)).__name__ for name in ("gate_proj", "up_proj", "down_proj")}
+    return kinds
+
+
+def test_small_linears_ride_their_units_bundles_under_the_elastic_schedule():
+    kinds = run_ranks(_unit_worker, 2, timeout=180)[0]
+    assert set(kinds["elastic"].values()) == {"RingLinear"}, kinds  # fused with the unit's larger groups
+    assert set(kinds["lockstep"].values()) == {"Linear"}, kinds  # each ring of its own: judged alone
+    assert set(kinds["slicing"].values()) == {"Linear"}, kinds
