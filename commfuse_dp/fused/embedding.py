@@ -74,7 +74,7 @@ class RingEmbeddingFn(torch.autograd.Function):
             bad = ((flat < 0) | (flat >= state.num_embeddings)).any().to(torch.int64)
             # and how many of this rank's tokens each shard owns: the sizes of the rows exchange's messages
             owners = flat.clamp(0, state.num_embeddings - 1) // state.chunk
-            per_shard = torch.bincount(owners, minlength=engine.ring.size)
+            per_shard = owners.new_zeros(engine.ring.size).scatter_add_(0, owners, torch.ones_like(owners))
             mine = torch.cat([torch.stack([torch.full_like(bad, flat.numel()), bad]), per_shard])
             counts = _gather(state, mine, "embedding counts").tolist()
             if any(row[1] for row in counts):  # every rank raises, not only the one with the bad ids
