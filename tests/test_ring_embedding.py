@@ -117,3 +117,26 @@ def _out_of_range_worker(rank, world_size):
 def test_out_of_range_ids_raise_on_every_rank():
     sums = run_ranks(_out_of_range_worker, 3, timeout=120)
     assert all(s == sums[0] for s in sums)
+
+
+def _skewed_worker(rank, world_size):
+    # Every rank's ids fall in shard 0 (rank 0 sends every other rank all their rows; the rest send nothing), and
+    # rank 1 has no tokens at all: still the rows exchange, still exact.
+    model, ref = _build(64, 8, None), _build(64, 8, None)
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    all_ids = [torch.randint(0, 16, (0 if r == 1 else 5 + r,), generator=torch.Generator().manual_seed(r))
+               for r in range(world_size)]
+    ops = []
+    with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
+        rows = model[0](all_ids[rank])
+        model[1](rows).pow(2).sum().backward()
+    start = sum(len(i) for i in all_ids[:rank])
+    ref_rows = ref[0](torch.cat(all_ids))
+    (ref[1](ref_rows).pow(2).sum() / world_size).backward()
+    torch.testing.assert_close(rows, ref_rows[start:start + len(all_ids[rank])], rtol=0, atol=0)
+    torch.testing.assert_close(model[0].weight.grad.full_tensor(), ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+    return "embedding ids" in ops
+
+
+def test_rows_exchange_with_every_id_in_one_shard_and_a_rank_without_tokens():
+    assert run_ranks(_skewed_worker, 4, timeout=120) == [True] * 4
