@@ -211,6 +211,10 @@ class CommFuseConfig:
         """The keyword arguments of ``ring_all_gather`` / ``ring_reduce_scatter`` this config sets."""
         return {"bucket_mb": self.bucket_mb, "direct_kb": self.direct_kb, "timeout_s": self.timeout_s}
 
+    def elastic(self, world: int) -> bool:
+        """Whether the fused schedule looks ahead elastically (and bundles a unit's ring steps) on ``world`` ranks."""
+        return bool(self.prefetch_next) and world > 1 and self.lookahead_mb != 0
+
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * (1 << 20)))
@@ -377,4 +381,3 @@ def _parse_env(name: str, raw: str) -> Any:
         except ValueError:
             raise ValueError(f"{var}={raw!r}: must be a number") from None
     return text  # strings and dtype names
-

@@ -249,11 +249,11 @@ def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclu
             small_groups.append(group)
         else:
             fused += group
-    if small_groups and _bundled(config, world):
+    if small_groups and config.schedule == "fused" and config.elastic(world):
         innermost = _innermost_unit(unit_modules)
         with_fused = {innermost.get(id(m)) for _, m, _ in fused} - {None}
         rides = [g for g in small_groups if innermost.get(id(g[0][1])) in with_fused]
-        small_groups = [g for g in small_groups if g not in rides]
+        small_groups = [g for g in small_groups if innermost.get(id(g[0][1])) not in with_fused]
         if rides:
             order = {id(m): i for i, m in enumerate(model.modules())}
             fused = sorted(fused + [entry for g in rides for entry in g], key=lambda e: order[id(e[1])])
@@ -367,11 +367,6 @@ def _compatible(members: list[tuple[str, nn.Module, bool]]) -> bool:
 
 def _unfused_numel(unit: nn.Module, fused_params: set[nn.Parameter]) -> int:
     return sum(p.numel() for p in unit.parameters() if p not in fused_params)
-
-
-def _bundled(config: CommFuseConfig, world: int) -> bool:
-    """Whether the fused groups of a unit share ring steps: the elastic schedule (``fused/schedule.py``)."""
-    return config.schedule == "fused" and config.prefetch_next and world > 1 and config.lookahead_mb != 0
 
 
 def _innermost_unit(unit_modules: list[nn.Module]) -> dict[int, int]:

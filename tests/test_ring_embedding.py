@@ -42,6 +42,22 @@ def _rows_is_cheaper(all_ids, vocab, hidden, world):
     return busiest * hidden * 4 + (world - 1) * most * 8 <= (world - 1) * chunk * hidden * 4
 
 
+def _step_against_reference(model, ref, all_ids, rank, world_size):
+    """One forward and backward of the sharded model on this rank's ids and of ``ref`` on every rank's: the rows
+    must be exact, the table gradient equal within rounding. Returns the ring ops started and the full gradient."""
+    ops = []
+    with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
+        rows = model[0](all_ids[rank])
+        model[1](rows).pow(2).sum().backward()
+    start = sum(len(i) for i in all_ids[:rank])
+    ref_rows = ref[0](torch.cat(all_ids))
+    (ref[1](ref_rows).pow(2).sum() / world_size).backward()
+    torch.testing.assert_close(rows, ref_rows[start:start + len(all_ids[rank])], rtol=0, atol=0)  # exact
+    grad = model[0].weight.grad.full_tensor()
+    torch.testing.assert_close(grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+    return ops, grad
+
+
 def _worker(rank, world_size):
     seen = []
     for vocab, hidden, padding_idx, tokens, _ in CASES:
@@ -52,16 +68,7 @@ def _worker(rank, world_size):
         assert model[0].weight.to_local().shape == (max(0, min(chunk, vocab - rank * chunk)), hidden)
         all_ids = [_ids(r, tokens, vocab, padding_idx) for r in range(world_size)]
         for step in range(2):  # the second step adds into the existing grads
-            ops = []
-            with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
-                rows = model[0](all_ids[rank])
-                model[1](rows).pow(2).sum().backward()
-            start = sum(len(i) for i in all_ids[:rank])
-            ref_rows = ref[0](torch.cat(all_ids))
-            (ref[1](ref_rows).pow(2).sum() / world_size).backward()
-            torch.testing.assert_close(rows, ref_rows[start:start + len(all_ids[rank])], rtol=0, atol=0)  # exact
-            grad = model[0].weight.grad.full_tensor()
-            torch.testing.assert_close(grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+            ops, grad = _step_against_reference(model, ref, all_ids, rank, world_size)
             if padding_idx is not None:
                 assert torch.count_nonzero(grad[padding_idx]) == 0
         if world_size > 1:  # (one rank starts no ring steps)
@@ -126,15 +133,7 @@ def _skewed_worker(rank, world_size):
     cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
     all_ids = [torch.randint(0, 16, (0 if r == 1 else 5 + r,), generator=torch.Generator().manual_seed(r))
                for r in range(world_size)]
-    ops = []
-    with observe_ring(lambda event, op, k: ops.append(op) if event == "start" else None):
-        rows = model[0](all_ids[rank])
-        model[1](rows).pow(2).sum().backward()
-    start = sum(len(i) for i in all_ids[:rank])
-    ref_rows = ref[0](torch.cat(all_ids))
-    (ref[1](ref_rows).pow(2).sum() / world_size).backward()
-    torch.testing.assert_close(rows, ref_rows[start:start + len(all_ids[rank])], rtol=0, atol=0)
-    torch.testing.assert_close(model[0].weight.grad.full_tensor(), ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+    ops, _ = _step_against_reference(model, ref, all_ids, rank, world_size)
     return "embedding ids" in ops
 
 

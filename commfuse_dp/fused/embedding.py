@@ -76,21 +76,20 @@ class RingEmbeddingFn(torch.autograd.Function):
             owners = flat.clamp(0, state.num_embeddings - 1) // state.chunk
             per_shard = owners.new_zeros(engine.ring.size).scatter_add_(0, owners, torch.ones_like(owners))
             mine = torch.cat([torch.stack([torch.full_like(bad, flat.numel()), bad]), per_shard])
-            counts = _gather(state, mine, "embedding counts").tolist()
-            if any(row[1] for row in counts):  # every rank raises, not only the one with the bad ids
-                ranks = [r for r, row in enumerate(counts) if row[1]]
+            counts = _gather(state, mine, "embedding counts").cpu()
+            if counts[:, 1].any():  # every rank raises, not only the one with the bad ids
+                ranks = counts[:, 1].nonzero().flatten().tolist()
                 raise IndexError(f"embedding: token ids out of range [0, {state.num_embeddings}) on rank(s) {ranks} "
                                  f"(group ranks); check the tokenizer's vocabulary against the model's "
                                  f"{state.num_embeddings} embedding rows")
-            most = max(row[0] for row in counts)
+            most = int(counts[:, 0].max())
             ctx.state = state
-            ctx.rows_mode = rows_cheaper(state, [row[2:] for row in counts], most,
-                                         torch.empty((), dtype=cdt).element_size())
+            ctx.rows_mode = rows_cheaper(state, counts[:, 2:], most, torch.empty((), dtype=cdt).element_size())
             if ctx.rows_mode:
                 padded = flat.new_full((most,), -1)
                 padded[:flat.numel()] = flat
                 ids_all = _gather(state, padded, "embedding ids")
-                ctx.held = held = _Held(state, ids_all, [row[2:] for row in counts])
+                ctx.held = held = _Held(state, ids_all, counts[:, 2:])
                 out = _rows_forward(state, weight, held, cdt)
             else:
                 out = _table_forward(state, weight, flat, cdt)
@@ -125,78 +124,83 @@ class RingEmbeddingFn(torch.autograd.Function):
 
 # ---- the two exchanges ----------------------------------------------------------------------------------
 
-def rows_cheaper(state: EmbeddingState, counts: list[list[int]], most: int, itemsize: int) -> bool:
+def rows_cheaper(state: EmbeddingState, per_shard: torch.Tensor, most: int, itemsize: int) -> bool:
     """Whether the rows exchange moves no more bytes on the busiest rank than the table ring moves on every one:
-    the rows it sends or receives (``counts[p][s]``: rank p's tokens in shard s), whichever is more, plus the ids
-    all-gather, against ``(N-1)·c`` table rows. The same on every rank (every rank has every count)."""
+    the rows it sends or receives (``per_shard[p, s]``: rank p's tokens in shard s; a host tensor), whichever is
+    more, plus the ids all-gather, against ``(N-1)·c`` table rows. The same on every rank (every rank has every
+    count)."""
     world, width = state.engine.ring.size, state.width
     if world == 1:
         return True
-    rows = max(max(sum(counts[p][s] for p in range(world) if p != s), sum(counts[s][p] for p in range(world) if p != s))
-               for s in range(world))
+    elsewhere = per_shard.clone().fill_diagonal_(0)  # tokens looked up in another rank's shard
+    rows = int(torch.maximum(elsewhere.sum(0), elsewhere.sum(1)).max())  # sent by shard s / received by rank s
     return rows * width * itemsize + (world - 1) * most * 8 <= (world - 1) * state.chunk * width * itemsize
 
 
 class _Held:
-    """Where each rank's tokens are looked up: ``counts[p][s]`` of rank p's tokens have ids in shard s (host
-    ints, from the count swap); ``order[p]`` lists p's token positions grouped by owning shard, each group in
-    token order (a stable sort, on the device: no host read)."""
+    """Where the tokens this rank exchanges rows for are: ``order[p]`` lists rank p's token positions grouped by
+    owning shard, each group in token order (a stable sort, on the device: no host read); from the count swap's
+    ``per_shard`` (host), the sizes and starts of this rank's own groups (``mine``) and of every rank's group in
+    this rank's shard (``theirs``)."""
 
-    def __init__(self, state: EmbeddingState, ids_all: torch.Tensor, counts: list[list[int]]) -> None:
-        world = state.engine.ring.size
+    def __init__(self, state: EmbeddingState, ids_all: torch.Tensor, per_shard: torch.Tensor) -> None:
+        world, rank = state.engine.ring.size, state.engine.ring.rank
         owner = torch.where(ids_all < 0, world, ids_all // state.chunk)  # padding (-1) after every shard
-        self.ids_all, self.counts = ids_all, counts
+        self.ids_all, self.lo, self.rank = ids_all, state.lo, rank
         self.order = torch.sort(owner, dim=1, stable=True).indices
-        self.starts = [[sum(row[:s]) for s in range(world)] for row in counts]
+        starts = per_shard.cumsum(1) - per_shard
+        self.mine = per_shard[rank].tolist(), starts[rank].tolist()  # indexed by shard
+        self.theirs = per_shard[:, rank].tolist(), starts[:, rank].tolist()  # indexed by rank
 
-    def positions(self, p: int, s: int) -> torch.Tensor:
-        """Positions among rank p's tokens of those whose ids shard s owns, in token order."""
-        start = self.starts[p][s]
-        return self.order[p, start:start + self.counts[p][s]]
+    def own(self, s: int) -> torch.Tensor:
+        """Positions among this rank's tokens of those whose ids shard s owns, in token order."""
+        count, start = self.mine[0][s], self.mine[1][s]
+        return self.order[self.rank, start:start + count]
 
-    def local_ids(self, state: EmbeddingState, p: int) -> torch.Tensor:
-        """This rank's table rows for rank p's tokens that it owns (in ``positions(p, rank)`` order)."""
-        return self.ids_all[p].index_select(0, self.positions(p, state.engine.ring.rank)) - state.lo
+    def local_ids(self, p: int) -> torch.Tensor:
+        """This rank's table rows for those of rank p's tokens it owns, in token order."""
+        count, start = self.theirs[0][p], self.theirs[1][p]
+        return self.ids_all[p].index_select(0, self.order[p, start:start + count]) - self.lo
 
 
 def _rows_forward(state: EmbeddingState, weight: torch.Tensor, held: _Held, cdt: torch.dtype) -> torch.Tensor:
     ring = state.engine.ring
-    rank = ring.rank
+    mine, theirs = held.mine[0], held.theirs[0]
 
     def rows_for(p: int) -> torch.Tensor:  # the rows this rank owns of rank p's tokens
-        return weight.index_select(0, held.local_ids(state, p)).to(cdt)
+        return weight.index_select(0, held.local_ids(p)).to(cdt)
 
-    out = weight.new_empty(sum(held.counts[rank]), weight.shape[1], dtype=cdt)
-    sends = {p: rows_for(p) for p in ring.peers if held.counts[p][rank]}
-    recvs = {p: out.new_empty(held.counts[rank][p], out.shape[1]) for p in ring.peers if held.counts[rank][p]}
+    out = weight.new_empty(sum(mine), weight.shape[1], dtype=cdt)
+    sends = {p: rows_for(p) for p in ring.peers if theirs[p]}
+    recvs = {p: out.new_empty(mine[p], out.shape[1]) for p in ring.peers if mine[p]}
     step = _swap(state, sends, recvs, "embedding forward", then=_prefetch_layers(state))
-    out.index_copy_(0, held.positions(rank, rank), rows_for(rank))
+    out.index_copy_(0, held.own(ring.rank), rows_for(ring.rank))
     if step is not None:
         step.wait()
     for p, rows in recvs.items():
-        out.index_copy_(0, held.positions(rank, p), rows)
+        out.index_copy_(0, held.own(p), rows)
     return out
 
 
 def _rows_backward(state: EmbeddingState, held: _Held, dy: torch.Tensor, pre: float) -> torch.Tensor:
     ring = state.engine.ring
-    rank = ring.rank
+    rank, mine, theirs = ring.rank, held.mine[0], held.theirs[0]
     if state.padding_idx is not None:  # padding tokens give their rows no gradient
         dy = dy.masked_fill((held.ids_all[rank, :dy.shape[0]] == state.padding_idx).unsqueeze(1), 0)
     if pre != 1.0:
         dy = dy / pre
-    sends = {p: dy.index_select(0, held.positions(rank, p)) for p in ring.peers if held.counts[rank][p]}
-    recvs = {p: dy.new_empty(held.counts[p][rank], dy.shape[1]) for p in ring.peers if held.counts[p][rank]}
+    sends = {p: dy.index_select(0, held.own(p)) for p in ring.peers if mine[p]}
+    recvs = {p: dy.new_empty(theirs[p], dy.shape[1]) for p in ring.peers if theirs[p]}
     step = _swap(state, sends, recvs, "embedding backward")
     grad = dy.new_zeros(state.rows, dy.shape[1])
     for k in range(ring.size):  # the ring's order, as the sum of a ring would add them
         s = ring.shard_held(k)
         if s == rank:
-            grad.index_add_(0, held.local_ids(state, rank), dy.index_select(0, held.positions(rank, rank)))
+            grad.index_add_(0, held.local_ids(rank), dy.index_select(0, held.own(rank)))
             if step is not None:
                 step.wait()
         elif s in recvs:
-            grad.index_add_(0, held.local_ids(state, s), recvs[s])
+            grad.index_add_(0, held.local_ids(s), recvs[s])
     return grad
 
 

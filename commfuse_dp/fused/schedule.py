@@ -277,7 +277,7 @@ class FusedSchedule:
         config = engine.config
         self.prefetch = config.prefetch_next and engine.ring.size > 1
         self.budget_auto = config.lookahead_mb == "auto"
-        self.elastic = self.prefetch and config.lookahead_mb != 0
+        self.elastic = config.elastic(engine.ring.size)
         self.budget = 0 if self.budget_auto else int(float(config.lookahead_mb) * (1 << 20))
         self.defer_last_reduce = self.prefetch
         self.keep_last_weight = self.prefetch  # see keeps_weight
