@@ -18,7 +18,9 @@ exceeds the device's time). Divided by the ring steps started and compute pieces
 ``observe_ring``), it gives a host cost per ring step, the floor a ring step costs whatever the link.
 ``--bench-model``: the same with the bench's default model and batch under the emulated accelerator (its GEMMs
 cost neither CPU nor time): the host work one rank of ``commfuse-dp bench --compute emulated`` does per step
-(less the ring embedding, which a fake group cannot run).
+(less the ring embedding, which a fake group cannot run). ``--bench-model real``: its GEMMs on this CPU, so the
+extra is also what computing them in pieces costs: what a rank of ``commfuse-dp bench`` (real compute) spends on
+the schedule besides its compute and communication.
 
     python benchmarks/step_overhead.py --fake-worlds 8 --schedules fused,slicing --bench-model
 """
@@ -98,9 +100,11 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     return op, tag
 
 
-def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu", bench_model: bool = False) -> dict:
+def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu", bench_model: str | None = None
+                ) -> dict:
     """One process, rank 0 of ``world`` on a fake group: seconds per training step per schedule, and counts.
-    ``bench_model``: the bench's default model and batch under the emulated accelerator instead of the tiny Llama."""
+    ``bench_model``: the bench's default model and batch instead of the tiny Llama, under the emulated accelerator
+    ("emulated") or on this CPU ("real")."""
     import contextlib
     from types import SimpleNamespace
 
@@ -124,40 +128,45 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
         shape = SimpleNamespace(**{name.replace("-", "_"): value for name, value in worker.MODEL_DEFAULTS})
         cfg, ids = worker.model_config(shape), worker.make_batch(shape, 0)["input_ids"]
         min_fuse_numel = shape.min_fuse_numel
-        accelerator = functools.partial(EmulatedAccelerator, 1e6, host_ahead=True)  # GEMMs: no CPU, no time
+        if bench_model == "emulated":
+            accelerator = functools.partial(EmulatedAccelerator, 1e6, host_ahead=True)  # GEMMs: no CPU, no time
     if device != "cpu":
         torch.cuda.set_device(torch.device(device).index or 0)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
-    def timed(model) -> tuple[float, dict]:
-        def step() -> None:
-            with accelerator():
-                model(input_ids=ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
-
-        for _ in range(2):  # the first records the layer order, the second runs the lookahead
-            step()
-        counts: dict = {}
-        with observe_ring(lambda event, op, k: counts.__setitem__(event, counts.get(event, 0) + 1)):
-            step()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            sync()  # (on a GPU: the device's time too, which this small a model keeps far below the host's)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), counts
+    def step(model) -> float:
+        t0 = time.perf_counter()
+        with accelerator():
+            model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        sync()  # (on a GPU: the device's time too, which this small a model keeps far below the host's)
+        return time.perf_counter() - t0
 
     torch.manual_seed(0)
-    result = {"unsharded": timed(LlamaForCausalLM(cfg).to(device))[0]}
+    models = {"unsharded": LlamaForCausalLM(cfg).to(device)}
+    counts: dict[str, dict] = {}
     for schedule in schedules:
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).to(device)
         # ring embeddings and the non-finite check exchange counts and flags, which a fake group never delivers
         options = dict(min_fuse_numel=min_fuse_numel, ring_embeddings=False, nonfinite_grads="off")
-        cf.shard(model, cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
-                 else cf.CommFuseConfig(schedule=schedule, **options))
-        result[schedule] = timed(model)
+        models[schedule] = cf.shard(model, cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
+                                    else cf.CommFuseConfig(schedule=schedule, **options))
+        for _ in range(2):  # the first records the layer order, the second runs the lookahead
+            step(models[schedule])
+        counts[schedule] = {}
+        with observe_ring(lambda event, op, k, c=counts[schedule]: c.__setitem__(event, c.get(event, 0) + 1)):
+            step(models[schedule])
+    step(models["unsharded"])
+    # The models take turns, step by step, so that a machine whose speed drifts slows them all alike.
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(reps):
+        for name, model in models.items():
+            times[name].append(step(model))
+    result = {"unsharded": statistics.median(times["unsharded"])}
+    for schedule in schedules:
+        result[schedule] = (statistics.median(times[schedule]), counts[schedule],
+                            len(cf.describe(models[schedule]).fused_groups))
     dist.destroy_process_group()
     return result
 
@@ -166,16 +175,18 @@ def _fake_table(args) -> int:
     import json
     import subprocess
 
-    model = ("the bench's model (4 layers x 512, 512 tokens) under the emulated accelerator" if args.bench_model
+    model = (f"the bench's model (4 layers x 512, 512 tokens), {args.bench_model} compute" if args.bench_model
              else "tiny Llama (2 layers, hidden 64, 128 tokens)")
     print(f"host time per training step, {model} on {args.device}, rank 0 of "
-          f"W on a fake group (nothing moves), one thread, median of {args.reps} steps")
+          f"W on a fake group (nothing moves), one thread, median of {args.reps} steps, the models taking turns")
     print(f"{'W':>3} {'schedule':>9} {'step ms':>8} {'unsharded':>9} {'extra ms':>9} {'ring steps':>10} "
           f"{'pieces':>7} {'us per step+piece':>17}")
+    per_group: dict[str, list[tuple[int, float]]] = {}  # schedule: (W, extra seconds per fused group)
+    extras: dict[str, dict[str, float]] = {}  # W: {schedule: extra seconds per step} (--json)
     for world in args.fake_worlds:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-fake", str(world),
                                "--schedules", ",".join(args.schedules), "--reps", str(args.reps),
-                               "--device", args.device] + (["--bench-model"] if args.bench_model else []),
+                               "--device", args.device] + (["--bench-model", args.bench_model] if args.bench_model else []),
                               capture_output=True, text=True, timeout=600)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -183,13 +194,33 @@ def _fake_table(args) -> int:
             return 1
         result = json.loads(lines[-1][7:])
         base = result.pop("unsharded")
-        for schedule, (seconds, counts) in result.items():
+        for schedule, (seconds, counts, groups) in result.items():
             steps, pieces = counts.get("start", 0), counts.get("compute", 0)
             extra = seconds - base
+            per_group.setdefault(schedule, []).append((world, extra / max(groups, 1)))
+            extras.setdefault(str(world), {})[schedule] = extra
             per = extra / max(1, steps + pieces)
             print(f"{world:>3} {schedule:>9} {seconds * 1e3:>8.1f} {base * 1e3:>9.1f} {extra * 1e3:>9.1f} "
                   f"{steps:>10} {pieces:>7} {per * 1e6:>17.0f}")
+    for schedule, points in per_group.items():
+        if len(points) > 1:  # least squares: extra per fused group = a + b * W (``commfuse-dp plan --host-fit A,B``)
+            a, b = _line(points)
+            print(f"{schedule}: {a * 1e3:.2f} + {b * 1e3:.3f} N ms per fused group per step "
+                  f"(plan --host-fit {a:.2e},{b:.2e})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": "bench" if args.bench_model else "tiny", "compute": args.bench_model or "real",
+                       "device": args.device, "extra_s": extras}, f, indent=1)
+        print(f"wrote {args.json} (commfuse-dp plan --calibrate BENCH_JSON --overhead {args.json})")
     return 0
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Intercept and slope of the least-squares line through ``points``."""
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
 
 
 def main(argv=None) -> int:
@@ -204,10 +235,14 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default="fused,lockstep,slicing", help="with --fake-worlds")
     parser.add_argument("--reps", type=int, default=20, help="timed steps per schedule, with --fake-worlds")
     parser.add_argument("--device", default="cpu", help="with --fake-worlds: cpu, or cuda (kernel launches too)")
-    parser.add_argument("--bench-model", action="store_true",
+    parser.add_argument("--bench-model", nargs="?", const="emulated", choices=("emulated", "real"), default=None,
                         help="with --fake-worlds: the bench's default model and batch (4 layers x 512, 512 tokens, "
-                             "its min_fuse_numel) under the emulated accelerator (GEMMs cost no CPU), on the CPU: "
-                             "the host work a rank of `commfuse-dp bench --compute emulated` does per step")
+                             "its min_fuse_numel), on the CPU: 'emulated' (the default; GEMMs cost no CPU: the host "
+                             "work a rank of `commfuse-dp bench --compute emulated` does per step) or 'real' (GEMMs "
+                             "on this CPU, in pieces as the schedule computes them)")
+    parser.add_argument("--json", default=None,
+                        help="with --fake-worlds: write each schedule's extra seconds per step here (with "
+                             "--bench-model, for `commfuse-dp plan --calibrate BENCH_JSON --overhead FILE`)")
     parser.add_argument("--one-fake", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.schedules = args.schedules.split(",")
@@ -218,7 +253,7 @@ def main(argv=None) -> int:
                                                  args.bench_model)), flush=True)
         return 0
     if args.bench_model and args.device != "cpu":
-        parser.error("--bench-model runs on the CPU (the emulated accelerator replaces CPU kernels)")
+        parser.error("--bench-model runs on the CPU (as `commfuse-dp bench` does)")
     if args.fake_worlds:
         args.fake_worlds = [int(w) for w in args.fake_worlds.split(",")]
         return _fake_table(args)

@@ -24,7 +24,11 @@ resources per rank, the compute stream and the link, and plays each schedule on 
   head and tail.
 Calibration fits F (compute alone) and B (communication alone) per rate from a ``commfuse-dp bench`` JSON, and
 one figure for the machine where the JSON has the ``concurrent`` bound: the CPU time communication takes from
-compute per byte. It compares the prediction for fused and slicing with their measured step times.
+compute per byte. With ``--overhead`` (what each schedule adds to the same model's step on the bench's machine with
+nothing moving: its host work and its GEMMs in pieces, ``benchmarks/step_overhead.py --bench-model real --json``) a
+real-compute run has that added to its compute (one thread computes and issues), an emulated one is at least that
+long (the host runs ahead of the device). It compares the prediction for fused and slicing with their measured
+step times.
 """
 
 from __future__ import annotations
@@ -70,6 +74,12 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         comm = sum(2 * coll(u.fused_numel + u.other_numel, cl.param_bytes) +
                    coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units)
         return {"step_s": compute + comm, "compute_s": compute, "flops": flops}
+    if cl.host_on_compute and cl.host_fit is not None and n > 1 and schedule in ("slicing", "lockstep", "fused"):
+        # The host issues the fused groups' ring steps and pieces on the thread that computes: it slows the compute.
+        host = plays.host_seconds(units, cl)
+        r = simulate(units, replace(cl, host_on_compute=False, host_fit=None,
+                                    flops_per_s=cl.flops_per_s * compute / (compute + host)), schedule)
+        return {**r, "compute_s": compute, "host_s": host}
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
         # stack): the compute of an overlapping schedule slows by that much.
@@ -255,9 +265,15 @@ def load_model(spec: str) -> tuple:
                          f"vocab_size") from None
 
 
-def calibrate(path: str, latency_us: float) -> int:
+def calibrate(path: str, latency_us: float, overhead_path: str | None = None) -> int:
+    """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
+    nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
+    and its GEMMs in pieces). With real compute one thread computes and issues, so it adds to the compute; with the
+    emulated accelerator the host runs ahead (the step is at least that long)."""
     with open(path) as f:
         bench = json.load(f)
+    on_compute = bench.get("compute", "real") == "real"
+    extra = _overhead(overhead_path, bench) if overhead_path else {}
     m = bench["model"]
     model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m["heads"], m["vocab"])
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
@@ -286,6 +302,11 @@ def calibrate(path: str, latency_us: float) -> int:
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
+    if extra:
+        print(f"each schedule's own work per step ({overhead_path}; "
+              f"{'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'}): "
+              + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in extra.items()))
+    groups = sum(len(u.groups) for u in units)
     print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
           f"{'error':>7}")
     worst = 0.0
@@ -295,11 +316,13 @@ def calibrate(path: str, latency_us: float) -> int:
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
         f_rate, b_rate = flops / compute, zero3_bytes / comm
         cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
-                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring)
+                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring,
+                     host_on_compute=on_compute)
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue
-            predicted = simulate(units, cl, schedule)["step_s"]
+            host = (extra[schedule] / groups, 0.0) if schedule in extra else None  # as a + b N per fused group
+            predicted = simulate(units, replace(cl, host_fit=host), schedule)["step_s"]
             measured = rows[measured_name]["step_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))
@@ -307,6 +330,20 @@ def calibrate(path: str, latency_us: float) -> int:
                   f"{measured:>10.3f} {error:>+7.1%}")
     print(f"worst error {worst:.1%}")
     return 0
+
+
+def _overhead(path: str, bench: dict) -> dict[str, float]:
+    """Seconds per step each schedule adds (``step_overhead.py --json``) at the bench's world size, for its model and
+    compute; a file that does not fit the bench is an error (it would bias every prediction)."""
+    with open(path) as f:
+        data = json.load(f)
+    compute, world = bench.get("compute", "real"), str(bench["world_size"])
+    if data.get("model") != "bench" or data.get("compute") != compute or world not in data.get("extra_s", {}):
+        raise SystemExit(f"--overhead {path}: measured for model {data.get('model')!r}, compute "
+                         f"{data.get('compute')!r}, worlds {sorted(data.get('extra_s', {}))}; the bench ran the bench "
+                         f"model with {compute} compute on {world} ranks: run benchmarks/step_overhead.py "
+                         f"--fake-worlds {world} --bench-model {compute} --json FILE")
+    return {name: max(seconds, 0.0) for name, seconds in data["extra_s"][world].items()}
 
 
 SWEEP_RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -398,8 +435,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the host's time per fused group per step, a + b * ranks seconds (fused and slicing "
                              "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'none' "
                              "(default: not modelled), 'h200' (1.7 ms + 0.30 ms x ranks, measured on an H200's host "
-                             "with benchmarks/step_overhead.py --fake-worlds) or 'A,B' in seconds")
+                             "with benchmarks/step_overhead.py --fake-worlds) or 'A,B' in seconds (that script "
+                             "prints this machine's)")
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
+    parser.add_argument("--overhead", metavar="JSON",
+                        help="--calibrate: each schedule's own work per step on the bench's machine, from "
+                             "benchmarks/step_overhead.py --fake-worlds W --bench-model real|emulated --json JSON")
     parser.add_argument("--sweep", action="store_true",
                         help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
@@ -417,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--host-fit {args.host_fit!r}: give 'h200', 'none' or two numbers 'A,B' (e.g. 1.7e-3,3e-4)")
     if args.calibrate:
-        return calibrate(args.calibrate, args.latency_us)
+        return calibrate(args.calibrate, args.latency_us, args.overhead)
     if args.sweep:
         sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit)
         return 0

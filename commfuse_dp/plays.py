@@ -55,6 +55,9 @@ class Cluster:
     # The host's time per fused group per step, a + b * N seconds, for the fused and slicing schedules
     # (``host_seconds``); None: not modelled.
     host_fit: tuple[float, float] | None = None
+    # Where that host time goes: False, a GPU's host issuing ahead of its device (the step is at least the host's
+    # time); True, compute on the same CPU thread (``commfuse-dp bench --compute real``): it adds to the compute.
+    host_on_compute: bool = False
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
     rows_ring: bool = False  # the ring embedding's rows as a dense ring (runs before 2026-11-27; ``Unit.exchange``)
 

@@ -258,6 +258,56 @@ def test_plan_models_the_gemm_pieces():
     assert free["fused"]["step_s"] == pytest.approx(whole["fused"]["step_s"], rel=1e-3)
 
 
+def test_plan_adds_the_host_to_the_compute_on_one_cpu_thread():
+    """Real compute on the CPU (``commfuse-dp bench --compute real``): one thread computes and issues the ring steps,
+    so the host's time per fused group adds to the compute (``host_on_compute``) instead of bounding the step from
+    below as a GPU's host does. On a link fast enough to hide every ring step, each schedule's step grows by the
+    host's time; with the host ahead it is the longer of the two."""
+    from dataclasses import replace
+
+    from commfuse_dp import plays
+
+    model = plan.KNOWN_MODELS["bench"]
+    cl = plays.Cluster(2, 1e13, 0.0, 50e9, 4, 4, host_fit=(4e-3, 0.5e-3), host_on_compute=True)
+    off = plan.predict(model, replace(cl, host_fit=None), 512, 256)
+    on = plan.predict(model, cl, 512, 256)
+    host = (4 * 4 + 1) * (4e-3 + 2 * 0.5e-3)  # 4 groups per layer and the lm_head
+    for schedule in ("fused", "lockstep", "slicing"):
+        assert on[schedule]["host_s"] == pytest.approx(host)
+        assert on[schedule]["step_s"] == pytest.approx(off[schedule]["step_s"] + host, rel=1e-3)
+    assert on["unit_slicing"]["step_s"] == off["unit_slicing"]["step_s"]
+    ahead = plan.predict(model, replace(cl, host_on_compute=False), 512, 256)
+    assert ahead["fused"]["step_s"] == pytest.approx(max(off["fused"]["step_s"], host))
+
+
+def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
+    """``plan --calibrate BENCH --overhead FILE`` (``step_overhead.py --bench-model real --json``): with real compute
+    each schedule's own work adds to its compute, so its predicted step grows; a file measured for another world size
+    or compute is refused with what to run instead."""
+    bench = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results",
+                         "2ranks-cpu-2026-11-27-issue19.json")
+
+    def table(*extra):
+        assert plan.main(["--calibrate", bench, "--latency-us", "300", *extra]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        return {(row[0], row[3]): float(row[4]) for row in rows if len(row) == 7 and row[0][0].isdigit()}
+
+    overhead = tmp_path / "overhead.json"
+    overhead.write_text(json.dumps({"model": "bench", "compute": "real", "device": "cpu",
+                                    "extra_s": {"2": {"fused": 0.05, "slicing": 0.1}}}))
+    before, after = table(), table("--overhead", str(overhead))
+    assert set(before) == set(after) and len(before) == 9
+    for (rate, schedule), predicted in before.items():
+        grown = after[(rate, schedule)] - predicted
+        if schedule == "lockstep":  # not in the file: unchanged
+            assert grown == 0
+        else:  # at most the added work (the link may hide part of it), more than nothing
+            assert 0 < grown <= {"fused": 0.05, "slicing": 0.1}[schedule] + 1e-3
+    overhead.write_text(json.dumps({"model": "bench", "compute": "real", "extra_s": {"4": {"fused": 0.05}}}))
+    with pytest.raises(SystemExit, match="--fake-worlds 2 --bench-model real"):
+        plan.main(["--calibrate", bench, "--overhead", str(overhead)])
+
+
 def test_plan_models_the_host():
     """``--host-fit``: the host issues about 3 (N-1) ring steps and 2N pieces per fused group per step (measured with
     benchmarks/step_overhead.py --fake-worlds: plays.H200_HOST_FIT), so a step is at least that long. Llama-3-8B on
