@@ -272,7 +272,7 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
     emulated accelerator the host runs ahead (the step is at least that long)."""
     with open(path) as f:
         bench = json.load(f)
-    on_compute = bench.get("compute", "real") == "real"
+    on_compute = bench.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
     extra = _overhead(overhead_path, bench) if overhead_path else {}
     m = bench["model"]
     model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m["heads"], m["vocab"])
@@ -337,7 +337,7 @@ def _overhead(path: str, bench: dict) -> dict[str, float]:
     compute; a file that does not fit the bench is an error (it would bias every prediction)."""
     with open(path) as f:
         data = json.load(f)
-    compute, world = bench.get("compute", "real"), str(bench["world_size"])
+    compute, world = bench.get("compute", "real").split()[0], str(bench["world_size"])  # "emulated at X TFLOP/s"
     if data.get("model") != "bench" or data.get("compute") != compute or world not in data.get("extra_s", {}):
         raise SystemExit(f"--overhead {path}: measured for model {data.get('model')!r}, compute "
                          f"{data.get('compute')!r}, worlds {sorted(data.get('extra_s', {}))}; the bench ran the bench "

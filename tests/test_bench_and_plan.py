@@ -306,6 +306,11 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
     overhead.write_text(json.dumps({"model": "bench", "compute": "real", "extra_s": {"4": {"fused": 0.05}}}))
     with pytest.raises(SystemExit, match="--fake-worlds 2 --bench-model real"):
         plan.main(["--calibrate", bench, "--overhead", str(overhead)])
+    # An emulated run ("compute": "emulated at 0.01 TFLOP/s"): the host runs ahead of the device, and 50 ms is far
+    # below its steps (about 5 s), so nothing changes.
+    bench = bench.replace("2ranks-cpu-2026-11-27-issue19", "4ranks-emulated-2026-11-27-issue19-sweep")
+    overhead.write_text(json.dumps({"model": "bench", "compute": "emulated", "extra_s": {"4": {"fused": 0.05}}}))
+    assert table() == table("--overhead", str(overhead))
 
 
 def test_plan_models_the_host():
