@@ -74,22 +74,23 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         comm = sum(2 * coll(u.fused_numel + u.other_numel, cl.param_bytes) +
                    coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units)
         return {"step_s": compute + comm, "compute_s": compute, "flops": flops}
+
+    def slowed(extra_s: float, **plain) -> dict:  # the compute takes extra_s more per step; reported against cl's rate
+        slow = replace(cl, flops_per_s=cl.flops_per_s * compute / (compute + extra_s), **plain)
+        r = simulate(units, slow, schedule)
+        return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slow.flops_per_s / cl.flops_per_s}
+
     if cl.host_on_compute and cl.host_fit is not None and n > 1 and schedule in ("slicing", "lockstep", "fused"):
         # The host issues the fused groups' ring steps and pieces on the thread that computes: it slows the compute.
         host = plays.host_seconds(units, cl)
-        r = simulate(units, replace(cl, host_on_compute=False, host_fit=None,
-                                    flops_per_s=cl.flops_per_s * compute / (compute + host)), schedule)
-        return {**r, "compute_s": compute, "host_s": host}
+        return {**slowed(host, host_on_compute=False, host_fit=None), "host_s": host}
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
         # stack): the compute of an overlapping schedule slows by that much.
         total = sum(u.exchange(n, cl.rows_ring)[1] * (cl.param_bytes + cl.grad_bytes) if u.table else
                     (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
                     for u in units)  # bytes one rank sends per step
-        slowed = replace(cl, cpu_s_per_byte=0.0,
-                         flops_per_s=cl.flops_per_s * compute / (compute + cl.cpu_s_per_byte * total))
-        r = simulate(units, slowed, schedule)
-        return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slowed.flops_per_s / cl.flops_per_s}
+        return slowed(cl.cpu_s_per_byte * total, cpu_s_per_byte=0.0)
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
     # ... and the host issues every ring step and piece of the fused groups (``plays.host_seconds``)
     host = plays.host_seconds(units, cl)
