@@ -11,7 +11,7 @@
 2. The sweep: the balanced rate, twice it and half of it (communication from half to twice the compute), or
    ``--rates``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
 3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit, step_s, exposed_s,
-   tokens_per_s, peak_mem_mb, ratio_to_limit), a PNG of the sweep, and a timeline of one fused and one slicing step
+   tokens_per_s, peak_mem_mb, ratio_to_limit, ratio_to_floor), a PNG of the sweep, and a timeline of one fused and one slicing step
    at the balanced rate (PNG and a Chrome/Perfetto trace).
 
 Peak memory per rank (at the balanced rate, in a run of its own): what the variant holds between steps (parameter
@@ -23,7 +23,8 @@ slicing) is the time the compute thread was blocked on ring steps (``commfuse_dp
 slowest rank. ``opt s`` is the optimizer's step (and ``zero_grad``) on the host, slowest rank: never emulated, so
 under ``--compute emulated`` it is real CPU work on cores the ranks share, and HSDP's covers R times the parameters
 of a flat shard (compute alone's covers a flat one): compare HSDP's step minus it. The overlap limit is max(compute
-alone, communication alone). Needs root (network namespaces); every run is bounded by ``--timeout``.
+alone, communication alone) (``x limit``); the gather floor (``x floor``, ``gather_floor``) adds that a step's forward
+cannot end before its all-gathers do, nor its backward begin before. Needs root (network namespaces); every run is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
     compute = variants.get("compute_only", {}).get("step_s")
     comm = variants.get("comm_only", {}).get("step_s")
     limit = max(compute, comm) if compute and comm else None
+    floor = gather_floor(variants)
     tokens = result["tokens_per_rank"] * world
     rows = []
     for name, v in variants.items():
@@ -118,23 +120,40 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
             exposed = max(step - compute, 0.0) if compute else None
         rows.append({"schedule": name, "world_size": world, "rate_mbit": rate, "step_s": step, "exposed_s": exposed,
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
-                     "ratio_to_limit": step / limit if limit else None, "steps_s": v["steps_s"],
+                     "ratio_to_limit": step / limit if limit else None, "floor_s": floor,
+                     "ratio_to_floor": step / floor if floor else None, "steps_s": v["steps_s"],
                      "waited_s": v.get("waited_s"), "opt_s": v.get("opt_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
                      "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows
 
 
+def gather_floor(variants: dict) -> float | None:
+    """The *gather floor*: no schedule that gathers every layer's weights during its forward can take less. The
+    forward's all-gathers start with the step (the optimizer of the step before changed the shards) and end before
+    the forward does (each layer needs all of its shards), and the backward and the optimizer compute after it; so
+    a step is at least communication alone's forward part plus compute alone's backward and optimizer, besides at
+    least each of compute alone and communication alone. At the balanced rate it exceeds max(compute, comm) by as
+    much as the forward's gathers take longer than its compute. None without both parts measured."""
+    compute, comm = variants.get("compute_only", {}), variants.get("comm_only", {})
+    parts = (compute.get("step_s"), compute.get("forward_s"), comm.get("step_s"), comm.get("forward_s"))
+    if None in parts:
+        return None
+    c, c_fwd, l, l_fwd = parts
+    return max(c, l, l_fwd + c - c_fwd)
+
+
 def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
     if records:
         print(f"\ncompute: {records[0]['compute']}")
     print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
-          f"{'peak MiB':>9} {'x limit':>7} {'opt s':>6} {'cpu s':>6} {'faults k':>8}")
+          f"{'peak MiB':>9} {'x limit':>7} {'x floor':>7} {'opt s':>6} {'cpu s':>6} {'faults k':>8}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
         mark = "  <- balanced" if rate == balanced else ""
         for r in sorted((r for r in records if r["rate_mbit"] == rate), key=lambda r: (VARIANTS + EXTRA_VARIANTS).index(r["schedule"])):
             mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] else "-"
             ratio = f"{r['ratio_to_limit']:.2f}" if r["ratio_to_limit"] else "-"
+            floor = f"{r['ratio_to_floor']:.2f}" if r.get("ratio_to_floor") else "-"
             exposed = f"{r['exposed_s']:.3f}" if r["exposed_s"] is not None else "-"
             waited = f"{r['waited_s']:.3f}" if r.get("waited_s") is not None else "-"
             cpu = f"{r['cpu_s']:.3f}" if r.get("cpu_s") is not None else "-"
@@ -142,7 +161,7 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
             faults = f"{r['minor_faults'] / 1000:.1f}" if r.get("minor_faults") is not None else "-"
             note = CPU_NOTES.get(r["schedule"], "")
             print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
-                  f"{mem:>9} {ratio:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
+                  f"{mem:>9} {ratio:>7} {floor:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
     print(f"\nnote: {SHAPING_NOTE.format(burst=burst_kb)}")
 

@@ -13,7 +13,8 @@ COLORS = {"fused": "#d62728", "slicing": "#1f77b4", "fsdp2": "#2ca02c", "deepspe
           "fsdp2_hsdp": "#98df8a", "fused_ring": "#c5b0d5"}
 LANES = {"compute": ("compute", "#4c72b0"), "device": ("emulated device busy", "#8172b3"),
          "ring": ("ring steps (fused)", "#dd8452"), "ring-thread": ("ring thread (async)", "#55a868"),
-         "ring-thread-2": ("replicate ring thread (HSDP)", "#c44e52")}
+         "ring-thread-2": ("replicate ring thread (HSDP)", "#c44e52"),
+         "waited": ("main thread waited on a ring step", "#937860")}
 
 
 def sweep_png(records: list[dict], path: str, title: str) -> None:

@@ -36,6 +36,9 @@ Variants:
   all-gather forward, all-gather backward and reduce-scatter backward of every decoder layer and of the final norm
   and lm_head, layer by layer; the embedding as the ring embedding moves it (token rows, one direct round each
   way, or the table forward and its gradient backward).
+
+``compute_only`` and ``comm_only`` also time their forward part (``forward_s``: the forward, and the embedding's
+exchange with the forward all-gathers), for the bench's *gather floor* (``bench.records_from``).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class Runner:
         self.batch = make_batch(args, rank)
         self.model = None
         self.opt_s: float | None = None  # the last step's optimizer time (None: no optimizer of ours runs)
+        self.forward_s: float | None = None  # compute_only, comm_only: the last step's forward part
+        self._began = 0.0
         self.accelerator = None  # --compute emulated: an EmulatedAccelerator (benchmarks/emulated.py)
         if getattr(args, "compute", "real") == "emulated":
             from .emulated import EmulatedAccelerator
@@ -214,6 +219,8 @@ class Runner:
                 ring_all_gather(e_full, e_shard)
             for shard, full in zip(shards, fulls):  # forward all-gathers
                 ring_all_gather(full, shard)
+            if self.name == "comm_only":
+                self.forward_s = time.perf_counter() - self._began
             for shard, full in zip(reversed(shards), reversed(fulls)):  # backward: all-gather + reduce-scatter
                 ring_all_gather(full, shard)
                 ring_reduce_scatter(shard, full)
@@ -249,6 +256,7 @@ class Runner:
         self._comm_step = step
 
     def step(self) -> None:
+        self._began = time.perf_counter()
         if self.name in ("comm_only", "concurrent"):
             self._comm_step()
             return
@@ -275,6 +283,9 @@ class Runner:
             self.opt_s = time.perf_counter() - began
             return
         loss = self.model(**self.batch).loss
+        if self.name == "compute_only":
+            self._synchronize()  # (an emulated device's forward ends here)
+            self.forward_s = time.perf_counter() - self._began
         loss.backward()
         self._synchronize()  # the optimizer runs on the host after the emulated backward, as a GPU's after its own
         began = time.perf_counter()
@@ -383,6 +394,7 @@ def main(argv=None) -> int:
     # the optimizer's step on the host (never emulated: real CPU, which 4-8 ranks share here; HSDP's works on
     # R times the parameters of a flat shard)
     opt: dict[str, list[float | None]] = {name: [] for name in names}
+    forward: dict[str, list[float | None]] = {name: [] for name in names}  # compute_only, comm_only
     # Host work per step: this process's CPU seconds (user + system, every thread: compute, the ring's thread, gloo)
     # and minor page faults (first touches of freshly allocated memory). Under --compute emulated the GEMMs sleep,
     # so CPU seconds are the host work of the schedule itself.
@@ -399,6 +411,7 @@ def main(argv=None) -> int:
                 runner.step()
                 times[name].append(time.perf_counter() - start)
                 opt[name].append(runner.opt_s)
+                forward[name].append(runner.forward_s)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 host[name].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
                                    after.ru_minflt - before.ru_minflt))
@@ -441,7 +454,7 @@ def main(argv=None) -> int:
                 timelines[name] = timeline.events
     gathered: list[dict | None] = [None] * world
     dist.all_gather_object(gathered, {"times": times, "waited": waited, "memory": memory, "timelines": timelines,
-                                      "host": host, "opt": opt})
+                                      "host": host, "opt": opt, "forward": forward})
     if rank == 0:
         result = {"variants": {}}
         for name in names:
@@ -455,6 +468,9 @@ def main(argv=None) -> int:
                 "opt_s": statistics.median(max(g["opt"][name][i] for g in gathered)
                                            for i in range(len(opt[name]))) if opt[name] and None not in opt[name]
                 else None,
+                "forward_s": statistics.median(max(g["forward"][name][i] for g in gathered)
+                                               for i in range(len(forward[name])))
+                if forward[name] and None not in forward[name] else None,
                 "cpu_s": statistics.median(sum(g["host"][name][i][0] for g in gathered) / world
                                            for i in range(len(host[name]))) if host[name] else None,
                 "minor_faults": statistics.median(sum(g["host"][name][i][1] for g in gathered) / world

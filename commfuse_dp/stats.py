@@ -123,11 +123,12 @@ class Timeline:
     ``perf_counter()`` time, the start of the recording). Lanes (``LANES``): ``compute`` (the host's compute
     pieces), ``ring`` (ring steps the main thread waited for, fused), ``ring-thread`` (the ring thread's work: the
     link's steps and async collectives), ``ring-thread-2`` (a second ring's thread: HSDP's replicate group),
-    ``device`` (an emulated accelerator's busy time, added by the bench)."""
+    ``device`` (an emulated accelerator's busy time, added by the bench), ``waited`` (the main thread blocked on a
+    ring step: from its wait's start to its end; on CUDA the host does not block, so the lane stays empty)."""
 
     events: list[dict] = field(default_factory=list)
     origin: float = field(default_factory=time.perf_counter)
-    LANES = ("compute", "device", "ring", "ring-thread", "ring-thread-2")
+    LANES = ("compute", "device", "ring", "ring-thread", "ring-thread-2", "waited")
 
     def chrome_trace(self, rank: int = 0) -> list[dict]:
         lanes = {lane: tid for tid, lane in enumerate(self.LANES)}
@@ -150,12 +151,18 @@ def record_timeline() -> Iterator[Timeline]:
     thread_lanes: dict[int, str] = {}  # ring threads by first appearance: a second one is HSDP's replicate ring
     open_steps: dict[tuple[int, str, int], float] = {}
     open_compute: dict[tuple[str, int], float] = {}
+    open_waits: dict[tuple[str, int], float] = {}
 
     def on_event(event: str, op: str, step: int) -> None:
         now, thread = time.perf_counter() - origin, threading.get_ident()
         if event in ("start", "issued"):  # issued/landed: a step the link worked (on its thread)
             open_steps[(thread, op, step)] = now
+        elif event == "wait" and thread == main:
+            open_waits[(op, step)] = now
         elif event in ("done", "landed"):
+            w0 = open_waits.pop((op, step), None) if thread == main else None
+            if w0 is not None:
+                timeline.events.append({"lane": "waited", "op": op, "step": step, "t0": w0, "t1": now})
             t0 = open_steps.pop((thread, op, step), None)
             if t0 is not None:
                 lane = "ring" if thread == main else thread_lanes.setdefault(

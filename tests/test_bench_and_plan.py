@@ -167,6 +167,14 @@ def test_records_and_plots(tmp_path):
         "comm_only": {"step_s": 0.8, "steps_s": [0.8], "peak_mem_mb": 1.0}}}
     rows = {r["schedule"]: r for r in records_from(result, 500.0, 2)}
     assert rows["fused"]["exposed_s"] == pytest.approx(0.2) and rows["fused"]["ratio_to_limit"] == pytest.approx(1.2)
+    assert rows["fused"]["ratio_to_floor"] is None  # the forward parts were not measured
+    # The gather floor: the forward's gathers (0.45 s) before the backward and optimizer (1.0 - 0.3 s).
+    result["variants"]["compute_only"]["forward_s"], result["variants"]["comm_only"]["forward_s"] = 0.3, 0.45
+    floored = {r["schedule"]: r for r in records_from(result, 500.0, 2)}
+    assert floored["fused"]["floor_s"] == pytest.approx(1.15)
+    assert floored["fused"]["ratio_to_floor"] == pytest.approx(1.2 / 1.15)
+    result["variants"]["comm_only"]["forward_s"] = 0.2  # gathers shorter than the forward: the limit itself
+    assert records_from(result, 500.0, 2)[0]["floor_s"] == pytest.approx(1.0)
     assert rows["fused"]["tokens_per_s"] == pytest.approx(200 / 1.2)
     assert rows["comm_only"]["exposed_s"] == 0.8 and rows["compute_only"]["exposed_s"] == 0.0
     sweep_png(list(rows.values()), str(tmp_path / "sweep.png"), "test")
@@ -196,8 +204,8 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    schedules = {r["schedule"] for r in data["records"]}
-    assert schedules == {"fused", "slicing", "ddp", "compute_only", "comm_only"}
+    rows = {r["schedule"]: r for r in data["records"]}
+    assert set(rows) == {"fused", "slicing", "ddp", "compute_only", "comm_only"}
     for r in data["records"]:
         assert {"schedule", "world_size", "rate_mbit", "step_s", "exposed_s", "tokens_per_s", "peak_mem_mb"} <= set(r)
         assert r["world_size"] == 2 and r["rate_mbit"] == 4000 and r["step_s"] > 0
@@ -207,11 +215,15 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
             assert 0 <= r["waited_s"] <= r["step_s"]
         else:
             assert r["waited_s"] is None
+        # the gather floor, from compute alone's and communication alone's forward parts: at least their limit
+        assert r["floor_s"] >= max(rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]) - 1e-9
     assert data["balanced_rate_mbit"] == 4000
     for name in ("sweep.png", "timeline.png", "trace.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert any(e.get("cat") == "ring" for e in trace) and any(e.get("cat") == "compute" for e in trace)
+    waits = [e for e in trace if e.get("cat") == "waited"]  # where the compute thread was blocked: within its steps
+    assert waits and all(e["dur"] >= 0 for e in waits)
     # Torn down: no namespace of ours is left.
     left = namespaces() - before  # another run may hold namespaces of its own meanwhile
     assert not left, left
