@@ -122,7 +122,7 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "floor_s": floor,
                      "ratio_to_floor": step / floor if floor else None, "steps_s": v["steps_s"],
-                     "waited_s": v.get("waited_s"), "opt_s": v.get("opt_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
+                     "waited_s": v.get("waited_s"), "opt_s": v.get("opt_s"), "forward_s": v.get("forward_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
                      "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows

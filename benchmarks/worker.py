@@ -21,6 +21,8 @@ Variants:
 - ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
 - ``fused_lockstep`` (only when asked for): ``fused`` with ``lookahead_mb=0``, each layer's ring steps beside its
   own pieces (the schedule before the elastic lookahead).
+- ``fused_bundles`` (only when asked for): ``fused`` with ``forward_bundles=True``: a unit's forward rings share
+  their steps, as the backward's (what ``"auto"`` chooses for many layers on many ranks, not for the bench's 4).
 - ``fused_ring`` (only when asked for): ``fused`` with ``direct_kb=0``: every bucketed collective goes round the
   ring, also the tiny ones (the root unit's norms, the ring embedding's token ids) that otherwise take one direct
   round (the library before 2026-11-26 evening).
@@ -58,7 +60,7 @@ import torch.distributed as dist
 
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
-EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
+EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
                   "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "slicing", "hsdp_fused")  # --timeline records one step of each present
@@ -149,6 +151,9 @@ class Runner:
 
     def _build_fused_lockstep(self):
         self._build_fused(lookahead_mb=0)
+
+    def _build_fused_bundles(self):
+        self._build_fused(forward_bundles=True)
 
     def _build_fused_ring(self):
         self._build_fused(direct_kb=0)

@@ -98,6 +98,15 @@ class CommFuseConfig:
     (two weight shards per layer live, the least memory). Needs ``prefetch_next``; the slicing schedule ignores
     it."""
 
+    forward_bundles: bool | str = "auto"
+    """Whether the elastic schedule's forward sends a decoder layer's weight rings together (step k of all of them
+    as one request: one ring's latency per layer; the backward always does). Together, the layer's first linear
+    waits for the bytes of all of them, so compute runs behind the link by the rest of one layer's forward, which
+    it makes up only where compute is the slower: one ring's latency per linear against a layer's compute once per
+    step. ``"auto"`` (default): together where ``(ranks - 1) x layers²`` exceeds 512 (many ring steps per step:
+    any model of 32 layers; apart for a few layers on a few ranks, as the bench's); ``True``/``False`` force it.
+    ``commfuse-dp plan`` plays both (docs/performance.md, "Bundles in the forward")."""
+
     piece_shards: int = 1
     """Weight shards per compute piece of a fused layer: its outputs in the forward and its input gradient in the
     backward are computed ``piece_shards`` landed shards at a time, as one wider GEMM (the weight gradient stays one
@@ -188,6 +197,9 @@ class CommFuseConfig:
                                  f"of MiB >= 0 (0: lockstep)")
         else:
             self.lookahead_mb = "auto"
+        if not (isinstance(self.forward_bundles, bool) or self.forward_bundles == "auto"):
+            raise ValueError(f"CommFuseConfig.forward_bundles={self.forward_bundles!r}: must be \"auto\", true or "
+                             f"false")
         self.piece_shards = _number("piece_shards", self.piece_shards, int)
         if self.piece_shards < 1:
             raise ValueError(f"CommFuseConfig.piece_shards={self.piece_shards!r}: must be an integer >= 1 (weight "
@@ -210,6 +222,13 @@ class CommFuseConfig:
     def ring_kwargs(self) -> dict[str, float]:
         """The keyword arguments of ``ring_all_gather`` / ``ring_reduce_scatter`` this config sets."""
         return {"bucket_mb": self.bucket_mb, "direct_kb": self.direct_kb, "timeout_s": self.timeout_s}
+
+    def bundles_forward(self, world: int, units: int) -> bool:
+        """Whether the elastic schedule's forward sends each unit's weight rings together (``forward_bundles``) on
+        ``world`` ranks, for a model of ``units`` units with fused groups (decoder layers, the root)."""
+        if self.forward_bundles != "auto":
+            return bool(self.forward_bundles)
+        return (world - 1) * units * units > FORWARD_BUNDLES_ABOVE
 
     def elastic(self, world: int) -> bool:
         """Whether the fused schedule looks ahead elastically (and bundles a unit's ring steps) on ``world`` ranks."""
@@ -333,6 +352,8 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+FORWARD_BUNDLES_ABOVE = 512  # forward_bundles="auto": (ranks - 1) x units² above this bundles the forward
+
 _BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent")
 
 
@@ -365,13 +386,13 @@ def _parse_env(name: str, raw: str) -> Any:
     """Turn one environment string into the type of field ``name``; validation proper is ``__post_init__``'s."""
     var = ENV_PREFIX + name.upper()
     text = raw.strip()
-    if name in _BOOL_FIELDS:
+    if name in _BOOL_FIELDS or (name == "forward_bundles" and text.lower() != "auto"):
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
-    if name == "lookahead_mb" and text.lower() == "auto":
+    if name in ("lookahead_mb", "forward_bundles") and text.lower() == "auto":
         return "auto"
     if name in ("bucket_mb", "direct_kb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
                 "piece_shards"):

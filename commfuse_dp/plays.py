@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import FORWARD_BUNDLES_ABOVE
+
 @dataclass(frozen=True)
 class Unit:
     name: str
@@ -58,6 +60,9 @@ class Cluster:
     # Where that host time goes: False, a GPU's host issuing ahead of its device (the step is at least the host's
     # time); True, compute on the same CPU thread (``commfuse-dp bench --compute real``): it adds to the compute.
     host_on_compute: bool = False
+    # CommFuseConfig.forward_bundles: a unit's forward rings share their steps (True), go each alone (False), or
+    # None: its "auto" (``CommFuseConfig.bundles_forward``)
+    forward_bundles: bool | None = None
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
     rows_ring: bool = False  # the ring embedding's rows as a dense ring (runs before 2026-11-27; ``Unit.exchange``)
 
@@ -152,15 +157,16 @@ def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
 def elastic(units: list[Unit], cl: Cluster) -> float:
     """Step time of the fused schedule with elastic lookahead (``fused/schedule.py``), played on one FIFO link.
 
-    Rings ahead go by unit (a decoder layer, an FSDP2 unit): the groups of one unit chosen together share their
-    ring steps (a bundle: step k carries shard k of each), so a layer pays one ring's latency, as slicing's
-    per-layer gather does. When a fused group begins, its own weight ring (N-1 steps) is requested unless it was
-    chosen ahead (then what is left of its bundle); then the following units are chosen whole, in order (the
-    forward's, then after the last forward group the backward's), while the gathered weights held (the running
-    group's and those ahead) fit ``lookahead_bytes`` (auto: two of the largest unit's, what slicing per layer
-    holds: the layer computed and the next). The step starts with the first group's own ring, then the rest of its
-    unit as a bundle (``start_first``, before any piece); the chosen bundles' steps are requested beside the pieces
-    left in the running unit, spread over them (``FusedSchedule.pace``). Piece k of a group waits for its ring's
+    Rings ahead go by unit (a decoder layer, an FSDP2 unit) in the backward, and in the forward with
+    ``forward_bundles`` (else one per group): the groups of one unit chosen together share their ring steps (a
+    bundle: step k carries shard k of each), so a layer pays one ring's latency. When a fused group begins, its
+    own weight ring (N-1 steps) is requested unless it was chosen ahead (then what is left of its bundle); then the
+    following units (or groups) are chosen whole, in order (the forward's, then after the last forward group the
+    backward's), while the gathered weights held (the running group's and those ahead) fit ``lookahead_bytes``
+    (auto: two of the largest unit's, what slicing per layer holds: the layer computed and the next). The step
+    starts with the rings chosen so, all requested before any piece, the first group's alone (``start_first``);
+    later the chosen rings' steps are requested beside the pieces left in the running unit, spread over them
+    (``FusedSchedule.pace``). Piece k of a group waits for its ring's
     step k-1. In the backward a unit's gradient partials stay in their buffers and go as one reduce-scatter ring
     (a gradient bundle), step k requested beside piece k of the unit's last group, never waited before the backward
     ends; the last unit of the backward sends its partials beside its own pieces (gradient step k when piece k starts), so the step
@@ -175,6 +181,8 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
     for i in fused:
         per_unit[unit_of[i]] = per_unit.get(unit_of[i], 0.0) + full[i]
     budget = 2 * max(per_unit.values()) if cl.lookahead_bytes is None else cl.lookahead_bytes
+    together = cl.forward_bundles if cl.forward_bundles is not None else (
+        (n - 1) * len(per_unit) ** 2 > FORWARD_BUNDLES_ABOVE)
     link = [0.0]
 
     def send(at: float, nbytes: float) -> float:
@@ -218,15 +226,16 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
             ahead[key], bundle_of[key] = [], bundle
         return bundle
 
-    def choose(at: int, held: float) -> None:
-        """Choose the units after order[at] whole while they fit (a unit partly ahead: the rest of it)."""
+    def choose(at: int, held: float, split_first: bool = False) -> None:
+        """Choose the units (or forward groups) after order[at] whole while they fit (a unit partly ahead: the rest
+        of it). ``split_first``: the first group's ring alone."""
         j = at + 1
         while j < len(order):
             run = [order[j]]
-            while j + len(run) < len(order) and (unit_of[order[j + len(run)][0]], order[j + len(run)][1]) == (
-                    unit_of[order[j][0]], order[j][1]):
+            while (together or order[j][1] == "backward") and not split_first and j + len(run) < len(order) and (
+                    unit_of[order[j + len(run)][0]], order[j + len(run)][1]) == (unit_of[order[j][0]], order[j][1]):
                 run.append(order[j + len(run)])
-            j += len(run)
+            j, split_first = j + len(run), False
             keys = [key for key in run if key not in ahead]
             if not keys:
                 continue
@@ -273,14 +282,7 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
 
     t = link[0] = edges(units, cl, cl.param_bytes)
     if units[0].table:  # start_first: the ring embedding's exchange is under way; nothing to pace over
-        first = weight_bundle([order[0]])
-        first.request(t, n - 1)
-        held = full[order[0][0]]
-        rest_of_first = [key for key in order[1:1 + rest(*order[0])]]
-        if rest_of_first:
-            weight_bundle(rest_of_first).request(t, n - 1)
-            held += sum(full[i] for i, _ in rest_of_first)
-        choose(len(rest_of_first), held)
+        choose(-1, 0.0, split_first=True)
         for bundle in paced:
             bundle.request(t, n - 1)
         paced.clear()

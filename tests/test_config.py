@@ -23,6 +23,7 @@ def test_defaults_and_keywords():
     ("prefetch_depth", 0, "prefetch_next=false"),
     ("prefetch_depth", 1.5, "whole number"),
     ("piece_shards", 0, "one per ring step"),
+    ("forward_bundles", "yes", 'must be "auto", true or false'),
     ("replicate", 0, "replicate=0: must be an integer >= 1"),
     ("replicate", 1.5, "whole number"),
     ("param_dtype", "int8", "allowed values are None, float32, bfloat16, float16"),
@@ -61,8 +62,10 @@ def test_from_yaml_flat_and_block(tmp_path):
 def test_env_round_trip():
     cfg = CommFuseConfig(schedule="slicing", bucket_mb=2.5, min_fuse_numel=10, param_dtype="fp16",
                          timeout_s=12, stats=False, grad_divide="split", prefetch_depth=3, replicate=2,
-                         piece_shards=4)
+                         piece_shards=4, forward_bundles=False)
     env = cfg.to_env()
+    assert env["COMMFUSE_FORWARD_BUNDLES"] == "false" and CommFuseConfig().to_env()["COMMFUSE_FORWARD_BUNDLES"] == "auto"
+    assert CommFuseConfig.from_env({"COMMFUSE_FORWARD_BUNDLES": "auto"}).forward_bundles == "auto"
     assert env["COMMFUSE_PREFETCH_DEPTH"] == "3" and env["COMMFUSE_REPLICATE"] == "2"
     assert env["COMMFUSE_PIECE_SHARDS"] == "4"
     assert env["COMMFUSE_BUCKET_MB"] == "2.5" and env["COMMFUSE_STATS"] == "false"

@@ -197,12 +197,12 @@ class _Block(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _blocks_worker(rank, world_size, lookahead_mb):
+def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
     """Second step of 3 blocks (units) of two linears each: ring steps requested per phase, and the gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.ModuleList([_Block() for _ in range(3)]))
     model.forward = lambda x: model[0][2](model[0][1](model[0][0](x)))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb, forward_bundles=forward_bundles))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         model.zero_grad()
@@ -221,10 +221,15 @@ def test_elastic_bundles_the_ring_steps_of_a_unit():
     # block 3 as one bundle: 4 rings of 2 steps, not 6. Backward: weight rings a3 | b2+a2 | b1 (a1's input needs no
     # gradient) and gradient rings b3+a3 | b2+a2 bundled per block (beside the block's last group, a), block 1's
     # (the last unit) one per group: 3 + 4 rings of 2 steps. The gradients are the lockstep schedule's (no bundles).
+    # Without forward bundles (forward_bundles "auto" here: (3 - 1) x 3² is small), every forward ring goes alone:
+    # 6 rings of 2 steps; the backward is the same.
     world = 3
     elastic = run_ranks(_blocks_worker, world, ("auto",))
+    apart = run_ranks(_blocks_worker, world, ("auto", "auto"))
     lockstep = run_ranks(_blocks_worker, world, (0,))
     assert elastic[0][0] == {"forward": 8, "backward": 14}, elastic[0][0]
-    for (_, got), (_, want) in zip(elastic, lockstep):
-        for g, w in zip(got, want):
+    assert apart[0][0] == {"forward": 12, "backward": 14}, apart[0][0]
+    for (_, got), (_, alone), (_, want) in zip(elastic, apart, lockstep):
+        for g, a, w in zip(got, alone, want):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)

@@ -19,7 +19,10 @@ first after a ``reset()``, run without looking ahead). Two ways to use it, one l
   layer's head stays fused. Gradient partials go into an ``(N, numel)`` buffer each and are requested beside the
   next piece, but not waited for: they lag behind the all-gathers queued before them and land during later
   compute (``Landing``, completed on the compute thread at piece boundaries and, at the latest, when the
-  backward ends). So the step still ends with one exposed hop at most, as in lockstep.
+  backward ends). So the step still ends with one exposed hop at most, as in lockstep. A unit's weight rings
+  share their steps (``Bundle``: one ring's latency per unit) in the backward, and in the forward where
+  ``CommFuseConfig.forward_bundles`` says so: there step k carries shard k of every group, so the unit's first
+  group waits for all of its unit's bytes, a lag that lasts the forward where the link runs as fast as compute.
 
 Both keep every gathered shard of the last layer of the forward (the lm_head) for its backward
 (``keeps_weight``), which then sends gradient partials only, like FSDP2's root that is not resharded.
@@ -58,17 +61,14 @@ class WeightRing:
         self.pooled = False  # ``slots`` came from the schedule's SlotPool and goes back there (release)
 
     def held(self, k: int) -> torch.Tensor:
-        if self.slots is None:
-            return self.pair[k % 2]
-        return self.slots[self.engine.ring.shard_held(k)]
+        return self.pair[k % 2] if self.slots is None else self.slots[self.engine.ring.shard_held(k)]
 
     def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What step k sends and receives (the row held at piece k goes out; the next one comes in)."""
         return [self.held(k)], [self.held(k + 1)]
 
     def request(self, steps: int | None = None) -> int:
-        """Request the next ``steps`` steps (default: all that are left) of this ring and of those it shares
-        its steps with; returns how many were requested."""
+        """Request the next ``steps`` steps (default: all left) of it and of the rings it shares steps with."""
         return (self.bundle or Bundle([self])).request(steps)
 
     @property
@@ -104,8 +104,8 @@ class SlotPool:
 
 
 class Bundle:
-    """Weight rings of one unit (a decoder layer) chosen ahead together: step k of all of them travels as one
-    request, so a unit pays one ring's latency per phase, as slicing's per-layer gather does."""
+    """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): step k of all
+    of them travels as one request, so a unit pays one ring's latency, as slicing's per-layer gather does."""
 
     def __init__(self, rings: list[WeightRing]) -> None:
         self.rings = rings
@@ -294,6 +294,7 @@ class FusedSchedule:
         self._last_unit = None  # the backward's last unit: its gradient steps go beside its own pieces
         self._held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
         self._pool = SlotPool()
+        self._bundle_forward = False  # whether a unit's forward rings share steps (from the order: _units_of_order)
 
     def begin_step(self) -> None:
         if self._current:
@@ -317,6 +318,7 @@ class FusedSchedule:
             unit_bytes[unit_key(state)] = unit_bytes.get(unit_key(state), 0) + self._gathered_bytes(state)
         if self.budget_auto:
             self.budget = 2 * max(unit_bytes.values())
+        self._bundle_forward = self.engine.config.bundles_forward(self.engine.ring.size, len(unit_bytes))
         self._last_unit = unit_key(self._order[0])
         self._rest.clear()
         for phase, order in (("forward", self._order), ("backward", self._order[::-1])):
@@ -373,7 +375,7 @@ class FusedSchedule:
             ring.request()
             self._paced.remove(ring.bundle)
         if ring.slots is not None and keep:
-            self.kept(state)
+            self._kept.add(id(state))
         if self.elastic and not recompute:
             self._held = ring.nbytes + sum(ahead.nbytes for ahead in self._ahead.values())
             self._following(state, phase, self._request_whole)
@@ -498,9 +500,6 @@ class FusedSchedule:
         return (self.keep_last_weight and bool(self._order) and self._order[-1] is state
                 and self._needs_dx.get(id(state), False))
 
-    def kept(self, state: FusedGroupState) -> None:
-        self._kept.add(id(state))
-
     def start_next(self, state: FusedGroupState, phase: str) -> None:
         """Lockstep, beside a layer's last piece: request step 0 of the ``prefetch_depth`` groups that follow
         ``state`` in ``phase`` (if the order is known); a group already requested counts without requesting
@@ -557,14 +556,14 @@ class FusedSchedule:
         return True
 
     def _request_whole(self, groups, phase: str, split_first: bool = False) -> bool:
-        """Choose the whole weight rings of ``groups`` unit by unit, in order, while the gathered weights held
-        (``_held``: the running group's and those ahead) fit the budget; a unit's rings chosen together share
-        their steps (``Bundle``). Before the first group (``start_first``) that group's ring goes alone, so its
-        first pieces wait for its own shards only (``split_first``). False once a unit does not fit (nothing after it is chosen
-        either: the link works in order)."""
+        """Choose the whole weight rings of ``groups`` in order while the gathered weights held (``_held``: the
+        running group's and those ahead) fit the budget, a unit's rings together (``Bundle``; in the forward only
+        with ``_bundle_forward``, else each ring alone; before the first group, ``split_first``, that group's ring
+        alone). False once one does not fit (nothing after it is chosen either: the link works in order)."""
         runs: list[list[FusedGroupState]] = []
+        together = phase == "backward" or self._bundle_forward
         for following in self._wanted(groups, phase):
-            if runs and unit_key(runs[-1][-1]) == unit_key(following):
+            if runs and together and unit_key(runs[-1][-1]) == unit_key(following):
                 runs[-1].append(following)
             else:
                 runs.append([following])
