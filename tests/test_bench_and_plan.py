@@ -368,3 +368,12 @@ def test_plan_models_the_host():
     bad = subprocess.run([sys.executable, "-m", "commfuse_dp.plan", "--host-fit", "fast"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--host-fit 'fast'" in bad.stderr
+
+
+def test_optimizer_overhead_script_runs():
+    """benchmarks/optimizer_overhead.py (a measurement, run by hand) still runs and prints both timings."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "optimizer_overhead.py")
+    proc = subprocess.run([sys.executable, script, "--worlds", "2", "--steps", "2"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world 2: AdamW over" in proc.stdout and "as plain tensors" in proc.stdout, proc.stdout
