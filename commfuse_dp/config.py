@@ -103,9 +103,10 @@ class CommFuseConfig:
     as one request: one ring's latency per layer; the backward always does). Together, the layer's first linear
     waits for the bytes of all of them, so compute runs behind the link by the rest of one layer's forward, which
     it makes up only where compute is the slower: one ring's latency per linear against a layer's compute once per
-    step. ``"auto"`` (default): together where ``(ranks - 1) x layers²`` exceeds 512 (many ring steps per step:
-    any model of 32 layers; apart for a few layers on a few ranks, as the bench's); ``True``/``False`` force it.
-    ``commfuse-dp plan`` plays both (docs/performance.md, "Bundles in the forward")."""
+    step. ``"auto"`` (default): together where ``(ranks - 1) x units²`` exceeds 512 (units: decoder layers and the
+    root; many ring steps per step: any model of 32 layers; apart for a few layers on a few ranks, as the bench's);
+    ``True``/``False`` force it. ``commfuse-dp plan`` plays both (docs/performance.md, "The gather floor, and
+    bundles in the forward")."""
 
     piece_shards: int = 1
     """Weight shards per compute piece of a fused layer: its outputs in the forward and its input gradient in the
@@ -226,9 +227,7 @@ class CommFuseConfig:
     def bundles_forward(self, world: int, units: int) -> bool:
         """Whether the elastic schedule's forward sends each unit's weight rings together (``forward_bundles``) on
         ``world`` ranks, for a model of ``units`` units with fused groups (decoder layers, the root)."""
-        if self.forward_bundles != "auto":
-            return bool(self.forward_bundles)
-        return (world - 1) * units * units > FORWARD_BUNDLES_ABOVE
+        return forward_bundles_auto(world, units) if self.forward_bundles == "auto" else bool(self.forward_bundles)
 
     def elastic(self, world: int) -> bool:
         """Whether the fused schedule looks ahead elastically (and bundles a unit's ring steps) on ``world`` ranks."""
@@ -353,6 +352,11 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 FORWARD_BUNDLES_ABOVE = 512  # forward_bundles="auto": (ranks - 1) x units² above this bundles the forward
+
+
+def forward_bundles_auto(world: int, units: int) -> bool:
+    """``forward_bundles="auto"`` on ``world`` ranks for ``units`` units with fused groups (also the planner's)."""
+    return (world - 1) * units * units > FORWARD_BUNDLES_ABOVE
 
 _BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import FORWARD_BUNDLES_ABOVE
+from .config import forward_bundles_auto
 
 @dataclass(frozen=True)
 class Unit:
@@ -181,8 +181,7 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
     for i in fused:
         per_unit[unit_of[i]] = per_unit.get(unit_of[i], 0.0) + full[i]
     budget = 2 * max(per_unit.values()) if cl.lookahead_bytes is None else cl.lookahead_bytes
-    together = cl.forward_bundles if cl.forward_bundles is not None else (
-        (n - 1) * len(per_unit) ** 2 > FORWARD_BUNDLES_ABOVE)
+    together = cl.forward_bundles if cl.forward_bundles is not None else forward_bundles_auto(n, len(per_unit))
     link = [0.0]
 
     def send(at: float, nbytes: float) -> float:
