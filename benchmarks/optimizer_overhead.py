@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,16 +26,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def measure(world: int, steps: int) -> tuple[int, float, float]:
     """(parameters, median ms of AdamW over the DTensor parameters, over plain clones of their local shards)."""
     from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import LlamaForCausalLM
 
     import commfuse_dp as cf
     from commfuse_dp.benchmarks import worker
+    from commfuse_dp.benchmarks.step_overhead import fake_rank0
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    fake_rank0(world)
     try:
-        sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
-        shape = SimpleNamespace(**{n.replace("-", "_"): v for n, v in worker.MODEL_DEFAULTS})
+        shape = worker.default_shape()
         torch.manual_seed(0)
         model = cf.shard(LlamaForCausalLM(worker.model_config(shape)),
                          cf.CommFuseConfig(min_fuse_numel=shape.min_fuse_numel, ring_embeddings=False))

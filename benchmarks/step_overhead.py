@@ -100,23 +100,29 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     return op, tag
 
 
+def fake_rank0(world: int) -> None:
+    """This process as rank 0 of ``world`` on torch's ``fake`` group (every send and receive completes at once and
+    moves nothing), with ``shard()``'s agreement check between ranks off (a fake group moves no objects)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
+
+
 def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu", bench_model: str | None = None
                 ) -> dict:
     """One process, rank 0 of ``world`` on a fake group: seconds per training step per schedule, and counts.
     ``bench_model``: the bench's default model and batch instead of the tiny Llama, under the emulated accelerator
     ("emulated") or on this CPU ("real")."""
     import contextlib
-    from types import SimpleNamespace
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import commfuse_dp as cf
     from commfuse_dp.ring.transport import observe_ring
 
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
+    fake_rank0(world)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
@@ -125,7 +131,7 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
         from commfuse_dp.benchmarks import worker
         from commfuse_dp.benchmarks.emulated import EmulatedAccelerator
 
-        shape = SimpleNamespace(**{name.replace("-", "_"): value for name, value in worker.MODEL_DEFAULTS})
+        shape = worker.default_shape()
         cfg, ids = worker.model_config(shape), worker.make_batch(shape, 0)["input_ids"]
         min_fuse_numel = shape.min_fuse_numel
         if bench_model == "emulated":

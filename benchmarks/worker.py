@@ -71,6 +71,14 @@ MODEL_DEFAULTS = (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("head
                   ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16))
 
 
+def default_shape():
+    """The bench's default model and batch (``MODEL_DEFAULTS``) as the arguments ``model_config`` and ``make_batch``
+    read."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{name.replace("-", "_"): value for name, value in MODEL_DEFAULTS})
+
+
 def model_config(args):
     from transformers import LlamaConfig
 
