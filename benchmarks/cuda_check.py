@@ -319,8 +319,11 @@ def part_pieces(args) -> dict:
               "unsharded_host_s": whole_host}
     for shards in (1, 2, 4, 8):
         model = LlamaForCausalLM(cfg).to(device, torch.bfloat16)
-        cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off",
-                                          piece_shards=shards))
+        # from_env: COMMFUSE_* variables (COMMFUSE_SCHEDULE, COMMFUSE_FORWARD_BUNDLES, ...) choose what is timed
+        config = cf.CommFuseConfig.from_env(min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off",
+                                            piece_shards=shards)
+        result.setdefault("config", {"schedule": config.schedule, "forward_bundles": config.forward_bundles})
+        cf.shard(model, config)
         seconds, host = timed(model)
         result[f"piece_shards={shards}"] = {"s": seconds, "vs_unsharded": seconds / whole, "host_s": host}
         del model
