@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                              "leave the link idle get those bytes free, so keep it small")
     parser.add_argument("--lookahead-mb", default="auto",
                         help="CommFuseConfig.lookahead_mb of the fused variant (fused_lockstep: always 0)")
+    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                        help="AdamW's implementation in every variant: fused (default; the Trainer's adamw_torch_fused) "
+                             "or foreach (torch's default when constructed plainly; the runs before 2026-11-27 "
+                             "evening), which costs a sharded rank more host time per step (DTensor dispatch)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
     args.model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "seq", "batch", "min_fuse_numel", "compute",
-        "tflops", "lookahead_mb", "emulated_host", "nodes")]
+        "tflops", "lookahead_mb", "emulated_host", "nodes", "optimizer")]
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.monotonic()
     records: list[dict] = []
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),
-               "tbf_burst_kb": args.burst_kb,
+               "tbf_burst_kb": args.burst_kb, "optimizer": f"AdamW ({args.optimizer})",
                "model": {**{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
                                                            "vocab", "seq", "batch")},
                          "direct_kb": CommFuseConfig().direct_kb,  # fused_ring: 0

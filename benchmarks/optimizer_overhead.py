@@ -1,7 +1,7 @@
 """What the optimizer step costs over DTensor parameters (what ``shard()`` and FSDP2 leave the optimizer) against
 the same local shards as plain tensors, on this CPU, per world size: one process, rank 0 of W on torch's ``fake``
-process group (nothing moves), the bench's default model sharded by ``shard()``, random gradients, AdamW (torch's
-default ``foreach`` path) over each set, the two stepping in turn. This is a measurement, not a test.
+process group (nothing moves), the bench's default model sharded by ``shard()``, random gradients, AdamW over each set
+(torch's default ``foreach`` path, and its one-kernel ``fused=True``), the two sets stepping in turn. This is a measurement, not a test.
 
     python benchmarks/optimizer_overhead.py --worlds 2,8
 
@@ -23,8 +23,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def measure(world: int, steps: int) -> tuple[int, float, float]:
-    """(parameters, median ms of AdamW over the DTensor parameters, over plain clones of their local shards)."""
+def measure(world: int, steps: int, fused: bool = False) -> tuple[int, float, float]:
+    """(parameters, median ms of AdamW over the DTensor parameters, over plain clones of their local shards).
+    ``fused``: torch's one-kernel AdamW (``fused=True``) instead of its default ``foreach`` path."""
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 
@@ -45,7 +46,8 @@ def measure(world: int, steps: int) -> tuple[int, float, float]:
             q.grad = grad.clone()
             p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                         stride=p.stride()) if isinstance(p, DTensor) else grad
-        opts = [torch.optim.AdamW(params, lr=1e-4), torch.optim.AdamW(plain, lr=1e-4)]
+        kwargs = {"fused": True} if fused else {}
+        opts = [torch.optim.AdamW(params, lr=1e-4, **kwargs), torch.optim.AdamW(plain, lr=1e-4, **kwargs)]
         times: list[list[float]] = [[], []]
         for i in range(steps + 3):
             for opt, out in zip(opts, times):
@@ -62,12 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="2,8", help="comma-separated world sizes (default 2,8)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per set (default 20)")
+    parser.add_argument("--impls", default="foreach,fused",
+                        help="AdamW implementations, comma-separated: foreach (torch's default), fused (fused=True, "
+                             "the Trainer's adamw_torch_fused); default both")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for world in (int(w) for w in args.worlds.split(",")):
-        count, dtensor_ms, plain_ms = measure(world, args.steps)
-        print(f"world {world}: AdamW over {count} DTensor parameters {dtensor_ms:.1f} ms, over their local shards "
-              f"as plain tensors {plain_ms:.1f} ms (+{dtensor_ms - plain_ms:.1f} ms)")
+        for impl in args.impls.split(","):
+            if impl not in ("foreach", "fused"):
+                parser.error(f"--impls: unknown implementation {impl!r}; choose foreach, fused")
+            count, dtensor_ms, plain_ms = measure(world, args.steps, fused=impl == "fused")
+            print(f"world {world}: AdamW ({impl}) over {count} DTensor parameters {dtensor_ms:.1f} ms, over their "
+                  f"local shards as plain tensors {plain_ms:.1f} ms (+{dtensor_ms - plain_ms:.1f} ms)")
     return 0
 
 

@@ -58,6 +58,7 @@ import time
 import torch
 import torch.distributed as dist
 
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
 VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
@@ -120,7 +121,10 @@ class Runner:
         getattr(self, f"_build_{name}")()
 
     def _optimizer(self, params):
-        return torch.optim.AdamW(params, lr=1e-4)
+        # fused: torch's one-kernel AdamW, the Trainer's default (optim="adamw_torch_fused"); foreach: torch's
+        # default when constructed plainly, which dispatches each of its list ops through DTensor (the runs before
+        # 2026-11-27 evening)
+        return torch.optim.AdamW(params, lr=1e-4, **OPTIMIZERS[getattr(self.args, "optimizer", "fused")])
 
     def _build_fused(self, schedule="fused", **options):
         import commfuse_dp as cf
@@ -388,6 +392,7 @@ def main(argv=None) -> int:
                         help="--compute emulated: the host runs ahead of the emulated device (default) or waits for "
                              "each GEMM (benchmarks/emulated.py)")
     parser.add_argument("--lookahead-mb", default="auto", help="CommFuseConfig.lookahead_mb of the fused variant")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused", help="AdamW's implementation")
     parser.add_argument("--nodes", type=int, default=1, help="copies for the hsdp_* variants (the bench's --nodes)")
     for name, default in MODEL_DEFAULTS:
         parser.add_argument(f"--{name}", type=int, default=default)
@@ -492,6 +497,7 @@ def main(argv=None) -> int:
         result["tokens_per_rank"] = args.batch * args.seq
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"
         result["lookahead_mb"] = args.lookahead_mb  # the fused variant's (fused_lockstep: 0)
+        result["optimizer"] = f"AdamW ({args.optimizer})"
         result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
                                for name in TIMELINE_VARIANTS if name in names and args.timeline}
         with open(args.out, "w") as f:
