@@ -16,9 +16,11 @@ def _full(param):
     return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
 
 
-def _train(model, batches_of_step, steps, accum, lr=1e-3, clip=True):
-    """Train; per step returns (loss summed over micro-batches, grad norm before clipping)."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+def _train(model, batches_of_step, steps, accum, lr=1e-3, clip=True, optim=None):
+    """Train; per step returns (loss summed over micro-batches, grad norm before clipping). ``optim``: AdamW's
+    keyword arguments (``{"fused": True}``)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
+                            **(optim or {}))
     record = []
     for step in range(steps):
         total = 0.0
@@ -36,9 +38,10 @@ def _train(model, batches_of_step, steps, accum, lr=1e-3, clip=True):
     return record
 
 
-def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=None, compile=None):
+def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=None, compile=None, optim=None):
     """Sharded run and single-process reference on every rank; returns (ours, reference) summaries.
-    ``compile``: a wrapper (``torch.compile``) applied to the sharded model, which then trains and evaluates."""
+    ``compile``: a wrapper (``torch.compile``) applied to the sharded model, which then trains and evaluates.
+    ``optim``: AdamW's keyword arguments, for both."""
     if config is None and schedule == "lockstep":  # the fused schedule without the elastic lookahead
         config = cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0)
     config = config or cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0)
@@ -47,9 +50,9 @@ def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=Non
         model, ref = prepare(model), prepare(ref)
     cf.shard(model, config)
     runner = compile(model) if compile is not None else model
-    ours = _train(runner, lambda s, m: hf_models.batch(rank, s, m), STEPS, accum)
+    ours = _train(runner, lambda s, m: hf_models.batch(rank, s, m), STEPS, accum, optim=optim)
     theirs = _train(ref, lambda s, m: hf_models.concat([hf_models.batch(r, s, m) for r in range(world_size)]),
-                    STEPS, accum)
+                    STEPS, accum, optim=optim)
     losses = torch.stack([l for l, _ in ours])
     dist.all_reduce(losses)
     losses /= world_size
@@ -115,6 +118,21 @@ def _accumulation_worker(rank, world_size, kinds):
         for schedule in _schedules(kind, world_size):
             assert_parity(run_case(rank, world_size, kind, schedule, accum=2), label=f"{kind}/{schedule}/accum2")
     return True
+
+
+def _fused_adamw_worker(rank, world_size):
+    # torch's one-kernel AdamW (fused=True: the Trainer's default optim, adamw_torch_fused) over the DTensor shards,
+    # against the same optimizer on the unsharded model; with accumulation, where grads build up over micro-batches
+    for kind, schedule, accum in (("llama", "fused", 1), ("gpt2", "slicing", 2)):
+        result = run_case(rank, world_size, kind, schedule, accum=accum, optim={"fused": True})
+        assert_parity(result, label=f"{kind}/{schedule}/fused-adamw")
+        moved = max((result["params"][1][n] - p).abs().max().item() for n, p in result["initial"].items())
+        assert moved > 1e-4, "training did not move the parameters: the comparison would prove nothing"
+    return True
+
+
+def test_fused_adamw_matches_single_process():
+    run_ranks(_fused_adamw_worker, 2, timeout=300)
 
 
 # Accumulation at 3 ranks is also run by test_tied_embeddings.py (Llama) and test_scalar_params.py.
