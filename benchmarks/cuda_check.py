@@ -9,7 +9,7 @@ Parts (each in its own process, with its own timeout, so that one failure or han
 - ``shard``: ``shard()`` at world size 1 on tiny GPT-2 / Llama / BERT, the fused (elastic and lockstep) and
   slicing schedules, 5 AdamW steps against the unsharded model: losses, grad norms and parameters; Llama under
   bf16 autocast too; the step statistics; and ``torch.cuda.set_sync_debug_mode``'s count of host synchronisations
-  inside a training step.
+  inside a training step. AdamW is torch's default (foreach); ``CUDA_CHECK_ADAMW=fused`` takes ``fused=True``.
 - ``fake``: 4 ranks (``--fake-world``) in this one process on a ``fake`` process group (``torch.testing``'s: every
   send and receive completes at once and moves nothing). The numbers are meaningless; it runs the multi-rank CUDA code
   (communication streams, events, buffers that cross streams) that NCCL cannot run on one GPU (NCCL refuses two
@@ -141,7 +141,9 @@ def _sync_site() -> str:
 
 def _train(model, batches, device, autocast: bool, sync_debug: bool):
     """Train; count the host synchronisations inside forward + backward of steps 2.. (where they came from)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    # CUDA_CHECK_ADAMW=fused: torch's one-kernel AdamW (the Trainer's default, and docs/usage.md's), else foreach
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+                            fused=os.environ.get("CUDA_CHECK_ADAMW") == "fused")
     losses, norms, syncs = [], [], {}
 
     def seen(message, *args, **kwargs) -> None:
@@ -210,6 +212,7 @@ def part_shard(args) -> dict:
         stats = cf.step_stats(model)
         label = f"{kind}/{schedule}" + ("/bf16-autocast" if autocast else "")
         result[label] = {"max_abs_diff": diffs, "losses": ours[0].tolist(), "host_syncs_in_steps_2_to_5": ours[2],
+                         "adamw": os.environ.get("CUDA_CHECK_ADAMW", "foreach"),
                          "unsharded_host_syncs_in_steps_2_to_5": theirs[2],
                          "stats": {"wall_s": stats.wall_s, "exposed_comm_s": stats.exposed_comm_s,
                                    "ring_steps": stats.ring_steps}}
