@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from .cluster import EmulatedCluster
-from .worker import EXTRA_VARIANTS, MMAP_ENV, MODEL_DEFAULTS, NODE_VARIANTS, VARIANTS
+from .worker import EXTRA_VARIANTS, MMAP_ENV, MODEL_DEFAULTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
 
 CPU_NOTES = {
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                              "leave the link idle get those bytes free, so keep it small")
     parser.add_argument("--lookahead-mb", default="auto",
                         help="CommFuseConfig.lookahead_mb of the fused variant (fused_lockstep: always 0)")
-    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused",
                         help="AdamW's implementation in every variant: fused (default; the Trainer's adamw_torch_fused) "
                              "or foreach (torch's default when constructed plainly; the runs before 2026-11-27 "
                              "evening), which costs a sharded rank more host time per step (DTensor dispatch)")

@@ -23,9 +23,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def measure(world: int, steps: int, fused: bool = False) -> tuple[int, float, float]:
+def measure(world: int, steps: int, impl: str = "foreach") -> tuple[int, float, float]:
     """(parameters, median ms of AdamW over the DTensor parameters, over plain clones of their local shards).
-    ``fused``: torch's one-kernel AdamW (``fused=True``) instead of its default ``foreach`` path."""
+    ``impl``: the bench's name for AdamW's implementation (``worker.OPTIMIZERS``: foreach, fused)."""
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 
@@ -46,7 +46,7 @@ def measure(world: int, steps: int, fused: bool = False) -> tuple[int, float, fl
             q.grad = grad.clone()
             p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                         stride=p.stride()) if isinstance(p, DTensor) else grad
-        kwargs = {"fused": True} if fused else {}
+        kwargs = worker.OPTIMIZERS[impl]
         opts = [torch.optim.AdamW(params, lr=1e-4, **kwargs), torch.optim.AdamW(plain, lr=1e-4, **kwargs)]
         times: list[list[float]] = [[], []]
         for i in range(steps + 3):
@@ -68,12 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="AdamW implementations, comma-separated: foreach (torch's default), fused (fused=True, "
                              "the Trainer's adamw_torch_fused); default both")
     args = parser.parse_args(argv)
+    from commfuse_dp.benchmarks.worker import OPTIMIZERS
+
+    unknown = sorted(set(args.impls.split(",")) - set(OPTIMIZERS))
+    if unknown:
+        parser.error(f"--impls: unknown implementation(s) {unknown}; choose from {', '.join(OPTIMIZERS)}")
     torch.set_num_threads(1)
     for world in (int(w) for w in args.worlds.split(",")):
         for impl in args.impls.split(","):
-            if impl not in ("foreach", "fused"):
-                parser.error(f"--impls: unknown implementation {impl!r}; choose foreach, fused")
-            count, dtensor_ms, plain_ms = measure(world, args.steps, fused=impl == "fused")
+            count, dtensor_ms, plain_ms = measure(world, args.steps, impl)
             print(f"world {world}: AdamW ({impl}) over {count} DTensor parameters {dtensor_ms:.1f} ms, over their "
                   f"local shards as plain tensors {plain_ms:.1f} ms (+{dtensor_ms - plain_ms:.1f} ms)")
     return 0
