@@ -20,6 +20,10 @@ Parts (each in its own process, with its own timeout, so that one failure or han
 - ``pieces``: the library's fused layers on 8 fake ranks (Llama-3-8B layer shapes, 2 layers, bf16, 8192 tokens),
   forward + backward for ``piece_shards`` 1, 2, 4, 8 against the unsharded model: what the pieces cost as the
   library computes them (no bytes move; with ``--quick`` on the CPU, tiny shapes: only a dry run).
+- ``host``: the host's time per training step on 8 fake ranks, tiny Llama (where a real step would be host-bound),
+  fused and slicing against the unsharded model, and where it goes: a ``cProfile`` of 20 steps (calls per step of
+  torch's device lookups, the top functions by own time). ``CUDA_CHECK_PACKAGE=DIR`` imports ``commfuse_dp`` from
+  DIR instead (another checkout: before and after in one run).
 - ``gemm``: one GEMM cut into N shard-sized pieces (as the fused linear cuts it: output columns in the forward,
   ``dx`` accumulated piece by piece, ``dW`` shard by shard) against the whole GEMM, Llama-3-8B shapes, bf16, timed
   with CUDA events.
@@ -39,11 +43,12 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]  # the package, hf_models
-PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer")
+sys.path[:0] = [os.environ.get("CUDA_CHECK_PACKAGE") or os.path.dirname(HERE),  # the package
+                os.path.join(os.path.dirname(HERE), "tests")]  # hf_models
+PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer", "host")
 # CUDA_CHECK_SYNC_ERRORS=1: a synchronisation inside a step raises (with TORCH_SHOW_CPP_STACKTRACES=1, its C++ stack)
 SYNC_MODE = "error" if os.environ.get("CUDA_CHECK_SYNC_ERRORS") else "warn"
-TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240}
+TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240, "host": 180}
 
 
 def _device(args) -> torch.device:
@@ -331,6 +336,68 @@ def part_pieces(args) -> dict:
         result[f"piece_shards={shards}"] = {"s": seconds, "vs_unsharded": seconds / whole, "host_s": host}
         del model
         torch.cuda.empty_cache()
+    return result
+
+
+def part_host(args) -> dict:
+    """Host seconds per training step of ``shard()``'s CUDA path on 8 fake ranks (tiny Llama: the device is idle
+    most of the step, so the step time is the host's), fused and slicing, against the unsharded model; then a
+    ``cProfile`` of 20 fused steps: calls per step of torch's device lookups and the top functions by own time."""
+    import cProfile
+    import pstats
+    import statistics
+
+    import commfuse_dp as cf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = _device(args)
+    world = 8
+    _init_world(device, fake_world=world)
+    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(model) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    models = {"unsharded": LlamaForCausalLM(cfg).to(device)}
+    for schedule in ("fused", "slicing"):
+        models[schedule] = cf.shard(LlamaForCausalLM(cfg).to(device), cf.CommFuseConfig(
+            schedule=schedule, min_fuse_numel=0, ring_embeddings=False, nonfinite_grads="off"))
+    for model in models.values():
+        for _ in range(3):
+            step(model)
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(30):  # interleaved: drift of the machine reaches every model alike
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            step(model)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    result = {"world": world, "package": os.path.dirname(cf.__file__),
+              "median_step_ms": {name: round(statistics.median(t) * 1e3, 2) for name, t in times.items()}}
+    profile, steps = cProfile.Profile(), 20
+    profile.enable()
+    for _ in range(steps):
+        step(models["fused"])
+    sync()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    calls = {f"{os.path.basename(file)}:{name}": count / steps
+             for (file, _line, name), (_cc, count, *_rest) in stats.stats.items()
+             if name in ("current_stream", "is_available", "current_device", "isend", "irecv", "__enter__")
+             and ("cuda" in file or "distributed" in file)}
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]
+    result["fused_profile"] = {
+        "profiled_ms_per_step": round(stats.total_tt / steps * 1e3, 2),
+        "calls_per_step": calls,
+        "top_own_ms_per_step": {f"{os.path.basename(f)}:{line}({name})": round(v[2] / steps * 1e3, 3)
+                                for (f, line, name), v in top}}
     return result
 
 

@@ -38,11 +38,12 @@ from .stats import StatsRecorder
 class Pending:
     """One requested ring step; ``wait()`` from the compute side."""
 
-    __slots__ = ("link", "future", "event", "op", "k", "requested", "waited")
+    __slots__ = ("link", "future", "event", "device", "op", "k", "requested", "waited")
 
     def __init__(self, link: Link, op: str, k: int, future: Future | None = None,
-                 event: torch.cuda.Event | None = None) -> None:
+                 event: torch.cuda.Event | None = None, device: int | None = None) -> None:
         self.link, self.future, self.event, self.op, self.k = link, future, event, op, k
+        self.device = device  # CUDA: the device index whose current stream waits for ``event``
         self.requested = time.perf_counter()
         self.waited = False
 
@@ -65,7 +66,7 @@ class Pending:
         if self.future is not None:
             self.future.result()  # the step's own deadline (timeout_s) bounds this
         elif self.event is not None:
-            stream = torch.cuda.current_stream()
+            stream = torch.cuda.current_stream(self.device)
             if stats.enabled:
                 before = stream.record_event(torch.cuda.Event(enable_timing=True))
                 stream.wait_event(self.event)
@@ -113,15 +114,12 @@ class Link:
                                         recv_from=peers if recv_from is None else recv_from)
 
         if tensor.is_cuda:
-            current = torch.cuda.current_stream(tensor.device)
-            stream = ring.comm_stream(tensor.device)
-            stream.wait_stream(current)  # the step's inputs were written by compute requested before it
-            with torch.cuda.stream(stream):
+            with ring.on_comm_stream(tensor.device) as (stream, _):  # after the compute that wrote the inputs
                 issue().wait(observed=False)  # orders the communication stream after the NCCL work; the host goes on
                 event = stream.record_event()
             for t in (*sends, *recvs):
                 t.record_stream(stream)
-            return Pending(self, op.phase, k, event=event)
+            return Pending(self, op.phase, k, event=event, device=stream.device_index)
 
         def run() -> None:
             if transport._OBSERVERS:

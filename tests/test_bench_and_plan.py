@@ -248,7 +248,7 @@ def test_cuda_check_dry_run_on_cpu(tmp_path):
     run = lambda parts, *more: subprocess.run(  # noqa: E731
         [sys.executable, script, "--device", "cpu", "--quick", "--parts", parts, "--out", str(tmp_path), *more],
         capture_output=True, text=True, timeout=300)
-    proc = run("linear,shard,gemm,fake")
+    proc = run("linear,shard,gemm,fake,host")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "cuda_check.json").read_text())
     assert report["linear"]["result"]["cases"] == 8
@@ -257,6 +257,8 @@ def test_cuda_check_dry_run_on_cpu(tmp_path):
     # 4 ranks of a fake group on the CPU (nothing moves): every schedule, HSDP included, runs its steps
     assert {label: r["ran_steps"] for label, r in report["fake"]["result"].items()} == {
         "llama/fused": 3, "llama/lockstep": 3, "llama/slicing": 3, "llama/fused/replicate=2": 3}
+    host = report["host"]["result"]
+    assert set(host["median_step_ms"]) == {"unsharded", "fused", "slicing"} and host["fused_profile"]["top_own_ms_per_step"]
     failed = run("linear", "--budget-s", "1")
     assert failed.returncode == 1 and "not run" in failed.stdout, failed.stdout[-2000:]
 

@@ -106,14 +106,10 @@ class Replicas:
         its shards over the replicate group on the replicate ring's stream, after the compute enqueued so far and
         the last gradient step (``event``, on the shard ring's stream). The compute stream goes on; ``exchange``
         makes it wait. Called on the compute thread in request order, so the ring tags are drawn in order."""
-        device = buffers[0].device
-        stream = self.ring.comm_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the landing's last piece wrote its partial
-        stream.wait_event(event)
+        with self.ring.on_comm_stream(buffers[0].device, after=event) as (stream, _):  # after the last piece
+            self.send(finish())
         for t in buffers:  # freed by the compute thread when the layer's backward is gone
             t.record_stream(stream)
-        with torch.cuda.stream(stream):
-            self.send(finish())
         self.on_stream += 1
 
     def exchange(self, accumulate) -> None:

@@ -242,16 +242,13 @@ def _reduce_scatter_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag
 def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_op: bool,
               tensors: tuple[torch.Tensor, ...] = ()) -> dist.Work | None:
     if device.type == "cuda":
-        current = torch.cuda.current_stream(device)
-        stream = ring.comm_stream(device)
-        stream.wait_stream(current)  # inputs written by earlier compute
-        with torch.cuda.stream(stream):
+        with ring.on_comm_stream(device) as (stream, current):  # after the compute that wrote the inputs
             run()
             done = stream.record_event()
         for t in tensors:  # the allocator must not hand their memory out before the ring stream is done with it
             t.record_stream(stream)
         if async_op:  # the caller's wait() orders its stream after the op: compute until then overlaps it
-            return StreamWork(done)
+            return StreamWork(done, stream.device_index)
         current.wait_event(done)  # later compute reads the outputs; the host never waits
         return None
     if not async_op or ring.size == 1:
@@ -265,12 +262,12 @@ class StreamWork(dist.Work):
     """An async ring op on the ring's CUDA stream: ``wait()`` makes the current stream wait for it (the host goes
     on), so the compute issued between the call and ``wait()`` overlaps it."""
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, device: int) -> None:
         super().__init__()
-        self._event = event
+        self._event, self._device = event, device
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
         return True
 
     def is_completed(self) -> bool:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,32 @@ class Ring:
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         return stream
+
+    @contextmanager
+    def on_comm_stream(self, device: torch.device, after: torch.cuda.Event | None = None
+                       ) -> Iterator[tuple[torch.cuda.Stream, torch.cuda.Stream]]:
+        """CUDA: run the block with this ring's communication stream for ``device`` current, ordered after the
+        work enqueued so far on the current stream (it wrote what the block sends) and after ``after``; yields
+        (communication stream, the stream that was current on ``device``). What ``torch.cuda.stream`` does, with
+        the device named: ``torch.cuda.stream`` and ``current_stream()`` with no device ask ``is_available()``
+        and the current device on every call (29 us of host time a call on the H200, 14 % of the host's time in a
+        fused step at 8 ranks). ``set_stream`` makes the stream's device current too: the device that was
+        current before is made current again on the way out."""
+        index = torch.cuda.current_device() if device.index is None else device.index
+        current = torch.cuda.current_stream(index)
+        stream = self.comm_stream(torch.device("cuda", index))
+        stream.wait_stream(current)
+        if after is not None:
+            stream.wait_event(after)
+        here = torch.cuda.current_device()
+        home = None if here == index else torch.cuda.current_stream(here)
+        torch.cuda.set_stream(stream)
+        try:
+            yield stream, current
+        finally:
+            torch.cuda.set_stream(current)
+            if home is not None:
+                torch.cuda.set_stream(home)
 
     def peer_name(self, group_rank: int) -> str:
         g = dist.get_global_rank(self.group, group_rank)

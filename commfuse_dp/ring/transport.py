@@ -138,7 +138,7 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
                recv_from: Sequence[int] | None = None) -> StepHandle:
     """Start one ring step: every tensor in ``sends`` goes to ``ring.next``, every tensor in ``recvs`` is
     filled from ``ring.prev``. Tensors must be contiguous and stay untouched until ``wait()`` returns.
-    On CUDA the caller must be inside ``torch.cuda.stream(ring.comm_stream(device))``. ``label``: what this
+    On CUDA the caller must be inside ``ring.on_comm_stream(device)``. ``label``: what this
     step belongs to (a fused layer's ``RingOp``), named in errors. ``observed``: as for ``StepHandle.wait``.
     ``send_to`` / ``recv_from``: a group rank per tensor instead (a direct exchange: the small collectives of
     ``collectives.py`` send to every peer in one round)."""
