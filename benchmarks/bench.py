@@ -69,6 +69,7 @@ def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *
         argv = [sys.executable, "-m", "commfuse_dp.benchmarks.worker", "--world-size", str(cluster.world_size),
                 "--master", f"{cluster.address(0)}:{port}", "--variants", ",".join(variants),
                 "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(warmup),
+                "--settle", str(args.settle if rounds else 0),
                 "--out", out, *args.model_args]
         env = None
         if memory:
@@ -122,7 +123,8 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "floor_s": floor,
                      "ratio_to_floor": step / floor if floor else None, "steps_s": v["steps_s"],
-                     "waited_s": v.get("waited_s"), "opt_s": v.get("opt_s"), "forward_s": v.get("forward_s"), "cpu_s": v.get("cpu_s"), "minor_faults": v.get("minor_faults"),
+                     **{key: v.get(key) for key in ("waited_s", "opt_s", "forward_s", "cpu_s", "minor_faults",
+                                                    "steps_cpu_s", "steps_minor_faults", "steps_gc_s")},
                      "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows
@@ -184,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants per rate")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    parser.add_argument("--settle", type=int, default=1,
+                        help="untimed steps per variant at the start of each round, so that no timed step follows "
+                             "another variant's step (default 1; 0: the runs before 2026-11-27, late)")
     parser.add_argument("--json", help="write the records to this JSON file")
     parser.add_argument("--out-dir", default="bench-out", help="PNG plots and traces go here (default bench-out)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one rate may take before it is killed")

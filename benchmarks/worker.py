@@ -2,7 +2,10 @@
 
 Every variant is built once, on the same model (same seed) and the same per-rank batch, then the variants take turns
 (``--rounds`` rounds, each running ``--steps`` timed steps of every variant after a warm-up), so that all of them see
-the same machine. A step is forward + backward + optimizer step (AdamW), timed on this rank between a barrier and
+the same machine. In each round a variant first runs ``--settle`` untimed steps (default 1), so that its timed steps
+follow a step of its own, as in training: a step that follows another variant's was slower (at 8 emulated ranks
+on 2 cores, fused 0.2-0.3 s of 5.3: its memory is touched afresh, about twice the page faults, while 8 processes
+share the cores). A step is forward + backward + optimizer step (AdamW), timed on this rank between a barrier and
 its end; rank 0 gathers every rank's times and keeps the slowest rank per step.
 
 Compute: real (default; the CPU computes) or ``--compute emulated --tflops X`` (benchmarks/emulated.py: every GEMM
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -316,6 +320,24 @@ class Runner:
         self.opt_s = time.perf_counter() - began
 
 
+class _CollectorClock:
+    """Seconds Python's garbage collector ran in this process since the last ``take()`` (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.total, self._began = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._began
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
+
+
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
@@ -382,6 +404,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--settle", type=int, default=1, help="untimed steps of each variant in each round, before "
+                        "its timed ones (the bench's --settle)")
     parser.add_argument("--memory", action="store_true",
                         help="also measure peak memory per variant (start the process with MMAP_ENV)")
     parser.add_argument("--timeline", help="write fused/slicing ring timelines of one step to this JSON file")
@@ -416,15 +440,19 @@ def main(argv=None) -> int:
     # Host work per step: this process's CPU seconds (user + system, every thread: compute, the ring's thread, gloo)
     # and minor page faults (first touches of freshly allocated memory). Under --compute emulated the GEMMs sleep,
     # so CPU seconds are the host work of the schedule itself.
-    host: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
+    host: dict[str, list[tuple[float, int, float]]] = {name: [] for name in names}
+    collector = _CollectorClock()  # and the seconds Python's garbage collector ran (every thread)
     for _ in range(args.warmup):
         for runner in runners.values():
             runner.step()
     for _ in range(args.rounds):
         for name, runner in runners.items():
+            for _ in range(args.settle):  # untimed: the timed steps follow a step of their own variant
+                runner.step()
             for _ in range(args.steps):
                 dist.barrier()
                 before = resource.getrusage(resource.RUSAGE_SELF)
+                collector.take()
                 start = time.perf_counter()
                 runner.step()
                 times[name].append(time.perf_counter() - start)
@@ -432,7 +460,7 @@ def main(argv=None) -> int:
                 forward[name].append(runner.forward_s)
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 host[name].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
-                                   after.ru_minflt - before.ru_minflt))
+                                   after.ru_minflt - before.ru_minflt, collector.take()))
                 engine = getattr(runner.model, "_commfuse_engine", None)
                 if engine is not None and not (runner.accelerator is not None and runner.accelerator.host_ahead):
                     # (with the host ahead of an emulated device, time blocked on rings is the host's, not the
@@ -493,6 +521,11 @@ def main(argv=None) -> int:
                                            for i in range(len(host[name]))) if host[name] else None,
                 "minor_faults": statistics.median(sum(g["host"][name][i][1] for g in gathered) / world
                                                   for i in range(len(host[name]))) if host[name] else None,
+                # per timed step, in the order of steps_s: the mean over ranks (a step that differs shows why)
+                "steps_cpu_s": [sum(g["host"][name][i][0] for g in gathered) / world for i in range(len(host[name]))],
+                "steps_minor_faults": [sum(g["host"][name][i][1] for g in gathered) / world
+                                       for i in range(len(host[name]))],
+                "steps_gc_s": [max(g["host"][name][i][2] for g in gathered) for i in range(len(host[name]))],
             }
         result["tokens_per_rank"] = args.batch * args.seq
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"

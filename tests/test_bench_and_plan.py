@@ -221,6 +221,9 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     for r in data["records"]:
         assert {"schedule", "world_size", "rate_mbit", "step_s", "exposed_s", "tokens_per_s", "peak_mem_mb"} <= set(r)
         assert r["world_size"] == 2 and r["rate_mbit"] == 4000 and r["step_s"] > 0
+        # per timed step: host CPU seconds, page faults, the garbage collector's seconds (diagnostics)
+        assert len(r["steps_cpu_s"]) == len(r["steps_minor_faults"]) == len(r["steps_gc_s"]) == len(r["steps_s"])
+        assert all(c > 0 for c in r["steps_cpu_s"]) and all(g >= 0 for g in r["steps_gc_s"])
         if r["schedule"] != "comm_only":  # measured at the (only, so balanced) rate, in a run of its own
             assert r["peak_mem_mb"] > 0, r
         if r["schedule"] in ("fused", "slicing"):  # blocked on ring steps: measured, within the step
