@@ -148,13 +148,17 @@ def _on_this_rank(rank: int, names: list[str]) -> str:
 
 
 def _any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim bool tensor: does any of ``tensors`` hold a NaN or an infinity? One max-abs reduction per tensor
-    (``_foreach_norm`` with ord=inf propagates NaN), no host sync."""
+    """A 0-dim bool tensor: does any of ``tensors`` hold a NaN or an infinity? No host sync. On CUDA one max-abs
+    reduction per tensor in one foreach call (``_foreach_norm`` with ord=inf propagates NaN); on the CPU each
+    tensor's ``aminmax`` (NaN propagates to both, an infinity shows in one): torch's CPU ``_foreach_norm`` with
+    ord=inf took 5.9 ms over an 8-rank shard of the bench's model (2.1 M floats, one core) against 0.5 ms, in the
+    step's tail after the last gradient landed."""
     by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         if t.numel():
             by_kind[(t.dtype, t.device)].append(t)
-    flags = [~torch.stack(torch._foreach_norm(ts, float("inf"))).isfinite().all() for ts in by_kind.values()]
+    flags = [~(torch.stack(torch._foreach_norm(ts, float("inf"))) if ts[0].is_cuda else
+               torch.stack([torch.stack(t.aminmax()) for t in ts])).isfinite().all() for ts in by_kind.values()]
     if not flags:
         return torch.zeros((), dtype=torch.bool, device=tensors[0].device)
     return torch.stack([f.to(flags[0].device) for f in flags]).any()

@@ -263,3 +263,24 @@ def test_callbacks_queued_by_a_callback_run_after_those_queued_before():
     assert order == []
     (x * 2).sum().backward()
     assert order == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_any_nonfinite_finds_every_nan_and_infinity(dtype):
+    """The check's reduction (the CPU's aminmax, not _foreach_norm) against isfinite, value by value: NaN, +inf and
+    -inf at the head, inside the vectorised body and in the tail of contiguous tensors, in a transposed view and in
+    a 0-d tensor, among finite tensors, some of them huge (no overflow to a false alarm)."""
+    from commfuse_dp.nonfinite import _any_nonfinite
+
+    gen = torch.Generator().manual_seed(0)
+    finite = [torch.randn(1000, generator=gen).to(dtype), torch.tensor(2.5, dtype=dtype),
+              torch.full((300,), torch.finfo(dtype).max, dtype=dtype), torch.empty(0, dtype=dtype)]
+    assert not bool(_any_nonfinite(finite))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for shape, index in (((4099,), 0), ((4099,), 2050), ((4099,), 4098), ((64, 48), (47, 3)), ((), ())):
+            t = torch.randn(shape, generator=gen).to(dtype)
+            if len(shape) == 2:
+                t = t.t()  # not contiguous
+            t[index] = bad
+            assert not bool(torch.isfinite(t).all())
+            assert bool(_any_nonfinite([*finite[:2], t, *finite[2:]])), (bad, shape, index)
