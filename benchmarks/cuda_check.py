@@ -72,6 +72,18 @@ def _init_world(device: torch.device, fake_world: int = 0) -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
+def _init_fake_world(device: torch.device, world: int) -> None:
+    """``world`` ranks of torch's fake process group in this process (rank 0). A fake group moves no bytes, so
+    ``shard()``'s cross-rank agreement check (a gather of pickled objects) cannot run: it is switched off."""
+    _init_world(device, fake_world=world)
+    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
+
+
+# A Llama small enough that a step is host time (the pieces part's --quick shapes, the host part's model)
+TINY_LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+
+
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().float() - b.detach().float()).abs().max().item()
 
@@ -237,9 +249,7 @@ def part_fake(args) -> dict:
 
     device = _device(args)
     world = args.fake_world
-    _init_world(device, fake_world=world)
-    # A fake group moves no bytes, so the cross-rank agreement check (a gather of pickled objects) cannot run.
-    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
+    _init_fake_world(device, world)
     if os.environ.get("CUDA_CHECK_HOLD_PARTS"):
         _hold_freed_buffers()
     result = {}
@@ -294,11 +304,9 @@ def part_pieces(args) -> dict:
 
     device = _device(args)
     world = 8
-    _init_world(device, fake_world=world)
-    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
+    _init_fake_world(device, world)
     if args.quick:
-        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg = LlamaConfig(**TINY_LLAMA)
         batch, seq, reps = 2, 64, 2
     else:
         cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
@@ -352,10 +360,8 @@ def part_host(args) -> dict:
 
     device = _device(args)
     world = 8
-    _init_world(device, fake_world=world)
-    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None  # (a fake group moves no objects)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    _init_fake_world(device, world)
+    cfg = LlamaConfig(**TINY_LLAMA)
     ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
