@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),
                "tbf_burst_kb": args.burst_kb, "optimizer": f"AdamW ({args.optimizer})",
                "model": {**{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
-                                                           "vocab", "seq", "batch")},
+                                                           "vocab", "seq", "batch", "min_fuse_numel")},
                          "direct_kb": CommFuseConfig().direct_kb,  # fused_ring: 0
                          "embedding_rows": "direct"},  # the ring embedding's rows in one round (since 2026-11-27)
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE.format(burst=args.burst_kb)}, "wall_s": time.monotonic() - started}

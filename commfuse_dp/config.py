@@ -21,6 +21,7 @@ import torch
 ENV_PREFIX = "COMMFUSE_"
 
 SCHEDULES = ("fused", "slicing")
+MIN_FUSE_NUMEL = 1 << 16  # CommFuseConfig.min_fuse_numel's default (also the planner's)
 GRAD_DIVIDES = ("post", "pre", "split")
 NONFINITE_MODES = ("auto", "raise", "skip", "off")
 
@@ -58,7 +59,7 @@ class CommFuseConfig:
     bytes, one latency instead of N-1 (the root unit's norms, gathered at a step's head and reduced at its tail,
     are such a bucket). Results are the ring's bit for bit. ``0``: always the ring."""
 
-    min_fuse_numel: int = 1 << 16
+    min_fuse_numel: int = MIN_FUSE_NUMEL
     """A linear whose weight shard has fewer elements than this is not fused (a ring step costs a fixed latency
     that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead. Linears that read the same
     input (q/k/v, gate/up) share their ring steps, so they are judged together, by the sum of their shards: GQA's

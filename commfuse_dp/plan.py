@@ -39,6 +39,7 @@ import math
 from dataclasses import replace
 
 from . import plays
+from .config import MIN_FUSE_NUMEL
 from .plays import Cluster, Unit, units_for
 
 KNOWN_MODELS = {
@@ -57,6 +58,8 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     """Step time (s), its compute, and the model FLOPs of one step on one rank."""
     n = cl.ranks
     steps = n - 1
+    if schedule in ("slicing", "lockstep", "fused"):  # what shard() fuses for it
+        units = plays.placed(units, cl, elastic=schedule == "fused" and cl.lookahead_bytes != 0)
 
     def coll(numel: int, nbytes: int) -> float:  # one ring all-gather or reduce-scatter of numel elements
         return 0.0 if numel == 0 or n == 1 else steps * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)
@@ -94,6 +97,10 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
     # ... and the host issues every ring step and piece of the fused groups (``plays.host_seconds``)
     host = plays.host_seconds(units, cl)
+    if schedule in ("slicing", "lockstep", "fused") and n > 1 and not any(u.groups for u in units):
+        # nothing fused (every group below min_fuse_numel): it all moves at the head and the tail
+        t = plays.edges(units, cl, cl.param_bytes) + compute + plays.edges(units, cl, cl.grad_bytes)
+        return {"step_s": t, "device_s": t, "compute_s": compute, "flops": flops, "host_s": 0.0, "pieces_s": 0.0}
     if schedule == "slicing":
         t = plays.slicing(units, cl) if n > 1 else compute
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops,
@@ -266,6 +273,9 @@ def load_model(spec: str) -> tuple:
                          f"vocab_size") from None
 
 
+BENCH_MIN_FUSE_NUMEL = 1 << 16  # what `commfuse-dp bench` ran with before its files recorded it (its default then)
+
+
 def calibrate(path: str, latency_us: float, overhead_path: str | None = None) -> int:
     """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
     nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
@@ -276,7 +286,7 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
     on_compute = bench.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
     extra = _overhead(overhead_path, bench) if overhead_path else {}
     m = bench["model"]
-    model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m["heads"], m["vocab"])
+    model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m.get("kv_heads") or m["heads"], m["vocab"])
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
     direct_bytes = m.get("direct_kb", 0) * 1024  # runs that do not record it went round the ring
     rows_ring = m.get("embedding_rows") != "direct"  # so did the ring embedding's rows before 2026-11-27
@@ -318,7 +328,7 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
         f_rate, b_rate = flops / compute, zero3_bytes / comm
         cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
                      cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring,
-                     host_on_compute=on_compute)
+                     host_on_compute=on_compute, min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL))
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue
@@ -366,7 +376,7 @@ def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
 
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
           against: str = "slicing", piece_fit: tuple[float, float] | None = None,
-          host_fit: tuple[float, float] | None = None) -> int:
+          host_fit: tuple[float, float] | None = None, min_fuse_numel: int = MIN_FUSE_NUMEL) -> int:
     """Fused step time over ``against``'s (``slicing`` or ``unit_slicing``) for every (ranks, link, tokens per rank)
     of the sweep grid; prints a table and returns the number of cells where fused is slower. The last lines count
     the cells against both. With ``piece_fit`` (GEMM pieces cost time), each schedule computes in pieces as its
@@ -374,7 +384,8 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
     layers) all shards at once. With ``host_fit``, each step is at least the host's time to issue it."""
     model = load_model(model_name)
     print(f"{model_name}: fused (elastic lookahead) step time / {against}'s; {latency_us:g} us per ring step, "
-          f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}; tokens per rank across, ranks x GB/s down"
+          f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}, min_fuse_numel {min_fuse_numel}; tokens per "
+          f"rank across, ranks x GB/s down"
           + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}, each schedule at its best "
              f"piece_shards" if piece_fit else "")
           + (f"; the host needs {host_fit[0] * 1e3:g} + {host_fit[1] * 1e3:g} N ms per fused group per step"
@@ -384,7 +395,7 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
             cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
-                         piece_fit=piece_fit, host_fit=host_fit)
+                         piece_fit=piece_fit, host_fit=host_fit, min_fuse_numel=min_fuse_numel)
             cells = []
             for tokens in SWEEP_TOKENS:
                 if piece_fit is None:
@@ -429,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                              "compute so): 'h200' (default: 1 + 0.645 (256/w)^0.89, measured on an H200 in bf16 at "
                              "8192 tokens, benchmarks/cuda_check.py), 'A,P' for 1 + A (256/w)^P, or 'none' (as fast "
                              "as the whole GEMM)")
+    parser.add_argument("--min-fuse-numel", type=int, default=MIN_FUSE_NUMEL,
+                        help="CommFuseConfig.min_fuse_numel (default %(default)s, the library's): a group of linears "
+                             "whose weight shard is smaller is not fused, in either schedule, except that the fused "
+                             "schedule's elastic lookahead lets it share a larger group's ring steps in its decoder "
+                             "layer; what is not fused is gathered at the step's head and reduce-scattered at its "
+                             "tail. 0: every linear fused in both")
     parser.add_argument("--piece-shards", type=int, default=1,
                         help="CommFuseConfig.piece_shards of the fused schedule: weight shards per compute piece "
                              "(default 1)")
@@ -461,8 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         return calibrate(args.calibrate, args.latency_us, args.overhead)
     if args.sweep:
-        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit)
+        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
+              args.min_fuse_numel)
         return 0
+    if args.min_fuse_numel < 0:
+        parser.error("--min-fuse-numel must be at least 0")
     for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -474,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"hardware's peak); give the peak of the accelerator you plan for")
     model = load_model(args.model)
     cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
-                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit)
+                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit,
+                 min_fuse_numel=args.min_fuse_numel)
     if args.nodes != 1:
         if args.nodes < 1 or args.ranks % args.nodes:
             parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")

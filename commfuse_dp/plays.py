@@ -8,9 +8,10 @@ builds predictions, calibration and the sweep on these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .config import forward_bundles_auto
+from .config import MIN_FUSE_NUMEL, forward_bundles_auto
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -65,6 +66,29 @@ class Cluster:
     forward_bundles: bool | None = None
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
     rows_ring: bool = False  # the ring embedding's rows as a dense ring (runs before 2026-11-27; ``Unit.exchange``)
+    # CommFuseConfig.min_fuse_numel: smaller groups (and ring embedding tables) are not fused (``placed``)
+    min_fuse_numel: int = MIN_FUSE_NUMEL
+
+
+def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
+    """The units as ``shard()`` splits them under ``cl.min_fuse_numel``: a group whose weight shard is smaller is
+    not fused, except under the elastic schedule (``elastic``) in a unit that has a fused group, whose ring steps
+    it shares; a ring embedding's table likewise. What is not fused joins the unfused parameters, which the root
+    unit gathers at the step's head and reduce-scatters at its tail (``edges``); its compute stays where it was.
+    (A unit whose unfused shard reaches ``min_fuse_numel`` keeps its own FSDP2 collectives in ``shard()``; that
+    takes a group just below the threshold plus more than its size in other parameters, and is not played.)"""
+    n, least, out = cl.ranks, max(cl.min_fuse_numel, 1), []
+    for u in units:
+        if u.table is not None and u.table[0] * u.table[1] // n < least:
+            u = replace(u, table=None)  # (its other_numel is the table)
+        small = [g // n < least for g in u.groups]
+        if any(small) and not (elastic and not all(small)):
+            keep = [j for j, s in enumerate(small) if not s]
+            u = replace(u, fused_numel=sum(u.groups[j] for j in keep),
+                        other_numel=u.other_numel + sum(g for g, s in zip(u.groups, small) if s),
+                        groups=tuple(u.groups[j] for j in keep), outs=tuple(u.outs[j] for j in keep) if u.outs else ())
+        out.append(u)
+    return out
 
 
 def table_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:

@@ -383,3 +383,48 @@ def test_optimizer_overhead_script_runs():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for impl in ("foreach", "fused"):
         assert f"world 2: AdamW ({impl}) over" in proc.stdout and "as plain tensors" in proc.stdout, proc.stdout
+
+
+_PLACEMENT_SCRIPT = r"""
+import json, sys
+from transformers import LlamaConfig, LlamaForCausalLM
+import commfuse_dp as cf
+from commfuse_dp.benchmarks.step_overhead import fake_rank0
+
+world = int(sys.argv[1])
+fake_rank0(world)  # rank 0 of a fake group: nothing moves, shard() decides as on a real one
+cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+out = {}
+for name, options in (("fused", {}), ("lockstep", {"lookahead_mb": 0}), ("slicing", {"schedule": "slicing"})):
+    model = cf.shard(LlamaForCausalLM(cfg), cf.CommFuseConfig(min_fuse_numel=4096, **options))
+    report = cf.describe(model)
+    out[name] = {"groups": sorted(sum(s[0] * s[1] for s in g.weight_shapes) for g in report.fused_groups),
+                 "tables": len(report.ring_embeddings)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_planner_fuses_what_shard_fuses(tmp_path):
+    """The planner plays the groups ``shard()`` fuses under ``min_fuse_numel`` (``plays.placed``): on a fake group
+    of 2-32 ranks, a Llama whose groups fall below the threshold one after another as the ranks grow (o_proj first:
+    fused alone at 4 ranks, only beside q/k/v under the elastic lookahead at 8; the whole model unfused at 32)."""
+    from commfuse_dp import plays
+
+    script = tmp_path / "placement.py"
+    script.write_text(_PLACEMENT_SCRIPT)
+    units = plays.units_for(128, 352, 2, 4, 4, 512, tokens=128, seq=64)
+    seen = {}
+    for world in (2, 4, 8, 16, 32):
+        proc = subprocess.run([sys.executable, str(script), str(world)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ran = json.loads(proc.stdout.split("RESULT ", 1)[1])
+        cl = plays.Cluster(world, 1e9, 1e-5, 1e12, min_fuse_numel=4096)
+        for name, elastic in (("fused", True), ("lockstep", False), ("slicing", False)):
+            played = plays.placed(units, cl, elastic)
+            assert sorted(g for u in played for g in u.groups) == ran[name]["groups"], (world, name)
+            assert sum(u.table is not None for u in played) == ran[name]["tables"], (world, name)
+            seen[world, name] = len(ran[name]["groups"])
+    # the cases the test is for happened: all fused, o_proj riding only with the lookahead, nothing fused
+    assert seen[2, "slicing"] == seen[4, "slicing"] == 9 and seen[8, "fused"] == 9 and seen[8, "slicing"] == 7
+    assert seen[32, "fused"] == seen[32, "slicing"] == 0
