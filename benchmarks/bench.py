@@ -20,7 +20,8 @@ shards, optimizer state) plus the peak of the process's resident size during a s
 Exposed communication is a schedule's step time minus compute alone at the same rate; it includes the CPU time the
 communication takes from compute on shared cores (the ``concurrent`` bound shows how much). ``waited`` (fused and
 slicing) is the time the compute thread was blocked on ring steps (``commfuse_dp.step_stats``), medians of the
-slowest rank. ``opt s`` is the optimizer's step (and ``zero_grad``) on the host, slowest rank: never emulated, so
+rank that waited most (``waited_min_s`` in the records: of the rank that waited least; where they differ, one rank
+waited for another's slower compute, at a ring step that both must enter). ``opt s`` is the optimizer's step (and ``zero_grad``) on the host, slowest rank: never emulated, so
 under ``--compute emulated`` it is real CPU work on cores the ranks share, and HSDP's covers R times the parameters
 of a flat shard (compute alone's covers a flat one): compare HSDP's step minus it. The overlap limit is max(compute
 alone, communication alone) (``x limit``); the gather floor (``x floor``, ``gather_floor``) adds that a step's forward
@@ -123,8 +124,9 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "floor_s": floor,
                      "ratio_to_floor": step / floor if floor else None, "steps_s": v["steps_s"],
-                     **{key: v.get(key) for key in ("waited_s", "opt_s", "forward_s", "cpu_s", "minor_faults",
-                                                    "steps_cpu_s", "steps_minor_faults", "steps_gc_s")},
+                     **{key: v.get(key) for key in ("waited_s", "waited_min_s", "opt_s", "forward_s", "cpu_s",
+                                                    "minor_faults", "steps_cpu_s", "steps_minor_faults",
+                                                    "steps_gc_s")},
                      "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows

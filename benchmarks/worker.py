@@ -509,6 +509,9 @@ def main(argv=None) -> int:
                 "step_s": statistics.median(per_step) if per_step else None, "steps_s": per_step,
                 "waited_s": statistics.median(max(g["waited"][name][i] for g in gathered)
                                               for i in range(len(waited[name]))) if waited[name] else None,
+                # the rank that waited least: the rest of the most's is a rank waiting for a slower one's compute
+                "waited_min_s": statistics.median(min(g["waited"][name][i] for g in gathered)
+                                                  for i in range(len(waited[name]))) if waited[name] else None,
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
                 # medians over steps of the mean over ranks
                 "opt_s": statistics.median(max(g["opt"][name][i] for g in gathered)
