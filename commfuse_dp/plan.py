@@ -475,14 +475,14 @@ def main(argv: list[str] | None = None) -> int:
         host_fit = _pair(args.host_fit, plays.H200_HOST_FIT)
     except ValueError:
         parser.error(f"--host-fit {args.host_fit!r}: give 'h200', 'none' or two numbers 'A,B' (e.g. 1.7e-3,3e-4)")
-    if args.calibrate:
+    if args.min_fuse_numel < 0:
+        parser.error("--min-fuse-numel must be at least 0")
+    if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
         return calibrate(args.calibrate, args.latency_us, args.overhead)
     if args.sweep:
         sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
               args.min_fuse_numel)
         return 0
-    if args.min_fuse_numel < 0:
-        parser.error("--min-fuse-numel must be at least 0")
     for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
