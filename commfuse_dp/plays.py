@@ -23,6 +23,8 @@ class Unit:
     tokens: int = 0
     table: tuple[int, int] | None = None  # (rows, width) of a ring embedding (``CommFuseConfig.ring_embeddings``)
     outs: tuple[int, ...] = ()  # the fused groups' output widths (cut into N pieces of out / N rows)
+    layer: bool = False  # a decoder layer: an FSDP2 unit in ``shard()`` (its unfused parameters may stay its own)
+    unfused_groups: int = 0  # weight elements of groups ``placed`` left unfused (in other_numel)
 
     def exchange(self, ranks: int, rows_ring: bool = False) -> tuple[int, int]:
         """A ring embedding's exchange, one way: (rounds, elements one rank sends). The rows of its tokens that the
@@ -75,8 +77,8 @@ def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
     not fused, except under the elastic schedule (``elastic``) in a unit that has a fused group, whose ring steps
     it shares; a ring embedding's table likewise. What is not fused joins the unfused parameters, which the root
     unit gathers at the step's head and reduce-scatters at its tail (``edges``); its compute stays where it was.
-    (A unit whose unfused shard reaches ``min_fuse_numel`` keeps its own FSDP2 collectives in ``shard()``; that
-    takes a group just below the threshold plus more than its size in other parameters, and is not played.)"""
+    A decoder layer whose unfused shard reaches ``min_fuse_numel`` keeps its own FSDP2 collectives in ``shard()``
+    instead: the plays do not model those (``own_collectives`` names such layers)."""
     n, least, out = cl.ranks, max(cl.min_fuse_numel, 1), []
     for u in units:
         if u.table is not None and u.table[0] * u.table[1] // n < least:
@@ -86,9 +88,20 @@ def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
             keep = [j for j, s in enumerate(small) if not s]
             u = replace(u, fused_numel=sum(u.groups[j] for j in keep),
                         other_numel=u.other_numel + sum(g for g, s in zip(u.groups, small) if s),
+                        unfused_groups=u.unfused_groups + sum(g for g, s in zip(u.groups, small) if s),
                         groups=tuple(u.groups[j] for j in keep), outs=tuple(u.outs[j] for j in keep) if u.outs else ())
         out.append(u)
     return out
+
+
+def own_collectives(units: list[Unit], cl: Cluster) -> list[str]:
+    """The decoder layers of ``placed`` units with linears left unfused that ``shard()`` would keep in an FSDP2 unit
+    of their own (its shard at least ``min_fuse_numel``), gathered and reduce-scattered per layer: what the plays
+    treat as the root's (gathered at the head), so a prediction with any is not the schedule that runs. (Norms
+    alone in such a unit, as with ``min_fuse_numel`` 0, cost each layer two tiny collectives: a latency the plays
+    leave out.)"""
+    return [u.name for u in units
+            if u.layer and u.unfused_groups and u.other_numel // cl.ranks >= max(cl.min_fuse_numel, 1)]
 
 
 def table_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
@@ -138,7 +151,7 @@ def units_for(hidden: int, intermediate: int, layers: int, heads: int, kv_heads:
     for i in range(layers):
         numel = sum(groups)
         units.append(Unit(f"layer{i}", numel, 2 * hidden, 2.0 * tokens * numel + attention, tuple(groups), tokens,
-                          outs=outs))
+                          outs=outs, layer=True))
     units.append(Unit("lm_head", vocab * hidden, hidden, 2.0 * tokens * vocab * hidden, (vocab * hidden,), tokens,
                       outs=(vocab,)))
     return units

@@ -153,7 +153,7 @@ def test_plan_sweep(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == len(plan.SWEEP_RANKS) * len(plan.SWEEP_LINKS_GBPS)
-    assert "fused slower than slicing (*) in" in out
+    assert "fused slower than slicing (*) in" in out and "cells played" in out
     # with the host's time per fused group: every step is at least that (the host bounds the small model's steps)
     assert plan.main(["--model", "gpt2", "--sweep", "--piece-fit", "none", "--host-fit", "h200"]) == 0
     hosted = capsys.readouterr().out
@@ -400,15 +400,18 @@ for name, options in (("fused", {}), ("lockstep", {"lookahead_mb": 0}), ("slicin
     model = cf.shard(LlamaForCausalLM(cfg), cf.CommFuseConfig(min_fuse_numel=4096, **options))
     report = cf.describe(model)
     out[name] = {"groups": sorted(sum(s[0] * s[1] for s in g.weight_shapes) for g in report.fused_groups),
-                 "tables": len(report.ring_embeddings)}
+                 "tables": len(report.ring_embeddings),
+                 "layer_units": sum(".layers." in u.module for u in report.fsdp_units)}
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_planner_fuses_what_shard_fuses(tmp_path):
-    """The planner plays the groups ``shard()`` fuses under ``min_fuse_numel`` (``plays.placed``): on a fake group
-    of 2-32 ranks, a Llama whose groups fall below the threshold one after another as the ranks grow (o_proj first:
-    fused alone at 4 ranks, only beside q/k/v under the elastic lookahead at 8; the whole model unfused at 32)."""
+    """The planner plays the groups ``shard()`` fuses under ``min_fuse_numel`` (``plays.placed``), and knows where
+    a decoder layer's unfused groups keep an FSDP2 unit of their own (``plays.own_collectives``, which it does not
+    play): on a fake group of 2-32 ranks, a Llama whose groups fall below the threshold one after another as the
+    ranks grow (o_proj first: fused alone at 4 ranks, only beside q/k/v under the elastic lookahead at 8; at 16
+    slicing leaves three groups of a layer, enough for a unit of their own; nothing fused at 32)."""
     from commfuse_dp import plays
 
     script = tmp_path / "placement.py"
@@ -424,7 +427,19 @@ def test_planner_fuses_what_shard_fuses(tmp_path):
             played = plays.placed(units, cl, elastic)
             assert sorted(g for u in played for g in u.groups) == ran[name]["groups"], (world, name)
             assert sum(u.table is not None for u in played) == ran[name]["tables"], (world, name)
-            seen[world, name] = len(ran[name]["groups"])
+            assert len(plays.own_collectives(played, cl)) == ran[name]["layer_units"], (world, name)
+            seen[world, name] = len(ran[name]["groups"]), ran[name]["layer_units"]
     # the cases the test is for happened: all fused, o_proj riding only with the lookahead, nothing fused
-    assert seen[2, "slicing"] == seen[4, "slicing"] == 9 and seen[8, "fused"] == 9 and seen[8, "slicing"] == 7
-    assert seen[32, "fused"] == seen[32, "slicing"] == 0
+    assert seen[2, "slicing"] == seen[4, "slicing"] == (9, 0) and seen[8, "fused"] == (9, 0)
+    assert seen[8, "slicing"] == (7, 0) and seen[16, "fused"][1] == 0 and seen[16, "slicing"][1] == 2
+    assert seen[32, "fused"][0] == seen[32, "slicing"][0] == 0
+
+
+def test_plan_says_what_it_does_not_play(capsys):
+    """At 1024 ranks Llama-7B's q/k/v, o and down have shards under the default min_fuse_numel: slicing leaves them
+    to a per-layer FSDP2 unit, which the planner does not model; it says so rather than predict it as if played."""
+    assert plan.main(["--model", "llama-7b", "--ranks", "1024", "--piece-fit", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "not played: under slicing, 32 decoder layers" in out and "under fused" not in out
+    assert plan.main(["--model", "llama-7b", "--ranks", "1024", "--piece-fit", "none", "--min-fuse-numel", "0"]) == 0
+    assert "not played" not in capsys.readouterr().out
