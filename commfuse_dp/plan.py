@@ -99,7 +99,9 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     host = plays.host_seconds(units, cl)
     if schedule in ("slicing", "lockstep", "fused") and n > 1 and not any(u.groups for u in units):
         # nothing fused (every group below min_fuse_numel): it all moves at the head and the tail
-        t = plays.edges(units, cl, cl.param_bytes) + compute + plays.edges(units, cl, cl.grad_bytes)
+        own = sum(2 * plays.unit_seconds(u, cl, cl.param_bytes) + plays.unit_seconds(u, cl, cl.grad_bytes)
+                  for u in units if u.own)  # layers with FSDP2 units of their own: each collective blocking
+        t = plays.edges(units, cl, cl.param_bytes) + compute + own + plays.edges(units, cl, cl.grad_bytes)
         return {"step_s": t, "device_s": t, "compute_s": compute, "flops": flops, "host_s": 0.0, "pieces_s": 0.0}
     if schedule == "slicing":
         t = plays.slicing(units, cl) if n > 1 else compute
@@ -147,9 +149,10 @@ PLACED = ("slicing", "lockstep", "fused")  # this library's schedules: they fuse
 def unplayed(units: list[Unit], cl: Cluster, schedule: str) -> list[str]:
     """Decoder layers whose unfused parameters ``shard()`` keeps in an FSDP2 unit of their own under ``schedule``
     (``plays.own_collectives``): not played, so a prediction with any is not the schedule that runs."""
-    if schedule not in PLACED or cl.ranks == 1:
+    if schedule != "fused" or cl.ranks == 1 or cl.lookahead_bytes == 0:  # (slicing and lockstep play them)
         return []
-    return plays.own_collectives(plays.placed(units, cl, schedule == "fused" and cl.lookahead_bytes != 0), cl)
+    placed = plays.placed(units, cl, elastic=True)
+    return plays.own_collectives(placed, cl) if any(u.groups for u in placed) else []  # (nothing fused: played)
 
 
 def recommend(cl: Cluster) -> dict:

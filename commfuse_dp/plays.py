@@ -25,6 +25,7 @@ class Unit:
     outs: tuple[int, ...] = ()  # the fused groups' output widths (cut into N pieces of out / N rows)
     layer: bool = False  # a decoder layer: an FSDP2 unit in ``shard()`` (its unfused parameters may stay its own)
     unfused_groups: int = 0  # weight elements of groups ``placed`` left unfused (in other_numel)
+    own: bool = False  # ``placed``: its unfused parameters keep an FSDP2 unit of their own (gathered per layer)
 
     def exchange(self, ranks: int, rows_ring: bool = False) -> tuple[int, int]:
         """A ring embedding's exchange, one way: (rounds, elements one rank sends). The rows of its tokens that the
@@ -77,8 +78,10 @@ def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
     not fused, except under the elastic schedule (``elastic``) in a unit that has a fused group, whose ring steps
     it shares; a ring embedding's table likewise. What is not fused joins the unfused parameters, which the root
     unit gathers at the step's head and reduce-scatters at its tail (``edges``); its compute stays where it was.
-    A decoder layer whose unfused shard reaches ``min_fuse_numel`` keeps its own FSDP2 collectives in ``shard()``
-    instead: the plays do not model those (``own_collectives`` names such layers)."""
+    A decoder layer whose linears left unfused bring its unfused shard to ``min_fuse_numel`` keeps them in an FSDP2
+    unit of its own in ``shard()`` instead (``own``): gathered before the layer's forward and backward and
+    reduce-scattered after its backward, each blocking (``unit_seconds``), as ``slicing`` and ``lockstep`` play
+    it; ``elastic`` does not (``own_collectives``)."""
     n, least, out = cl.ranks, max(cl.min_fuse_numel, 1), []
     for u in units:
         if u.table is not None and u.table[0] * u.table[1] // n < least:
@@ -90,18 +93,25 @@ def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
                         other_numel=u.other_numel + sum(g for g, s in zip(u.groups, small) if s),
                         unfused_groups=u.unfused_groups + sum(g for g, s in zip(u.groups, small) if s),
                         groups=tuple(u.groups[j] for j in keep), outs=tuple(u.outs[j] for j in keep) if u.outs else ())
+        if u.layer and u.unfused_groups and u.other_numel // n >= least:
+            u = replace(u, own=True)
         out.append(u)
     return out
 
 
+def unit_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
+    """One gather or reduce-scatter of a unit's own unfused parameters (``Unit.own``), latency included: one round
+    where the whole is within ``direct_bytes`` on more than 2 ranks, else N-1 ring steps."""
+    n = cl.ranks
+    rounds = 1 if n > 2 and u.other_numel * nbytes <= cl.direct_bytes else n - 1
+    return rounds * cl.latency_s + (n - 1) * u.other_numel / n * nbytes / cl.bytes_per_s
+
+
 def own_collectives(units: list[Unit], cl: Cluster) -> list[str]:
-    """The decoder layers of ``placed`` units with linears left unfused that ``shard()`` would keep in an FSDP2 unit
-    of their own (its shard at least ``min_fuse_numel``), gathered and reduce-scattered per layer: what the plays
-    treat as the root's (gathered at the head), so a prediction with any is not the schedule that runs. (Norms
-    alone in such a unit, as with ``min_fuse_numel`` 0, cost each layer two tiny collectives: a latency the plays
-    leave out.)"""
-    return [u.name for u in units
-            if u.layer and u.unfused_groups and u.other_numel // cl.ranks >= max(cl.min_fuse_numel, 1)]
+    """The decoder layers of ``placed`` units whose unfused linears ``shard()`` keeps in an FSDP2 unit of their own
+    (``Unit.own``): ``slicing`` and ``lockstep`` play them, ``elastic`` does not. (Norms alone in such a unit, as with
+    ``min_fuse_numel`` 0, cost each layer two tiny collectives: a latency the plays leave out.)"""
+    return [u.name for u in units if u.own]
 
 
 def table_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
@@ -185,7 +195,7 @@ def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
     are not fused, through one bucketed collective (one direct round when within ``direct_bytes``), and each ring
     embedding's exchange."""
     n = cl.ranks
-    other = sum(u.other_numel for u in units if not u.table)
+    other = sum(u.other_numel for u in units if not u.table and not u.own)
     tables = sum(table_seconds(u, cl, nbytes) for u in units if u.table)
     rounds = 1 if n > 2 and other * nbytes <= cl.direct_bytes else n - 1
     return rounds * cl.latency_s + (n - 1) * other / n * nbytes / cl.bytes_per_s + tables
@@ -369,8 +379,8 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
     all-gathers its whole weight in one bucketed ring; when a group starts, the next group's gather (in the recorded
     order) is requested, then the group waits for its own. The first group of the forward is not prefetched; the
     last (the lm_head) keeps its weight for its backward. In the backward a group's reduce-scatter is requested when
-    its compute ends, all waited when the backward ends. Unfused parameters and ring embeddings as in
-    ``lockstep``."""
+    its compute ends, all waited when the backward ends. Unfused parameters, ring embeddings and layers with their
+    own FSDP2 unit as in ``lockstep``."""
     n = cl.ranks
     items = _gemm_items(units, cl, cl.piece_shards)  # its GEMMs in runs of piece_shards gathered shards
     ring = lambda numel, nbytes: (n - 1) * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)  # noqa: E731
@@ -386,8 +396,14 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
         gathered: dict[int, float] = {}
         if phase == "backward":
             gathered[seq[0]] = t  # the lm_head kept its forward's weight
-        at = 0
-        for i, (numel, seconds, _) in (enumerate(items) if phase == "forward" else reversed(list(enumerate(items)))):
+        at, current = 0, None
+        for i, (numel, seconds, unit) in (enumerate(items) if phase == "forward" else reversed(list(enumerate(items)))):
+            if unit != current:  # a layer's own FSDP2 unit: gathered (and in backward reduce-scattered), blocking
+                if phase == "backward" and current is not None and units[current].own:
+                    t = send(t, unit_seconds(units[current], cl, cl.grad_bytes))
+                current = unit
+                if units[unit].own:
+                    t = send(t, unit_seconds(units[unit], cl, cl.param_bytes))
             if numel:
                 if i not in gathered:
                     gathered[i] = send(t, ring(numel, cl.param_bytes))
@@ -398,6 +414,8 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
             t += factor * seconds
             if numel and phase == "backward":
                 send(t, ring(numel, cl.grad_bytes))
+        if phase == "backward" and current is not None and units[current].own:
+            t = send(t, unit_seconds(units[current], cl, cl.grad_bytes))
     return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
 
 
@@ -409,7 +427,9 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
     piece of the group ``prefetch_depth`` before it, and in backward a group's last step (gradient partials only)
     is waited after the next group's first piece. Attention runs as compute with no ring step. Parameters that
     are not fused go through one bucketed all-gather before the forward and one reduce-scatter after the
-    backward, both exposed; so do a ring embedding's two exchanges."""
+    backward, both exposed; so do a ring embedding's two exchanges. A layer with its own FSDP2 unit (``Unit.own``)
+    gathers it before its forward and its backward and reduce-scatters it after its backward, the compute waiting
+    for each."""
     n, depth = cl.ranks, cl.prefetch_depth
     items = _gemm_items(units, cl)
     link = [0.0]
@@ -418,12 +438,22 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
         link[0] = max(issue, link[0]) + cl.latency_s + nbytes / cl.bytes_per_s
         return link[0]
 
+    def block(issue: float, seconds: float) -> float:  # a collective the compute waits for (behind the link's queue)
+        link[0] = max(issue, link[0]) + seconds
+        return link[0]
+
     def phase(seq: list[tuple[int, float, int]], t: float, backward: bool) -> float:
         groups = [i for i, (g, _, _) in enumerate(seq) if g]
         first_done: dict[int, float] = {}
-        deferred = None
+        deferred, current = None, None
         latency, rate = cl.latency_s, cl.bytes_per_s
-        for i, (numel, seconds, _) in enumerate(seq):
+        for i, (numel, seconds, unit) in enumerate(seq):
+            if unit != current:  # a layer's own FSDP2 unit: gathered (and in backward reduce-scattered), blocking
+                if backward and current is not None and units[current].own:
+                    t = block(t, unit_seconds(units[current], cl, cl.grad_bytes))
+                current = unit
+                if units[unit].own:
+                    t = block(t, unit_seconds(units[unit], cl, cl.param_bytes))
             if not numel:
                 t += seconds
                 continue
@@ -459,6 +489,8 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
                 t, deferred = max(t, deferred), None
             if backward:  # the last step lands during the next group's first piece
                 deferred = done
+        if backward and current is not None and units[current].own:
+            t = block(t, unit_seconds(units[current], cl, cl.grad_bytes))
         return max(t, deferred) if deferred is not None else t
 
     t = link[0] = edges(units, cl, cl.param_bytes)
