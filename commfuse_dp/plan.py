@@ -22,6 +22,10 @@ resources per rank, the compute stream and the link, and plays each schedule on 
   lag and go as one ring per unit (``plays.elastic``).
   For both, parameters that are not fused (norms) and the ring embedding's exchanges are exposed at the step's
   head and tail.
+The last three fuse what ``shard()`` fuses (``plays.placed``, ``--min-fuse-numel``): a group whose weight shard is
+below the threshold joins the unfused parameters, except under ``fused``, where it rides with a larger group of its
+layer; a layer whose unfused linears reach the threshold keeps an FSDP2 unit of its own, gathered and
+reduce-scattered per layer, blocking (``slicing`` and ``lockstep`` play it; ``fused`` prints "not played").
 Calibration fits F (compute alone) and B (communication alone) per rate from a ``commfuse-dp bench`` JSON, and
 one figure for the machine where the JSON has the ``concurrent`` bound: the CPU time communication takes from
 compute per byte. With ``--overhead`` (what each schedule adds to the same model's step on the bench's machine with
