@@ -89,22 +89,39 @@ def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
         small = [g // n < least for g in u.groups]
         if any(small) and not (elastic and not all(small)):
             keep = [j for j, s in enumerate(small) if not s]
-            u = replace(u, fused_numel=sum(u.groups[j] for j in keep),
-                        other_numel=u.other_numel + sum(g for g, s in zip(u.groups, small) if s),
-                        unfused_groups=u.unfused_groups + sum(g for g, s in zip(u.groups, small) if s),
-                        groups=tuple(u.groups[j] for j in keep), outs=tuple(u.outs[j] for j in keep) if u.outs else ())
+            left = sum(g for g, s in zip(u.groups, small) if s)
+            u = replace(u, fused_numel=sum(u.groups[j] for j in keep), other_numel=u.other_numel + left,
+                        unfused_groups=u.unfused_groups + left, groups=tuple(u.groups[j] for j in keep),
+                        outs=tuple(u.outs[j] for j in keep) if u.outs else ())
         if u.layer and u.unfused_groups and u.other_numel // n >= least:
             u = replace(u, own=True)
         out.append(u)
     return out
 
 
-def unit_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
-    """One gather or reduce-scatter of a unit's own unfused parameters (``Unit.own``), latency included: one round
-    where the whole is within ``direct_bytes`` on more than 2 ranks, else N-1 ring steps."""
+def bucketed_seconds(numel: float, cl: Cluster, nbytes: int) -> float:
+    """One bucketed gather or reduce-scatter of ``numel`` elements (all ranks'), latency included: one round where
+    the whole is within ``direct_bytes`` on more than 2 ranks, else N-1 ring steps."""
     n = cl.ranks
-    rounds = 1 if n > 2 and u.other_numel * nbytes <= cl.direct_bytes else n - 1
-    return rounds * cl.latency_s + (n - 1) * u.other_numel / n * nbytes / cl.bytes_per_s
+    rounds = 1 if n > 2 and numel * nbytes <= cl.direct_bytes else n - 1
+    return rounds * cl.latency_s + (n - 1) * numel / n * nbytes / cl.bytes_per_s
+
+
+def unit_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
+    """One gather or reduce-scatter of a layer's own FSDP2 unit (``Unit.own``)."""
+    return bucketed_seconds(u.other_numel, cl, nbytes)
+
+
+def own_unit_between(units: list[Unit], cl: Cluster, left: int | None, entered: int | None, backward: bool,
+                     block, t: float) -> float:
+    """A play walking its items from unit ``left`` into unit ``entered`` (None: the walk's start or end): a layer
+    with its own FSDP2 unit is reduce-scattered when the backward leaves it and gathered when either pass enters
+    it, the compute waiting for each (``block(t, seconds)``: the link's finish). Returns the compute's time."""
+    if backward and left is not None and units[left].own:
+        t = block(t, unit_seconds(units[left], cl, cl.grad_bytes))
+    if entered is not None and units[entered].own:
+        t = block(t, unit_seconds(units[entered], cl, cl.param_bytes))
+    return t
 
 
 def own_collectives(units: list[Unit], cl: Cluster) -> list[str]:
@@ -194,11 +211,8 @@ def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
     """The exposed exchanges at a step's head (nbytes: parameter bytes) or tail (gradient bytes): parameters that
     are not fused, through one bucketed collective (one direct round when within ``direct_bytes``), and each ring
     embedding's exchange."""
-    n = cl.ranks
     other = sum(u.other_numel for u in units if not u.table and not u.own)
-    tables = sum(table_seconds(u, cl, nbytes) for u in units if u.table)
-    rounds = 1 if n > 2 and other * nbytes <= cl.direct_bytes else n - 1
-    return rounds * cl.latency_s + (n - 1) * other / n * nbytes / cl.bytes_per_s + tables
+    return bucketed_seconds(other, cl, nbytes) + sum(table_seconds(u, cl, nbytes) for u in units if u.table)
 
 
 def elastic(units: list[Unit], cl: Cluster) -> float:
@@ -398,12 +412,9 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
             gathered[seq[0]] = t  # the lm_head kept its forward's weight
         at, current = 0, None
         for i, (numel, seconds, unit) in (enumerate(items) if phase == "forward" else reversed(list(enumerate(items)))):
-            if unit != current:  # a layer's own FSDP2 unit: gathered (and in backward reduce-scattered), blocking
-                if phase == "backward" and current is not None and units[current].own:
-                    t = send(t, unit_seconds(units[current], cl, cl.grad_bytes))
+            if unit != current:
+                t = own_unit_between(units, cl, current, unit, phase == "backward", send, t)
                 current = unit
-                if units[unit].own:
-                    t = send(t, unit_seconds(units[unit], cl, cl.param_bytes))
             if numel:
                 if i not in gathered:
                     gathered[i] = send(t, ring(numel, cl.param_bytes))
@@ -414,8 +425,7 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
             t += factor * seconds
             if numel and phase == "backward":
                 send(t, ring(numel, cl.grad_bytes))
-        if phase == "backward" and current is not None and units[current].own:
-            t = send(t, unit_seconds(units[current], cl, cl.grad_bytes))
+        t = own_unit_between(units, cl, current, None, phase == "backward", send, t)
     return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
 
 
@@ -448,12 +458,9 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
         deferred, current = None, None
         latency, rate = cl.latency_s, cl.bytes_per_s
         for i, (numel, seconds, unit) in enumerate(seq):
-            if unit != current:  # a layer's own FSDP2 unit: gathered (and in backward reduce-scattered), blocking
-                if backward and current is not None and units[current].own:
-                    t = block(t, unit_seconds(units[current], cl, cl.grad_bytes))
+            if unit != current:
+                t = own_unit_between(units, cl, current, unit, backward, block, t)
                 current = unit
-                if units[unit].own:
-                    t = block(t, unit_seconds(units[unit], cl, cl.param_bytes))
             if not numel:
                 t += seconds
                 continue
@@ -489,8 +496,7 @@ def lockstep(units: list[Unit], cl: Cluster) -> float:
                 t, deferred = max(t, deferred), None
             if backward:  # the last step lands during the next group's first piece
                 deferred = done
-        if backward and current is not None and units[current].own:
-            t = block(t, unit_seconds(units[current], cl, cl.grad_bytes))
+        t = own_unit_between(units, cl, current, None, backward, block, t)
         return max(t, deferred) if deferred is not None else t
 
     t = link[0] = edges(units, cl, cl.param_bytes)
