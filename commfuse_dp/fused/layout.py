@@ -82,10 +82,11 @@ class GroupLayout(NamedTuple):
 
     def unpack_grad(self, flat: torch.Tensor, m: Member, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The gradient of member ``m``'s local shards (own ``rows``) out of a flat gradient buffer, in ``dtype``
-        and in the parameters' own layout."""
+        and in the parameters' own layout: views of ``flat`` where nothing changes (``flat`` must be the gradients'
+        own buffer, which nothing writes later), else copies."""
         w = m.weight(flat, rows)
         w = w.t().contiguous() if m.transposed else w
-        grads = (w.to(dtype, copy=True),)
+        grads = (w.to(dtype),)
         if m.has_bias:
-            grads += (m.bias(flat, rows).to(dtype, copy=True),)
+            grads += (m.bias(flat, rows).to(dtype),)
         return grads

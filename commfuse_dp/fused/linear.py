@@ -215,14 +215,38 @@ def _forward_run(layout: GroupLayout, slots: torch.Tensor, low: int, high: int, 
 
 
 def _dx_run(layout: GroupLayout, slots: torch.Tensor, low: int, high: int, dys: list[torch.Tensor | None],
-            dx: torch.Tensor) -> None:
+            dx: InputGrad) -> None:
     """The input gradient's part from shards ``low`` .. ``high`` (consecutive slots): one GEMM per member."""
     block = slots[low:high + 1]
     block = block if block.dtype == dx.dtype else block.to(dx.dtype)
     for m, dy in zip(layout.members, dys):
         lo, hi = m.rows(low)[0], m.rows(high)[1]
         if dy is not None and hi > lo:
-            dx.addmm_(dy[:, lo:hi], _run_weight(m, block, hi - lo))
+            dx.add(dy[:, lo:hi], _run_weight(m, block, hi - lo))
+
+
+class InputGrad:
+    """``dx = Σ dy_piece @ w_piece`` over the pieces, in their order. The first product is written into the
+    buffer rather than added to zeros (the same sums, without a zeroing pass and a read of zeros)."""
+
+    __slots__ = ("buf", "fresh")
+
+    def __init__(self, x2: torch.Tensor) -> None:
+        self.buf, self.fresh = x2.new_empty(x2.shape), True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buf.dtype
+
+    def add(self, dy: torch.Tensor, w: torch.Tensor) -> None:
+        if self.fresh:
+            torch.mm(dy, w, out=self.buf)
+            self.fresh = False
+        else:
+            self.buf.addmm_(dy, w)
+
+    def result(self) -> torch.Tensor:
+        return self.buf.zero_() if self.fresh else self.buf  # (zero: no member had an output gradient)
 
 
 def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
@@ -269,7 +293,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     if later and sched.bundles_grads(state):
         grads.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
         sched.add_grads(state, grads)
-    dx = x2.new_zeros(x2.shape) if need_dx else None
+    dx = InputGrad(x2) if need_dx else None
     runs = ShardRuns(engine, weights)
 
     for k in range(world):
@@ -288,7 +312,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
             for m, dy in zip(layout.members, dys):
                 lo, hi = m.rows(s)
                 if dy is not None and hi > lo:
-                    dx.addmm_(dy[:, lo:hi], m.weight(held, hi - lo))
+                    dx.add(dy[:, lo:hi], m.weight(held, hi - lo))
         elif need_dx:
             run = runs.add(k)
             if run is not None:
@@ -315,6 +339,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
 
     if weights is not None:
         sched.release(weights)
+    dx = dx.result() if dx is not None else None
     if grads is None or not sync:
         return dx, [None] * len(params)
     if later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
@@ -322,9 +347,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         return dx, [None] * len(params)
     if grads.last is not None:
         grads.last.wait()
-    final = grads.final()
-    if post != 1.0:
-        final.div_(post)
+    final = grads.final(post)
     if engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
         final = engine.replicas.exchange_now(final, f"the gradient of {state.name}")
     return dx, unpack_grads(state, final, params, train, params_need_grad)
@@ -370,8 +393,13 @@ def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor) -> None
     parameters). Tensor hooks (``register_hook``) never reach here: ``accumulates`` returns such gradients
     through autograd."""
     if param.grad is None:
-        param.grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
-                                        shape=param.shape, stride=param.stride())
+        if local_grad.dtype == param.dtype and local_grad.shape == param._local_tensor.shape:
+            # The parameter's own spec (mesh, placements, global shape, stride, dtype): what FSDP2 does for its
+            # sharded gradients (``_from_local_no_grad``), without ``from_local``'s checks and autograd node.
+            param.grad = DTensor(local_grad, param._spec, requires_grad=False)
+        else:
+            param.grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
     else:
         param.grad.to_local().add_(local_grad)
     for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():

@@ -162,11 +162,15 @@ class GradRing:
         before = (lambda: out.add_(self.racc)) if k > 1 else None
         return [out], [self.racc], before
 
-    def final(self) -> torch.Tensor:
-        """This rank's complete shard, once step N-1 (``last``) landed and was waited for."""
+    def final(self, post: float = 1.0) -> torch.Tensor:
+        """This rank's complete shard divided by ``post``, once step N-1 (``last``) landed and was waited for. Its
+        own buffer, not a row of ``parts``, so that the parameters' gradients may be views of it (as FSDP2's are of
+        its reduce-scatter's output): nothing is copied, and no other part is kept alive by them."""
         out = self.part(self.world - 1)
         if self.racc is not None:
-            out.add_(self.racc)
+            out = torch.add(out, self.racc)  # (one row of two or of N otherwise: the grads would hold them all)
+        if post != 1.0:
+            out.div_(post)
         return out
 
 
@@ -265,10 +269,7 @@ class Landing:
         return [t for t in (self.grads.parts, self.grads.racc) if t is not None]
 
     def _final(self) -> torch.Tensor:
-        final = self.grads.final()
-        if self.post != 1.0:
-            final.div_(self.post)
-        return final
+        return self.grads.final(self.post)
 
 
 class FusedSchedule:

@@ -27,7 +27,7 @@ from torch.autograd.profiler import record_function
 from ..ring import transport
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from ..ring.transport import RingCommError
-from .linear import (PARAMS_AT, Call, _dx_run, _forward_run, _grad_piece, accumulates, finish_forward,
+from .linear import (PARAMS_AT, Call, InputGrad, _dx_run, _forward_run, _grad_piece, accumulates, finish_forward,
                      prepare_forward, unpack_grads)
 
 if TYPE_CHECKING:
@@ -218,9 +218,10 @@ class SlicedLinearFn(torch.autograd.Function):
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "backward", 0)
             if flat is not None:
-                dx = x2.new_zeros(x2.shape)
+                dx = InputGrad(x2)
                 for low, high in _runs(world, engine.config.piece_shards):
                     _dx_run(layout, flat, low, high, dys, dx)
+                dx = dx.result()
             if any(train):
                 parts = x2.new_zeros(world, layout.numel, dtype=ctx.call.rdt)
                 for t in range(world):
