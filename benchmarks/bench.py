@@ -11,8 +11,9 @@
 2. The sweep: the balanced rate, twice it and half of it (communication from half to twice the compute), or
    ``--rates``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
 3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit, step_s, exposed_s,
-   tokens_per_s, peak_mem_mb, ratio_to_limit, ratio_to_floor), a PNG of the sweep, and a timeline of one fused and one slicing step
-   at the balanced rate (PNG and a Chrome/Perfetto trace).
+   tokens_per_s, peak_mem_mb, ratio_to_limit, ratio_to_floor; ``paired``: fused's step over each other
+   variant's, round by round, with the lowest and highest round), a PNG of the sweep, and a timeline of one fused
+   and one slicing step at the balanced rate (PNG and a Chrome/Perfetto trace).
 
 Peak memory per rank (at the balanced rate, in a run of its own): what the variant holds between steps (parameter
 shards, optimizer state) plus the peak of the process's resident size during a step above its size before it.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,6 +147,37 @@ def gather_floor(variants: dict) -> float | None:
         return None
     c, c_fwd, l, l_fwd = parts
     return max(c, l, l_fwd + c - c_fwd)
+
+
+def paired_ratios(records: list[dict], rounds: int, of: str = "fused") -> dict:
+    """``of``'s step over each other schedule's, paired round by round: the variants of a round run one after the
+    other, so a slower spell of the machine slows both sides of a round's ratio, which the ratio of two medians over
+    the whole run does not cancel. Per rate and schedule: the ratio of the two medians in each round, and the median,
+    lowest and highest of those. Empty where ``of`` did not run or the rounds cannot be told apart."""
+    out: dict = {}
+    for rate in sorted({r["rate_mbit"] for r in records}):
+        at = {r["schedule"]: r["steps_s"] for r in records if r["rate_mbit"] == rate and r.get("steps_s")}
+        mine = at.get(of)
+        if not mine or rounds < 1 or len(mine) % rounds:
+            continue
+        per = len(mine) // rounds
+        for name, theirs in at.items():
+            if name == of or len(theirs) != len(mine):
+                continue
+            ratios = [statistics.median(mine[i * per:(i + 1) * per]) / statistics.median(theirs[i * per:(i + 1) * per])
+                      for i in range(rounds)]
+            out.setdefault(f"{rate:g}", {})[f"{of}/{name}"] = {
+                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
+    return out
+
+
+def print_paired(paired: dict, of: str = "fused") -> None:
+    if not paired:
+        return
+    print(f"\n{of}'s step over each schedule's, round by round (median [lowest - highest] over the rounds):")
+    for rate, ratios in sorted(paired.items(), key=lambda kv: -float(kv[0])):
+        print(f"{float(rate):>11g}  " + "  ".join(f"{name} {r['median']:.3f} [{r['min']:.3f} - {r['max']:.3f}]"
+                                                  for name, r in ratios.items()))
 
 
 def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
@@ -273,12 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             if at_balance and result.get("timelines"):
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
     print_table(records, balanced, args.burst_kb)
+    paired = paired_ratios(records, args.rounds)
+    print_paired(paired)
     if args.nodes > 1:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks: the rates are inside a node; between "
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
     from commfuse_dp.config import CommFuseConfig
 
-    payload = {"records": records, "balanced_rate_mbit": balanced, "world_size": args.world_size,
+    payload = {"records": records, "paired": paired, "rounds": args.rounds, "balanced_rate_mbit": balanced, "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from commfuse_dp import plan
-from commfuse_dp.benchmarks.bench import balanced_rate, records_from
+from commfuse_dp.benchmarks.bench import balanced_rate, paired_ratios, records_from
 from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
 
 SCHEDULES = plan.SCHEDULES
@@ -198,6 +198,22 @@ def test_records_and_plots(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_paired_ratios_pair_the_rounds():
+    # Two rounds of two steps; the machine was 1.5x slower in the second round for both schedules: the ratio of the
+    # run's medians (1.75 / 1.5 ≈ 1.17) mixes the rounds, the paired ratio is 1.2 and 1.2.
+    records = [{"schedule": "fused", "rate_mbit": 500.0, "steps_s": [1.2, 1.2, 1.8, 1.8]},
+               {"schedule": "concurrent", "rate_mbit": 500.0, "steps_s": [1.0, 1.0, 1.5, 1.5]},
+               {"schedule": "slicing", "rate_mbit": 500.0, "steps_s": [2.4, 2.4, 2.0, 2.0]},
+               {"schedule": "slicing", "rate_mbit": 250.0, "steps_s": [3.0, 3.0, 3.0, 3.0]}]  # fused not at 250
+    paired = paired_ratios(records, 2)
+    assert set(paired) == {"500"} and set(paired["500"]) == {"fused/concurrent", "fused/slicing"}
+    assert paired["500"]["fused/concurrent"]["rounds"] == pytest.approx([1.2, 1.2])
+    fs = paired["500"]["fused/slicing"]
+    assert fs["rounds"] == pytest.approx([0.5, 0.9]) and (fs["min"], fs["max"]) == pytest.approx((0.5, 0.9))
+    assert fs["median"] == pytest.approx(0.7)
+    assert paired_ratios(records, 3) == {}  # four steps do not split into three rounds
+
+
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                  reason="the emulated cluster needs root and iproute2 (ip, tc)")
 
@@ -233,6 +249,7 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
         # the gather floor, from compute alone's and communication alone's forward parts: at least their limit
         assert r["floor_s"] >= max(rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]) - 1e-9
     assert data["balanced_rate_mbit"] == 4000
+    assert set(data["paired"]["4000"]) == {f"fused/{n}" for n in ("slicing", "ddp", "compute_only", "comm_only")}
     for name in ("sweep.png", "timeline.png", "trace.json"):
         assert (tmp_path / name).stat().st_size > 0, name
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
