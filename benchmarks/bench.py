@@ -126,7 +126,7 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "floor_s": floor,
                      "ratio_to_floor": step / floor if floor else None, "steps_s": v["steps_s"],
-                     **{key: v.get(key) for key in ("waited_s", "waited_min_s", "opt_s", "forward_s", "cpu_s",
+                     **{key: v.get(key) for key in ("waited_s", "waited_min_s", "waited_ranks_s", "opt_s", "forward_s", "cpu_s",
                                                     "minor_faults", "steps_cpu_s", "steps_minor_faults",
                                                     "steps_gc_s")},
                      "compute": result.get("compute", "real"),

@@ -512,6 +512,8 @@ def main(argv=None) -> int:
                 # the rank that waited least: the rest of the most's is a rank waiting for a slower one's compute
                 "waited_min_s": statistics.median(min(g["waited"][name][i] for g in gathered)
                                                   for i in range(len(waited[name]))) if waited[name] else None,
+                # each rank's own median: one rank always waiting more means an asymmetry in the work, not noise
+                "waited_ranks_s": [statistics.median(g["waited"][name]) for g in gathered] if waited[name] else None,
                 "peak_mem_mb": (max(g["memory"].get(name, 0) for g in gathered) / 2**20) if args.memory else None,
                 # medians over steps of the mean over ranks
                 "opt_s": statistics.median(max(g["opt"][name][i] for g in gathered)

@@ -244,8 +244,9 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
             assert r["peak_mem_mb"] > 0, r
         if r["schedule"] in ("fused", "slicing"):  # blocked on ring steps: measured, within the step
             assert 0 <= r["waited_min_s"] <= r["waited_s"] <= r["step_s"]
+            assert len(r["waited_ranks_s"]) == 2 and all(0 <= w <= r["step_s"] for w in r["waited_ranks_s"])
         else:
-            assert r["waited_s"] is None and r["waited_min_s"] is None
+            assert r["waited_s"] is None and r["waited_min_s"] is None and r["waited_ranks_s"] is None
         # the gather floor, from compute alone's and communication alone's forward parts: at least their limit
         assert r["floor_s"] >= max(rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]) - 1e-9
     assert data["balanced_rate_mbit"] == 4000
