@@ -294,6 +294,9 @@ class FusedSchedule:
         self._rest: dict[tuple[int, str], int] = {}  # groups after a group in its unit, in the phase's order
         self._last_unit = None  # the backward's last unit: its gradient steps go beside its own pieces
         self._held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
+        self._orders: dict[str, list[FusedGroupState]] = {}  # _order per phase (the backward's reversed)
+        self._at: dict[tuple[int, str], int] = {}  # each group's place in its phase's order
+        self._chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
         self._pool = SlotPool()
         self._bundle_forward = False  # whether a unit's forward rings share steps (from the order: _units_of_order)
 
@@ -307,6 +310,7 @@ class FusedSchedule:
                 pending.wait()
             self.release(ring)
         self._ahead.clear()
+        self._chosen = {}
         self._paced = []
         self._grads = None
 
@@ -322,7 +326,9 @@ class FusedSchedule:
         self._bundle_forward = self.engine.config.bundles_forward(self.engine.ring.size, len(unit_bytes))
         self._last_unit = unit_key(self._order[0])
         self._rest.clear()
-        for phase, order in (("forward", self._order), ("backward", self._order[::-1])):
+        self._orders = {"forward": self._order, "backward": self._order[::-1]}
+        self._at = {(id(state), phase): at for phase, order in self._orders.items() for at, state in enumerate(order)}
+        for phase, order in self._orders.items():
             after = 0
             for at in range(len(order) - 1, -1, -1):
                 same = at + 1 < len(order) and unit_key(order[at + 1]) == unit_key(order[at])
@@ -358,6 +364,7 @@ class FusedSchedule:
             if land.grads.last is not None:
                 land.grads.last.settle()
         self._order, self._current = [], []
+        self._orders, self._at, self._chosen = {}, {}, {}
         self._needs_dx.clear()
         self._kept.clear()
 
@@ -515,35 +522,36 @@ class FusedSchedule:
         request that group's first ring step and those of the following ones (elastic: their whole rings)."""
         if self.prefetch and phase == "forward" and not self._current and self._order:
             self._held = 0
-            whole = lambda groups, phase: self._request_whole(groups, phase, split_first=True)  # noqa: E731
+            whole = lambda order, start, phase: self._request_whole(order, start, phase, split_first=True)  # noqa: E731
             self._following(None, phase, whole if self.elastic else self._request_first)
             for item in self._paced:  # no pieces run before the first group: the link takes them at once
                 item.request()
             self._paced = []
 
     def _following(self, state: FusedGroupState | None, phase: str, request: Callable) -> None:
-        order = self._order if phase == "forward" else self._order[::-1]
-        if state is None:
-            at = -1
-        else:
-            try:
-                at = order.index(state)
-            except ValueError:
-                return
-        if not request(order[at + 1:], phase):
+        """``request(order, start, phase)`` the groups after ``state`` (None: from the first) in the phase's order,
+        and at the forward's last group the backward's from its first; nothing for a group not in the order."""
+        order = self._orders.get(phase)
+        if not order:
+            return
+        at = -1 if state is None else self._at.get((id(state), phase))
+        if at is None:
+            return
+        if not request(order, at + 1, phase):
             return
         if phase == "forward" and at == len(order) - 1 and state is not None and self._needs_dx.get(id(state), False):
-            request(order[::-1], "backward")
+            request(self._orders["backward"], 0, "backward")
 
-    def _wanted(self, groups, phase: str):
-        for following in groups:
-            if phase == "backward" and (not self._needs_dx.get(id(following), False) or id(following) in self._kept):
-                continue  # its backward sends no weight shards: nothing to request early
-            yield following
+    def _wants(self, state: FusedGroupState, phase: str) -> bool:
+        # a backward that sends no weight shards (no input gradient, or the forward kept them): nothing to request
+        return phase == "forward" or (self._needs_dx.get(id(state), False) and id(state) not in self._kept)
 
-    def _request_first(self, groups, phase: str) -> bool:
+    def _request_first(self, order, start: int, phase: str) -> bool:
         wanted = self.engine.config.prefetch_depth
-        for following in self._wanted(groups, phase):
+        for at in range(start, len(order)):
+            following = order[at]
+            if not self._wants(following, phase):
+                continue
             if wanted == 0:
                 return False
             wanted -= 1
@@ -556,31 +564,44 @@ class FusedSchedule:
                 self._ahead[key] = ring
         return True
 
-    def _request_whole(self, groups, phase: str, split_first: bool = False) -> bool:
-        """Choose the whole weight rings of ``groups`` in order while the gathered weights held (``_held``: the
-        running group's and those ahead) fit the budget, a unit's rings together (``Bundle``; in the forward only
-        with ``_bundle_forward``, else each ring alone; before the first group, ``split_first``, that group's ring
-        alone). False once one does not fit (nothing after it is chosen either: the link works in order)."""
-        runs: list[list[FusedGroupState]] = []
+    def _request_whole(self, order, start: int, phase: str, split_first: bool = False) -> bool:
+        """Choose the whole weight rings of the groups from ``order[start]`` on, in order, while the gathered
+        weights held (``_held``: the running group's and those ahead) fit the budget, a unit's rings together
+        (``Bundle``; in the forward only with ``_bundle_forward``, else each ring alone; before the first group,
+        ``split_first``, that group's ring alone). False once one does not fit (nothing after it is chosen either:
+        the link works in order). The groups before ``_chosen[phase]`` were chosen by an earlier call: each call
+        goes on from there, so a step chooses in time linear in its groups."""
         together = phase == "backward" or self._bundle_forward
-        for following in self._wanted(groups, phase):
-            if runs and together and unit_key(runs[-1][-1]) == unit_key(following):
-                runs[-1].append(following)
-            else:
-                runs.append([following])
-        if split_first and runs and len(runs[0]) > 1:
-            runs[:1] = [runs[0][:1], runs[0][1:]]
-        for run in runs:
-            run = [state for state in run if (id(state), phase) not in self._ahead]
-            nbytes = sum(self._gathered_bytes(state) for state in run)
-            if self._held + nbytes > self.budget:
-                return False
-            rings = [self._prepared(state, phase) for state in run]
-            for state, ring in zip(run, rings):
-                self._ahead[(id(state), phase)] = ring
-            if rings:
-                self._paced.append(Bundle(rings))  # its steps are requested beside the coming pieces (pace)
-            self._held += nbytes
+        run: list[FusedGroupState] = []
+        for at in range(max(start, self._chosen.get(phase, 0)), len(order)):
+            state = order[at]
+            if not self._wants(state, phase):
+                continue
+            if run and together and not split_first and unit_key(run[-1]) == unit_key(state):
+                run.append(state)
+                continue
+            if run:
+                if not self._choose(run, phase):
+                    return False
+                self._chosen[phase], split_first = at, False
+            run = [state]
+        if run and not self._choose(run, phase):
+            return False
+        self._chosen[phase] = len(order)
+        return True
+
+    def _choose(self, run: list[FusedGroupState], phase: str) -> bool:
+        """Choose the rings of ``run`` (one unit's groups, or one group) not chosen yet, if they fit the budget."""
+        run = [state for state in run if (id(state), phase) not in self._ahead]
+        nbytes = sum(self._gathered_bytes(state) for state in run)
+        if self._held + nbytes > self.budget:
+            return False
+        rings = [self._prepared(state, phase) for state in run]
+        for state, ring in zip(run, rings):
+            self._ahead[(id(state), phase)] = ring
+        if rings:
+            self._paced.append(Bundle(rings))  # its steps are requested beside the coming pieces (pace)
+        self._held += nbytes
         return True
 
     def _gathered_bytes(self, state: FusedGroupState) -> int:
