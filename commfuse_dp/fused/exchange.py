@@ -1,5 +1,5 @@
 """The rings of the row-exchanging ops (ring embedding, gathered weight reads): the fused layers' own
-``WeightRing``/``GradRing`` and ``piece_steps`` (``schedule.py``), always lockstep, with their steps requested on the
+``WeightRing``/``GradRing`` and ``piece_steps`` (``layer_rings.py``), always lockstep, with their steps requested on the
 engine's link: timed, observed, bounded by the ring's timeout, and tagged with the owner's ring-op identity.
 
 ``state`` is any owner of ring operations: it has ``engine``, ``steps`` (the ``StepState``) and ``op`` (its index
@@ -16,7 +16,7 @@ import torch
 
 from ..engine import Engine
 from ..ring.collectives import goes_direct
-from .schedule import GradRing, WeightRing, piece_steps
+from .layer_rings import GradRing, WeightRing, piece_steps
 
 
 class RingOwner(Protocol):

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ..ring import transport
 from .layout import GroupLayout, Member
-from .schedule import Landing, WeightRing, piece_steps
+from .layer_rings import Landing, WeightRing, piece_steps
 
 if TYPE_CHECKING:
     from ..engine import Engine

@@ -1,0 +1,244 @@
+"""The rings of one fused layer call, and the steps beside each of its compute pieces: the weight all-gather
+(``WeightRing``: two alternating buffers in lockstep, an ``(N, numel)`` buffer under the elastic lookahead, reused
+on CPU through ``SlotPool``), the gradient reduce-scatter (``GradRing``), a unit's rings sharing their steps
+(``Bundle``, ``GradBundle``), what piece k requests and waits for (``piece_steps``), and a gradient ring completed
+after its layer's backward returned (``Landing``). When they are requested across layers: ``schedule.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..engine import Engine, RingOp
+from ..link import Pending
+
+if TYPE_CHECKING:
+    from .modules import FusedGroupState
+
+
+class WeightRing:
+    """An all-gather ring over same-shape rows: piece k reads ``held(k)``, rank ``(r - k) mod N``'s row.
+    ``slots``: ``(N, numel)`` where every row stays (its own row filled), or None for two alternating buffers
+    ``pair`` (lockstep: the full weight never exists)."""
+
+    def __init__(self, engine: Engine, op: RingOp | None, slots: torch.Tensor | None,
+                 pair: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        self.engine, self.op, self.slots, self.pair = engine, op, slots, pair
+        self.world = engine.ring.size
+        self.pending: dict[int, Pending] = {}
+        self.requested = 0  # steps requested so far
+        self.bundle: Bundle | None = None  # the rings whose steps it shares (elastic, chosen ahead)
+        self.pooled = False  # ``slots`` came from the schedule's SlotPool and goes back there (release)
+
+    def held(self, k: int) -> torch.Tensor:
+        return self.pair[k % 2] if self.slots is None else self.slots[self.engine.ring.shard_held(k)]
+
+    def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What step k sends and receives (the row held at piece k goes out; the next one comes in)."""
+        return [self.held(k)], [self.held(k + 1)]
+
+    def request(self, steps: int | None = None) -> int:
+        """Request the next ``steps`` steps (default: all left) of it and of the rings it shares steps with."""
+        return (self.bundle or Bundle([self])).request(steps)
+
+    @property
+    def unrequested(self) -> int:
+        return self.world - 1 - self.requested
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.numel() * self.slots.element_size() if self.slots is not None else 0
+
+    def settle(self) -> None:
+        for pending in self.pending.values():
+            pending.settle()
+
+
+class SlotPool:
+    """Gathered-weight buffers of finished rings, kept for the next ring of the same shape (CPU only: CUDA's caching
+    allocator reuses memory by itself). Holds at most what the schedule held at once."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.reused = 0
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        free = self._free.get((shape, dtype, device))
+        if not free:
+            return None
+        self.reused += 1
+        return free.pop()
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
+
+
+class Bundle:
+    """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): step k of all
+    of them travels as one request, so a unit pays one ring's latency, as slicing's per-layer gather does."""
+
+    def __init__(self, rings: list[WeightRing]) -> None:
+        self.rings = rings
+        for ring in rings:
+            ring.bundle = self
+
+    @property
+    def unrequested(self) -> int:
+        return self.rings[0].unrequested
+
+    def request(self, steps: int | None = None) -> int:
+        first = self.rings[0]
+        count = first.unrequested if steps is None else min(steps, first.unrequested)
+        for _ in range(count):
+            k = first.requested
+            sends, recvs = [], []
+            for ring in self.rings:
+                ring_sends, ring_recvs = ring.io(k)
+                sends, recvs = sends + ring_sends, recvs + ring_recvs
+            pending = first.engine.link.step(sends, recvs, first.op, k, first.world - 1)
+            for ring in self.rings:
+                ring.pending[k], ring.requested = pending, k + 1
+        return count
+
+    def settle(self) -> None:
+        for ring in self.rings:
+            ring.settle()
+
+
+class GradRing:
+    """A reduce-scatter ring of gradient partials: piece k writes ``part(k)``, this rank's share of rank
+    ``t = (r - k - 1) mod N``'s shard; step k (k ≥ 1) sends ``part(k-1)`` plus the partial sum received by step
+    k-1 (added on the link, just before the step) and receives the next partial sum into ``racc``. After step
+    N-1 lands, ``part(N-1) + racc`` is this rank's complete shard (``final``). ``lag``: one buffer per piece,
+    so compute never waits for a step to free one; else two alternating buffers."""
+
+    def __init__(self, engine: Engine, op: RingOp | None, numel: int, dtype: torch.dtype, device: torch.device,
+                 zeroed: bool, communicates: bool, lag: bool) -> None:
+        world = engine.ring.size
+        alloc = torch.zeros if zeroed else torch.empty
+        self.world, self.op, self.lag, self.link = world, op, lag and communicates, engine.link
+        self.parts = alloc(world if self.lag else min(world, 2), numel, dtype=dtype, device=device)
+        self.racc = torch.empty(numel, dtype=dtype, device=device) if communicates and world > 1 else None
+        self.last: Pending | None = None
+        self.bundled = False  # its steps go later, with its unit's other rings (GradBundle), not beside its pieces
+
+    def part(self, k: int) -> torch.Tensor:
+        return self.parts[k if self.lag else k % 2]
+
+    def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None] | None]:
+        """What step k sends and receives, and what runs on the link before it (the add of the sum that step k-1
+        received)."""
+        out = self.part(k - 1)
+        before = (lambda: out.add_(self.racc)) if k > 1 else None
+        return [out], [self.racc], before
+
+    def final(self, post: float = 1.0) -> torch.Tensor:
+        """This rank's complete shard divided by ``post``, once step N-1 (``last``) landed and was waited for. Its
+        own buffer, not a row of ``parts``, so that the parameters' gradients may be views of it (as FSDP2's are of
+        its reduce-scatter's output): nothing is copied, and no other part is kept alive by them."""
+        out = self.part(self.world - 1)
+        if self.racc is not None:
+            out = torch.add(out, self.racc)  # (one row of two or of N otherwise: the grads would hold them all)
+        if post != 1.0:
+            out.div_(post)
+        return out
+
+
+class GradBundle:
+    """The gradient rings of one unit's backward (elastic; every unit but the backward's last): their partials wait
+    in their buffers and travel as one reduce-scatter ring (one ring's latency per unit, as slicing's per-layer
+    reduce-scatter), step k requested beside piece k of the unit's last group; if that group does not run (the
+    order changed), the steps left are paced over the next unit's pieces."""
+
+    def __init__(self, unit) -> None:
+        self.unit, self.rings, self.pending = unit, [], []
+        self.next = 1  # the next step to request (a gradient ring's steps are 1 .. N-1)
+
+    @property
+    def unrequested(self) -> int:
+        return self.rings[0].world - self.next
+
+    def request(self, steps: int | None = None) -> int:
+        count = self.unrequested if steps is None else min(steps, self.unrequested)
+        first = self.rings[0]
+        for _ in range(count):
+            k, sends, recvs, befores = self.next, [], [], []
+            for ring in self.rings:
+                ring_sends, ring_recvs, before = ring.io(k)
+                sends, recvs = sends + ring_sends, recvs + ring_recvs
+                if before is not None:
+                    befores.append(before)
+            step = first.link.step(sends, recvs, first.op, k, first.world - 1,
+                                   (lambda adds=befores: [add() for add in adds]) if befores else None)
+            self.pending.append(step)
+            self.next += 1
+            if self.next == first.world:
+                for ring in self.rings:
+                    ring.last = step
+        return count
+
+    def settle(self) -> None:
+        for pending in self.pending:
+            pending.settle()
+
+
+def piece_steps(engine: Engine, k: int, weights: WeightRing | None, grads: GradRing | None) -> Pending | None:
+    """Request what goes beside piece k and return what to wait for at its end (the step that brings the row
+    of piece k+1, and in lockstep the gradient partial too). ``weights``/``grads``: None where that ring does
+    not travel."""
+    world, link = engine.ring.size, engine.link
+    gather = weights is not None and weights.op is not None and k < world - 1
+    reduce = grads is not None and grads.racc is not None and k > 0 and not grads.bundled
+    sends, recvs, before = [], [], None
+    new_gather = gather and weights.requested <= k  # else requested ahead (the link may have run it already)
+    if new_gather:
+        sends, recvs = weights.io(k)
+        weights.requested = k + 1
+    if reduce:
+        g_sends, g_recvs, before = grads.io(k)
+        if grads.lag:  # its own step, not waited here: it lands during later compute
+            grads.last = link.step(g_sends, g_recvs, grads.op, k, world - 1, before)
+            before = None
+        else:
+            sends, recvs = sends + g_sends, recvs + g_recvs
+    step = None
+    if sends:
+        op = weights.op if weights is not None and weights.op is not None else grads.op
+        step = link.step(sends, recvs, op, k, world - 1, before)
+        if new_gather:
+            weights.pending[k] = step
+        if reduce and not grads.lag:
+            grads.last = step
+    if gather:
+        return weights.pending[k]
+    return step
+
+
+class Landing:
+    """A fused layer's gradient ring whose last step was still in flight when its backward returned: ``complete()``
+    (on the compute thread) adds the received sum, divides and puts the shard into the parameters' grads."""
+
+    __slots__ = ("grads", "state", "post", "dtypes", "train")
+
+    def __init__(self, grads: GradRing, state: FusedGroupState, post: float, dtypes: tuple, train: tuple) -> None:
+        self.grads, self.state, self.post, self.dtypes, self.train = grads, state, post, dtypes, train
+
+    def complete(self) -> None:
+        self.grads.last.wait()
+        self.state.accumulate_grads(self._final(), self.dtypes, self.train)
+
+    def finish(self) -> list:
+        """HSDP: the gradient shards to cross the copies, after the last step (CPU: on the replicate ring's thread,
+        ``Replicas.after``; CUDA: on its stream, behind the step's event, ``Replicas.after_event``)."""
+        if self.grads.last.future is not None:
+            self.grads.last.future.result()
+        return self.state.landed_grads(self._final(), self.dtypes, self.train)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """What ``finish`` reads and writes: another stream uses them (CUDA's ``record_stream``)."""
+        return [t for t in (self.grads.parts, self.grads.racc) if t is not None]
+
+    def _final(self) -> torch.Tensor:
+        return self.grads.final(self.post)
