@@ -168,6 +168,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     _install(model, steps, ParamBindings(model, bound), scalars)
     if on_meta:
         _materialise(model, device)
+    for state in steps.states:  # each group's local shards as views of one buffer that its rings send as it is
+        state.adopt_packed()
     model._commfuse_excluded = dict(excluded.reasons)
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule), %d FSDP2 units + root, %d ranks",
                 len(fused), config.schedule, len(unit_modules), engine.ring.size)

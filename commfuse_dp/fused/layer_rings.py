@@ -20,12 +20,15 @@ if TYPE_CHECKING:
 
 class WeightRing:
     """An all-gather ring over same-shape rows: piece k reads ``held(k)``, rank ``(r - k) mod N``'s row.
-    ``slots``: ``(N, numel)`` where every row stays (its own row filled), or None for two alternating buffers
-    ``pair`` (lockstep: the full weight never exists)."""
+    ``slots``: ``(N, numel)`` where every row stays (its own row filled, unless ``own`` holds it), or None for two
+    alternating buffers ``pair`` (lockstep: the full weight never exists). ``own``: this rank's row where the
+    parameters are views of it (``FusedGroupState.own_packed``): sent and computed with in place, never copied
+    into ``slots``; only the pieces read rows one at a time then (``piece_shards=1``)."""
 
     def __init__(self, engine: Engine, op: RingOp | None, slots: torch.Tensor | None,
-                 pair: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
-        self.engine, self.op, self.slots, self.pair = engine, op, slots, pair
+                 pair: tuple[torch.Tensor, torch.Tensor | None] | None = None, own: torch.Tensor | None = None
+                 ) -> None:
+        self.engine, self.op, self.slots, self.pair, self.own = engine, op, slots, pair, own
         self.world = engine.ring.size
         self.pending: dict[int, Pending] = {}
         self.requested = 0  # steps requested so far
@@ -33,7 +36,9 @@ class WeightRing:
         self.pooled = False  # ``slots`` came from the schedule's SlotPool and goes back there (release)
 
     def held(self, k: int) -> torch.Tensor:
-        return self.pair[k % 2] if self.slots is None else self.slots[self.engine.ring.shard_held(k)]
+        if self.slots is None:
+            return self.pair[k % 2]
+        return self.own if k == 0 and self.own is not None else self.slots[self.engine.ring.shard_held(k)]
 
     def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What step k sends and receives (the row held at piece k goes out; the next one comes in)."""

@@ -136,9 +136,9 @@ def accumulates(state: FusedGroupState, call: Call) -> bool:
 
 
 def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
-                 op: str = "forward", recompute: bool = False) -> torch.Tensor | None:
+                 op: str = "forward", recompute: bool = False) -> WeightRing | None:
     """Run the forward ring over this rank's packed shards, writing every member's output columns. Returns the
-    ``(N, numel)`` gathered shards (slot j: rank j's) when the group keeps them for its backward
+    ring, every shard gathered (``held``), when the group keeps them for its backward
     (``FusedSchedule.keeps_weight``), else None. ``recompute``: a forward recomputed during the backward, which
     neither uses nor requests steps ahead."""
     engine, sched = state.engine, state.steps.schedule
@@ -165,7 +165,7 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
         if step is not None:
             step.wait()
     sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
-    return weights.slots if keep else None
+    return weights if keep else None
 
 
 class ShardRuns:
@@ -266,9 +266,9 @@ def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, out
 
 def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
                   grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool,
-                  params_need_grad: tuple[bool, ...], call: Call, full: torch.Tensor | None = None
+                  params_need_grad: tuple[bool, ...], call: Call, full: WeightRing | None = None
                   ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """``full``: the weight shards the forward kept (slot j: rank j's); then no weight shard travels."""
+    """``full``: the forward's ring that kept every weight shard; then no weight shard travels."""
     engine, layout, sched = state.engine, state.layout, state.steps.schedule
     ring, world = engine.ring, engine.ring.size
     cdt = x2.dtype
@@ -278,8 +278,10 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     sched.backward_begins(state)
     weights = None
     if need_dx:
-        weights = WeightRing(engine, None, full) if full is not None else sched.weights(state, params, cdt,
-                                                                                         "backward")
+        if full is not None:
+            weights = WeightRing(engine, None, full.slots, own=full.own)
+        else:
+            weights = sched.weights(state, params, cdt, "backward")
     grads = None
     if any(train):
         # Every element of the gradient buffers is written before it is sent, except padding rows (out_features

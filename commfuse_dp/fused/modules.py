@@ -31,7 +31,8 @@ class FusedGroupState:
     where each member's params sit in the Function's inputs, and the gradient partials kept while gradient sync
     is off."""
 
-    def __init__(self, steps: StepState, layout: GroupLayout, modules: list[nn.Module], name: str) -> None:
+    def __init__(self, steps: StepState, layout: GroupLayout, modules: list[nn.Module], name: str,
+                 in_place: bool = True) -> None:
         self.engine, self.steps, self.layout, self.modules = steps.engine, steps, layout, modules
         self.name = name
         self.op = steps.register(name)
@@ -45,6 +46,11 @@ class FusedGroupState:
             self._index.append((i, i + 1) if has_bias else (i,))
             i += 2 if has_bias else 1
         self._unsynced: torch.Tensor | None = None
+        self._own: torch.Tensor | None = None  # this rank's shards packed, the params' local tensors views of it
+        self._own_ptrs: tuple[int, ...] = ()  # where each local tensor sits in ``_own``
+        # whether ``_own`` may be used (decided at the first call); never for a member's own ring (cross-attention),
+        # whose parameters are views of its group's buffer
+        self._packs_in_place: bool | None = None if in_place else False
 
     def params(self) -> list[nn.Parameter]:
         # ``_parameters`` itself: ``m.weight`` is the gathered read for code outside the fused forward (reads.py)
@@ -82,6 +88,61 @@ class FusedGroupState:
                     landed.append((params[i], g))
         return landed
 
+    # -- the local shards as views of one packed buffer ---------------------------------------------------------
+
+    def own_packed(self, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+        """This rank's shards packed in the ring layout, as one flat buffer, when ``params`` (the members' local
+        shards, in ``params()``'s order) are the views of it that ``adopt_packed`` made and ``dtype`` is theirs:
+        a ring then sends and computes with it as it is, without packing a copy. None otherwise (a parameter
+        replaced since: loaded with ``assign``, ``.data =``, materialised from meta; or another compute dtype).
+        The buffer is kept alive here, so a tensor at one of its addresses is a view of it."""
+        own = self._own
+        if own is None or own.dtype != dtype:
+            return None
+        for p, ptr in zip(params, self._own_ptrs):
+            if p.data_ptr() != ptr or not p.is_contiguous():
+                return None
+        return own
+
+    def adopt_packed(self) -> None:
+        """Before a fused forward: make the members' local shards views of one flat buffer in the ring layout,
+        as FSDP2's sharded parameters are views of their padded storage (it too swaps ``_local_tensor``), so that
+        the rings send this rank's shards without packing them into their buffers every call (a copy of every
+        weight in each forward and backward). Done once, and again after a parameter was replaced. Only where the
+        layout is the parameters' own (no ``Conv1D``), for the elastic schedule with ``piece_shards=1`` (its
+        gathered buffer is never read as a whole with the own row in it), and on CPU (on CUDA the copy is a small
+        kernel, and a ring reading the parameter's storage on the communication stream has not run on a
+        device)."""
+        if self._packs_in_place is None:
+            self._packs_in_place = self._may_pack_in_place()
+        if not self._packs_in_place:
+            return
+        params = self.params()
+        locals_ = [p._local_tensor for p in params]
+        if self.own_packed(locals_, locals_[0].dtype) is not None:
+            return
+        if len(locals_) == 1 and locals_[0].is_contiguous() and locals_[0].numel() == self.layout.numel:
+            self._own, self._own_ptrs = locals_[0].view(-1), (locals_[0].data_ptr(),)  # the layout is its own
+            return
+        with torch.no_grad():
+            own = self.layout.pack(self.pairs(locals_), locals_[0].dtype)
+            ptrs = []
+            for j, m in enumerate(self.layout.members):
+                idx = self.param_index(j)
+                rows = locals_[idx[0]].shape[0]
+                views = (m.weight(own, rows), m.bias(own, rows)) if len(idx) > 1 else (m.weight(own, rows),)
+                for i, view in zip(idx, views):
+                    params[i]._local_tensor = view
+                    ptrs.append(view.data_ptr())
+        self._own, self._own_ptrs = own, tuple(ptrs)
+
+    def _may_pack_in_place(self) -> bool:
+        engine, params, schedule = self.engine, self.params(), self.steps.schedule
+        return (engine.ring.size > 1 and not isinstance(schedule, SlicingScheduler) and schedule.elastic and engine.config.piece_shards == 1
+                and not any(m.transposed for m in self.layout.members)
+                and all(isinstance(p, DTensor) and p.device.type == "cpu" and p.dtype == params[0].dtype
+                        for p in params))
+
     def param_index(self, member: int) -> tuple[int, ...]:
         return self._index[member]
 
@@ -108,11 +169,12 @@ class FusedGroup:
         self._pending: dict[int, torch.Tensor] = {}
         steps.groups.append(self)
 
-    def _state(self, modules: list[nn.Module], name: str) -> FusedGroupState:
+    def _state(self, modules: list[nn.Module], name: str, in_place: bool = True) -> FusedGroupState:
         weights = [m._parameters["weight"] for m in modules]
         shapes = [(w.shape[1] if m._cf_transposed else w.shape[0], w.shape[0] if m._cf_transposed else w.shape[1],
                    m._cf_transposed, m._parameters.get("bias") is not None) for m, w in zip(modules, weights)]
-        return FusedGroupState(self.steps, GroupLayout.build(shapes, self.steps.engine.ring.size), modules, name)
+        return FusedGroupState(self.steps, GroupLayout.build(shapes, self.steps.engine.ring.size), modules, name,
+                               in_place)
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
@@ -126,7 +188,8 @@ class FusedGroup:
             # Another input than the group's (cross-attention): this member runs a ring of its own. The first
             # member (index 0) always starts a new round, dropping outputs nobody asked for.
             if index not in self._solo:
-                self._solo[index] = self._state([self.modules[index]], f"{self.names[index]} (own input)")
+                self._solo[index] = self._state([self.modules[index]], f"{self.names[index]} (own input)",
+                                                in_place=False)
             return _apply(self._solo[index], x)[0]
         outs = _apply(self.state, x)
         self._key = x
@@ -138,6 +201,7 @@ class FusedGroup:
 
 
 def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    state.adopt_packed()
     params = [p.to_local() for p in state.params()]  # autograd-aware: grads flow back into the DTensor params
     engine, schedule = state.engine, state.steps.schedule
     if engine.stats.enabled:

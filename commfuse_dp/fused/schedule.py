@@ -172,8 +172,10 @@ class FusedSchedule:
             slots = self._pool.take((ring.size, layout.numel), cdt, device) if pooled else None
             if slots is None:
                 slots = torch.empty(ring.size, layout.numel, dtype=cdt, device=device)
-            layout.pack(state.pairs(params), cdt, out=slots[ring.rank])
-            weights = WeightRing(self.engine, op, slots)
+            own = state.own_packed(params, cdt)  # the params are views of it: nothing to pack (adopt_packed)
+            if own is None:
+                layout.pack(state.pairs(params), cdt, out=slots[ring.rank])
+            weights = WeightRing(self.engine, op, slots, own=own)
             weights.pooled = pooled
             return weights
         buf = layout.pack(state.pairs(params), cdt)
