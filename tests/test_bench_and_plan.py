@@ -11,6 +11,7 @@ import pytest
 from commfuse_dp import plan
 from commfuse_dp.benchmarks.bench import balanced_rate, paired_ratios, records_from
 from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
+from commfuse_dp.benchmarks.trace_waits import analyse as analyse_trace
 
 SCHEDULES = plan.SCHEDULES
 
@@ -214,6 +215,30 @@ def test_paired_ratios_pair_the_rounds():
     assert paired_ratios(records, 3) == {}  # four steps do not split into three rounds
 
 
+def test_trace_waits_splits_a_ranks_waits_by_part_of_the_step():
+    def event(cat, name, ts, dur, pid=0):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts * 1e3, "dur": dur * 1e3, "pid": pid, "tid": 0}
+
+    # one rank: a wait before its first piece, one in the forward, one in the backward, one after its last piece;
+    # its ring thread busy 0-10 and 30-40 ms (one 20 ms gap); another schedule's events are ignored
+    trace = {"traceEvents": [
+        event("waited", "fused:all_gather 0", 0, 2), event("compute", "fused:forward 0", 2, 10),
+        event("waited", "fused:forward 0", 12, 3), event("compute", "fused:forward 1", 15, 5),
+        event("compute", "fused:backward 0", 25, 10), event("waited", "fused:backward 0", 35, 4),
+        event("compute", "fused:backward 1", 39, 6), event("waited", "fused:embedding backward 0", 45, 7),
+        event("ring-thread", "fused:forward 0", 0, 10), event("ring-thread", "fused:backward 1", 30, 10),
+        event("waited", "slicing:all_gather 0", 100, 50)]}
+    (rank,) = analyse_trace(trace, gap_ms=1.0)
+    assert rank["waited_ms"] == pytest.approx({"before the first piece": 2, "forward": 3,
+                                               "between forward and backward": 0, "backward": 4,
+                                               "after the last piece": 7})
+    assert rank["last_piece_end_ms"] == pytest.approx(45) and rank["step_ms"] == pytest.approx(52)
+    assert rank["longest"][0][:2] == ("fused:embedding backward 0", pytest.approx(7))
+    assert rank["link_busy_ms"] == pytest.approx(20) and rank["link_gaps"] == [pytest.approx((10, 20))]
+    with pytest.raises(ValueError, match="no 'ddp:' events"):
+        analyse_trace(trace, "ddp")
+
+
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                  reason="the emulated cluster needs root and iproute2 (ip, tc)")
 
@@ -257,6 +282,12 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     assert any(e.get("cat") == "ring" for e in trace) and any(e.get("cat") == "compute" for e in trace)
     waits = [e for e in trace if e.get("cat") == "waited"]  # where the compute thread was blocked: within its steps
     assert waits and all(e["dur"] >= 0 for e in waits)
+    # benchmarks/trace_waits.py splits each rank's waits of the fused step; the parts add up to them
+    ranks = analyse_trace({"traceEvents": trace})
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        fused_waits = sum(e["dur"] for e in waits if e["pid"] == r["rank"] and e["name"].startswith("fused:")) / 1e3
+        assert sum(r["waited_ms"].values()) == pytest.approx(fused_waits) and r["link_busy_ms"] > 0
     # Torn down: no namespace of ours is left.
     left = namespaces() - before  # another run may hold namespaces of its own meanwhile
     assert not left, left
