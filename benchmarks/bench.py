@@ -126,9 +126,9 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
                      "tokens_per_s": tokens / step, "peak_mem_mb": v.get("peak_mem_mb"),
                      "ratio_to_limit": step / limit if limit else None, "floor_s": floor,
                      "ratio_to_floor": step / floor if floor else None, "steps_s": v["steps_s"],
-                     **{key: v.get(key) for key in ("waited_s", "waited_min_s", "waited_ranks_s", "opt_s", "forward_s", "cpu_s",
-                                                    "minor_faults", "steps_cpu_s", "steps_minor_faults",
-                                                    "steps_gc_s")},
+                     **{key: v.get(key) for key in ("waited_s", "waited_min_s", "waited_ranks_s", "opt_s",
+                                                    "forward_s", "cpu_s", "minor_faults", "steps_cpu_s",
+                                                    "steps_minor_faults", "steps_gc_s")},
                      "compute": result.get("compute", "real"),
                      **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
     return rows
@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
     from commfuse_dp.config import CommFuseConfig
 
-    payload = {"records": records, "paired": paired, "rounds": args.rounds, "balanced_rate_mbit": balanced, "world_size": args.world_size,
+    payload = {"records": records, "paired": paired, "rounds": args.rounds, "balanced_rate_mbit": balanced,
+               "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),

@@ -138,7 +138,8 @@ class FusedGroupState:
 
     def _may_pack_in_place(self) -> bool:
         engine, params, schedule = self.engine, self.params(), self.steps.schedule
-        return (engine.ring.size > 1 and not isinstance(schedule, SlicingScheduler) and schedule.elastic and engine.config.piece_shards == 1
+        return (engine.ring.size > 1 and not isinstance(schedule, SlicingScheduler) and schedule.elastic
+                and engine.config.piece_shards == 1
                 and not any(m.transposed for m in self.layout.members)
                 and all(isinstance(p, DTensor) and p.device.type == "cpu" and p.dtype == params[0].dtype
                         for p in params))
