@@ -25,8 +25,8 @@ What changes in a user's script: one call after ``deepspeed.initialize``, one at
 
 ``rings.disable()`` alone puts DeepSpeed's own backend back (``with enable_ring_collectives(engine):`` too).
 ``shutdown`` also avoids an abort at interpreter exit that torch's gloo backend can cause after the work is done
-([Note: the abort at exit] in :func:`drain_gloo_workers`; enabling the rings registers the same drain at exit, so
-a script that just ends is covered too, short of the group destruction).
+([Note: the abort at exit] in :func:`drain_gloo_workers`; the first ring on a gloo group registers the same drain at
+exit, so a script that just ends is covered too, short of the group destruction).
 
 With the Hugging Face ``Trainer`` nothing else changes either: keep ``TrainingArguments(deepspeed=ds_config)`` and
 pass ``callbacks=[CommFuseCallback()]`` (``commfuse_dp.integrations.transformers``); with DeepSpeed the callback
@@ -101,7 +101,8 @@ import torch.distributed as dist
 
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.ring.collectives import ring_all_gather, ring_reduce_scatter
-from commfuse_dp.ring.topology import EXIT_DRAIN_S, drain_gloo_workers, get_ring  # noqa: F401  (re-exported)
+from commfuse_dp.ring.topology import (  # noqa: F401  (EXIT_DRAIN_S re-exported)
+    EXIT_DRAIN_S, drain_gloo_workers, get_ring, register_exit_drain)
 
 __all__ = ["RING_FIELDS", "RingCollectives", "RingStats", "attach_to_trainer_callback", "config_from_deepspeed",
            "drain_gloo_workers", "enable_ring_collectives", "shutdown"]
@@ -502,7 +503,7 @@ def _install(config: CommFuseConfig, groups: tuple[dist.ProcessGroup, ...], sour
                              f"({current._handle!r}); call .disable() on that handle first")
         handle._backend = _RingBackend(current, handle, groups)
         ds_comm.cdb = handle._backend
-        _register_exit_drain()
+        register_exit_drain()
     return handle
 
 
@@ -517,18 +518,6 @@ def shutdown(rings: RingCollectives | None = None) -> None:
     drain_gloo_workers()
     if dist.is_initialized():
         ds_dist.destroy_process_group()
-
-
-_exit_drain_registered = False
-
-
-def _register_exit_drain() -> None:
-    global _exit_drain_registered
-    if not _exit_drain_registered:
-        import atexit
-
-        atexit.register(drain_gloo_workers)
-        _exit_drain_registered = True
 
 
 def _require_deepspeed_comm() -> None:

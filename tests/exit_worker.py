@@ -1,16 +1,20 @@
 """One rank of a minimal run that ends right after its last collectives, for tests/test_deepspeed_rings.py.
 
-    python tests/exit_worker.py {guarded|drain|bare} OUT_PREFIX [slow]   (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env)
+    python tests/exit_worker.py {guarded|drain|rings|bare} OUT_PREFIX [slow]
 
-init (gloo) + one "step": commfuse ring collectives, a burst of async gloo all-reduces waited, and one blocking
-all-reduce at the end (what a ZeRO step ends with), then by mode:
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment.)
+
+init (gloo) + one "step": commfuse ring collectives (not in ``bare``), a burst of async gloo all-reduces waited, and
+one blocking all-reduce at the end (what a ZeRO step ends with), then by mode:
 
 - ``guarded``: what ``commfuse_dp.integrations.deepspeed.shutdown()`` does (``drain_gloo_workers()``, then
   ``dist.destroy_process_group()``); OUT_PREFIX.RANK gets the names of this process's native threads after it;
 - ``drain``: ``drain_gloo_workers()`` alone (what a DeepSpeed run gets at exit: its engine keeps its groups alive,
   so they cannot be destroyed);
-- ``bare``: nothing at all (no file either: I/O at the end releases the GIL and lets the gloo workers finish,
-  hiding the race).
+- ``rings``: nothing at the end, as a script that never calls ``destroy_process_group`` (``trl sft``, transformers'
+  examples): the drain that making the first gloo ring registered at exit is all it has;
+- ``bare``: plain torch + gloo, no rings and nothing at the end (no file either: I/O at the end releases the GIL and
+  lets the gloo workers finish, hiding the race).
 
 ``slow``: every thread of the process on one CPU and gloo's workers at the lowest priority (``delay_gloo_workers``).
 
@@ -72,9 +76,10 @@ def main(mode: str, out_prefix: str, slow: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = torch.full((1000,), float(rank))
     full = torch.empty(world * 1000)
-    cf.ring_all_gather(full, shard)
-    cf.ring_reduce_scatter(shard, full)
-    assert torch.equal(shard, torch.full((1000,), float(rank * world)))  # every rank gathered the same
+    if mode != "bare":
+        cf.ring_all_gather(full, shard)
+        cf.ring_reduce_scatter(shard, full)
+        assert torch.equal(shard, torch.full((1000,), float(rank * world)))  # every rank gathered the same
     works = []
     for i in range(50):
         t = torch.full((1000,), float(i))
@@ -95,8 +100,8 @@ def main(mode: str, out_prefix: str, slow: bool) -> None:
             f.write("\n".join(native_threads()))
     elif mode == "drain":  # what a DeepSpeed run gets when its engine keeps the groups alive (no destruction)
         drain_gloo_workers()
-    elif mode != "bare":
-        raise SystemExit(f"mode must be guarded, drain or bare, got {mode!r}")
+    elif mode not in ("rings", "bare"):
+        raise SystemExit(f"mode must be guarded, drain, rings or bare, got {mode!r}")
 
 
 if __name__ == "__main__":

@@ -226,22 +226,25 @@ def test_no_abort_at_exit_after_shutdown(tmp_path):
     gloo (no DeepSpeed, no commfuse): a gloo worker thread frees a finished work while the interpreter finalizes
     (integrations/deepspeed.py, [Note: the abort at exit]). How often depends on the scheduling: plain 2-rank gloo
     scripts ending with a burst of all-reduces aborted in 6 of 40 launches while the machine was loaded, in 0 of 40
-    when it was not. tests/exit_worker.py (init + one step: commfuse rings, 50 async and one blocking gloo
-    all-reduce) takes the scheduling out of it with ``slow``: all of a rank's threads on one CPU, gloo's workers at
+    when it was not. tests/exit_worker.py (init + one step: commfuse rings but in ``bare``, 50 async and one blocking
+    gloo all-reduce) takes the scheduling out of it with ``slow``: all of a rank's threads on one CPU, gloo's workers at
     the lowest priority, so that they tend to get the CPU back only once the main thread is finalizing. Measured
     here with ``slow``: unguarded, 9 of 40 processes aborted (about one launch in three); with the drain alone
     (what a DeepSpeed run whose engine keeps its groups gets), 0 of 32; drain and ``destroy_process_group()``
-    (``shutdown()``), 0 of 40.
+    (``shutdown()``), 0 of 40. On 2026-11-28, rings used and nothing at the end (``rings``): 9 and 7 of 12 launches
+    aborted before the first gloo ring registered the drain at exit, 0 and 0 of 12 after; ``bare`` 9 of 12.
 
-    The test first launches the unguarded script until it aborts (at most EXIT_LAUNCHES times; at one launch in
-    three, not seeing it in 12 launches has a chance under 1 %), so the abort is shown to happen on the machine
-    running the test; then EXIT_LAUNCHES = 12 guarded launches, alternately the drain alone and the full
-    ``shutdown()``, none of which may abort (were the guards useless, 12 clean launches would have that same < 1 %
-    chance, 6 drain-only ones under 9 %). One launch takes 4 to 10 s here (2 processes importing torch and
-    commfuse_dp on 2 shared cores): about 1 to 2 minutes in all. Deterministic part: after ``shutdown()``'s
-    ``destroy_process_group()`` no gloo worker thread (``pt_gloo_runloop``) is left: before the fix in
-    commfuse_dp/ring/topology.py the ring registry held every group that ran a ring, so ``destroy_process_group()``
-    could not join them (checked: with the old registry both workers were still there).
+    The test first launches the unguarded script (``bare``: plain torch + gloo, no rings) until it aborts (at most
+    EXIT_LAUNCHES times; at one launch in three, not seeing it in 12 launches has a chance under 1 %), so the abort
+    is shown to happen on the machine running the test; then EXIT_LAUNCHES = 12 guarded launches, none of which may
+    abort: 6 ``rings`` (rings used and nothing at the end, as ``trl sft`` or a Trainer script ends: the drain at
+    exit that the first gloo ring registers), 3 with the drain alone, 3 with the full ``shutdown()`` (were the
+    guards useless, 12 clean launches would have that same < 1 % chance, 6 ``rings`` ones under 9 %). One launch
+    takes 4 to 10 s here (2 processes importing torch and commfuse_dp on 2 shared cores): about 1 to 2 minutes in
+    all. Deterministic part: after ``shutdown()``'s ``destroy_process_group()`` no gloo worker thread
+    (``pt_gloo_runloop``) is left: before the fix in commfuse_dp/ring/topology.py the ring registry held every group
+    that ran a ring, so ``destroy_process_group()`` could not join them (checked: with the old registry both workers
+    were still there).
     """
     began = time.monotonic()
     control = 0
@@ -256,11 +259,11 @@ def test_no_abort_at_exit_after_shutdown(tmp_path):
                     f"show the race, so the guarded launches below could not tell a working guard from none")
     aborts = []
     for i in range(EXIT_LAUNCHES):
-        mode = ("drain", "guarded")[i % 2]
+        mode = ("rings", "drain", "rings", "guarded")[i % 4]
         codes, errors, threads = _launch_exit_worker(mode, str(tmp_path / f"{mode}{i}"))
         if _aborted(codes, errors):
             aborts.append(f"launch {i} ({mode}): exit status {codes}\n" + "\n".join(err[-2000:] for err in errors))
-        if mode == "drain":
+        if mode != "guarded":
             continue
         for rank, names in enumerate(threads):
             assert names, f"launch {i} rank {rank} wrote no thread list (it failed before the guard ran)"

@@ -148,7 +148,7 @@ def trl_runs(tmp_path_factory, sft_data, bin_dir):
     # DDP reference: the same script started by torchrun directly (2 CPU ranks, as accelerate's CPU workers)
     ddp = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port()), "-m", "trl.scripts.sft", *_sft_args(sft_data, tmp / "out-ddp")],
-               {**_env(bin_dir, tmp / "ddp"), "ACCELERATE_USE_CPU": "true"})
+               {**_env(bin_dir, tmp / "ddp"), "ACCELERATE_USE_CPU": "true", "LAUNCH_PROBE_EXIT_DRAIN": "1"})
     assert ddp.returncode == 0, ddp.stderr[-6000:]
     return {"commfuse": _ranks(tmp / "commfuse"), "ddp": _ranks(tmp / "ddp")}
 

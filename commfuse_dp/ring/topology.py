@@ -8,6 +8,7 @@ the order in which they were *issued*, whichever thread later runs them.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -174,6 +175,8 @@ def get_ring(group: dist.ProcessGroup | None = None, *, op: str = "commfuse_dp")
     ring = _RINGS.get(group)
     if ring is None:
         ring = _RINGS[group] = Ring(group)
+        if "gloo" in ring.backend:
+            register_exit_drain()
     return ring
 
 
@@ -192,9 +195,21 @@ def drain_gloo_workers(seconds: float = EXIT_DRAIN_S) -> None:
     gil_scoped_acquire -> take_gil -> pthread_exit -> std::terminate``). Plain torch + gloo does it too, without
     DeepSpeed or commfuse. ``dist.destroy_process_group()`` would prevent it (gloo's destructor joins its workers
     with the GIL released) but only for groups nobody else holds: a DeepSpeed engine (its ZeRO-3 parameters'
-    ``ds_process_group``, its optimizer) keeps its groups alive until the interpreter is torn down. So at exit
-    (an ``atexit`` handler that :func:`enable_ring_collectives` registers, before the interpreter starts
-    finalizing) and in :func:`shutdown`, the main thread sleeps briefly: a worker waiting for the GIL to free its
-    last works gets it now, while the interpreter is whole. A collective still in flight at exit (issued and never
-    waited) is not covered."""
+    ``ds_process_group``, its optimizer) keeps its groups alive until the interpreter is torn down, and most
+    scripts (``trl sft``, transformers' examples, a Trainer script) never call it. So at exit (an ``atexit``
+    handler that :func:`register_exit_drain` adds when the first ring on a gloo group is made, before the
+    interpreter starts finalizing) and in DeepSpeed's ``shutdown``, the main thread sleeps briefly: a worker
+    waiting for the GIL to free its last works gets it now, while the interpreter is whole. A collective still in
+    flight at exit (issued and never waited) is not covered."""
     time.sleep(seconds)
+
+
+_exit_drain_registered = False
+
+
+def register_exit_drain() -> None:
+    """Run :func:`drain_gloo_workers` at interpreter exit (once per process, whoever asks first)."""
+    global _exit_drain_registered
+    if not _exit_drain_registered:
+        atexit.register(drain_gloo_workers)
+        _exit_drain_registered = True

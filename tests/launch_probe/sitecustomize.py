@@ -5,7 +5,8 @@ tests/test_launch_nested.py puts this folder on ``PYTHONPATH`` with ``LAUNCH_PRO
 is imported; at the end of training it writes ``DIR/rank<R>.json``: the world size, the parameter types (DTensor
 when commfuse sharded the model), the Trainer's callbacks and its per-step losses in full precision. It observes
 unchanged commands (``trl sft``, ``torchrun -m trl.scripts.sft``); under ``commfuse-dp launch`` the activation's own
-``sitecustomize`` runs first and then this one (the one it hides on ``sys.path``).
+``sitecustomize`` runs first and then this one (the one it hides on ``sys.path``). ``LAUNCH_PROBE_EXIT_DRAIN=1``
+(the DDP references): a drain at exit, below.
 """
 
 import json
@@ -71,3 +72,14 @@ if os.environ.get("LAUNCH_PROBE_OUT") and "RANK" in os.environ:
     import sys
 
     sys.meta_path.insert(0, _Hook())
+    if os.environ.get("LAUNCH_PROBE_EXIT_DRAIN") == "1":
+        # Only for the stock DDP reference runs: plain torch + gloo can abort at interpreter exit after the run is
+        # done ("terminate called without an active exception": a gloo worker frees a finished work while the
+        # interpreter finalizes; CI of 2026-11-28 lost the `torchrun -m trl.scripts.sft` reference to it). The
+        # same 0.1 s release of the GIL at exit that commfuse's first gloo ring registers ([Note: the abort at
+        # exit], commfuse_dp/ring/topology.py), registered first so it runs last. The commfuse runs do not get it:
+        # their clean exit is the product's own.
+        import atexit
+        import time
+
+        atexit.register(time.sleep, 0.1)
