@@ -1,16 +1,29 @@
-"""``commfuse-dp``: the command line. ``commfuse-dp COMMAND --help`` explains each command.
-
-    commfuse-dp bench [--quick] [--json PATH]   schedules compared on the emulated cluster (needs root)
-    commfuse-dp plan  [--model ...]             predicted step time of the schedules on a real cluster
-    commfuse-dp launch --config_file accel.yaml train.py ARGS
-                                                accelerate launch with a commfuse: block: unchanged scripts shard
-    commfuse-dp launch --config_file accel.yaml trl sft ARGS   (also accelerate launch ..., torchrun ...)
-                                                a launcher runs once; every worker it starts shards
-"""
+"""``commfuse-dp``: the command line (``HELP`` below is what ``commfuse-dp --help`` prints)."""
 
 from __future__ import annotations
 
 import sys
+
+HELP = """\
+usage: commfuse-dp COMMAND [ARGS]     (commfuse-dp COMMAND --help explains each command)
+
+Sharded data parallelism for Hugging Face fine-tuning, with the all-gather and reduce-scatter run as rings fused
+with each layer's compute.
+
+examples:
+  commfuse-dp demo                                      fine-tune the embedded default on 2 CPU processes
+  commfuse-dp launch --config_file accel.yaml train.py ARGS
+                                                        accelerate launch with a commfuse: block: an unchanged
+                                                        script's model is sharded
+  commfuse-dp launch --config_file accel.yaml trl sft ARGS    (also accelerate launch ..., torchrun ...)
+                                                        a launcher runs once; every worker it starts shards
+  commfuse-dp plan --model llama3-8b                    predicted step time of the schedules on a real cluster
+  commfuse-dp bench --quick                             the schedules compared on an emulated cluster (root)
+
+options:
+  -h, --help     this help
+  --version      the installed version
+"""
 
 COMMANDS = {
     "demo": ("commfuse_dp.demo", "fine-tune the embedded default model on 2 CPU processes, then a summary"),
@@ -22,9 +35,17 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"commfuse-dp {version('commfuse_dp')}")
+        except PackageNotFoundError:
+            print("commfuse-dp (not installed: run from a checkout)")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\ncommands:")
+        print(HELP)
+        print("commands:")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<6} {text}")
         return 0 if argv else 2

@@ -10,7 +10,7 @@ The config file is an ordinary accelerate config plus a ``commfuse:`` block of :
 2. writes the rest to a temporary file that accelerate reads as ``--config_file``, untouched;
 3. hands the commfuse settings to the workers as ``COMMFUSE_ENABLE=1`` plus the ``COMMFUSE_<FIELD>`` variables of
    ``CommFuseConfig.to_env()`` (the parent environment reaches accelerate's workers);
-4. starts each worker as ``python -m commfuse_dp.integrations.bootstrap train.py ARGS`` instead of
+4. starts each worker as ``python -m commfuse_dp.integrations.worker train.py ARGS`` instead of
    ``python train.py ARGS``. The bootstrap makes a plain ``accelerate.Accelerator()`` a ``CommFuseAccelerator`` and
    gives every plain ``transformers.Trainer`` a ``CommFuseCallback``, then runs the script unchanged as
    ``__main__`` (see ``commfuse_dp/integrations/bootstrap.py``).
@@ -51,7 +51,7 @@ from collections.abc import Mapping
 
 from commfuse_dp.launch_help import _EXAMPLE, help_text  # noqa: F401  (launch.help_text, launch._EXAMPLE)
 
-BOOTSTRAP = "commfuse_dp.integrations.bootstrap"
+BOOTSTRAP = "commfuse_dp.integrations.worker"   # runs integrations/bootstrap.py's main()
 
 class LaunchError(Exception):
     """A wrong use found before anything was started: printed as one line, exit status 2."""
@@ -216,7 +216,12 @@ def _accelerate_part_file(path: str, accel_part: dict, tmp: str) -> str:
     try:
         load_config_from_file(out)
     except (ValueError, TypeError, KeyError) as e:
-        raise LaunchError(f"{path} (the accelerate part): {' '.join(str(e).split())}".replace(out, path)) from None
+        hint = ""
+        if "distributed_type" not in accel_part:
+            hint = (" Add `distributed_type: MULTI_CPU` (with `use_cpu: true`) on a CPU machine, or `MULTI_GPU` on "
+                    "GPUs (`accelerate config` writes a complete file).")
+        raise LaunchError(f"{path} (the accelerate part): {' '.join(str(e).split())}".replace(out, path) + hint
+                          ) from None
     return out
 
 

@@ -1,7 +1,7 @@
 """What ``commfuse-dp launch`` does with the command it is given: each rank runs it, or it runs once.
 
 * A Python file, ``-m MODULE``, or the console script of a Python package (``my-train``, found on ``PATH``): the N
-  ranks run it, each through ``commfuse_dp.integrations.bootstrap`` (``commfuse_dp/launch.py``).
+  ranks run it, each through ``commfuse_dp.integrations.worker`` (``commfuse_dp/launch.py``).
 * A launcher, i.e. a command that starts its own workers: ``accelerate`` (``accelerate launch ...``), ``trl``
   (``trl sft|dpo|grpo|... ...``, which run ``accelerate launch`` in-process), ``torchrun``, or ``-m`` one of
   :data:`LAUNCHER_MODULES`: it runs ONCE (:func:`run_once`), with the activation in its environment

@@ -1,7 +1,10 @@
 """Worker entry point of ``commfuse-dp launch``: turns commfuse on for an unchanged script, then runs it.
 
-    python -m commfuse_dp.integrations.bootstrap SCRIPT.py [ARGS...]
-    python -m commfuse_dp.integrations.bootstrap -m MODULE [ARGS...]
+    python -m commfuse_dp.integrations.worker SCRIPT.py [ARGS...]
+    python -m commfuse_dp.integrations.worker -m MODULE [ARGS...]
+
+(``integrations/worker.py`` calls :func:`main`; this module is imported by the activation hook first, so it is
+not run as ``__main__`` itself.)
 
 ``commfuse-dp launch`` starts every worker this way (accelerate launch's ``--module`` option, or
 ``torch.distributed.run -m`` on CPU). Without ``COMMFUSE_ENABLE=1`` (also true/yes/on) in the environment it only
@@ -124,7 +127,7 @@ def install_trainer_callback() -> None:
 
 
 def _usage() -> str:
-    return ("usage: python -m commfuse_dp.integrations.bootstrap SCRIPT.py [ARGS...] | -m MODULE [ARGS...] "
+    return ("usage: python -m commfuse_dp.integrations.worker SCRIPT.py [ARGS...] | -m MODULE [ARGS...] "
             "(started by `commfuse-dp launch`; see `commfuse-dp launch --help`)")
 
 

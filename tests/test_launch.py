@@ -154,7 +154,10 @@ def test_help_explains_the_command(capsys):
     example = yaml.safe_load(launch._EXAMPLE)
     CommFuseConfig.from_dict(example.pop("commfuse"))
     assert cli.main(["launch"]) == 2 and "usage: commfuse-dp launch" in capsys.readouterr().out
-    assert cli.main(["--help"]) == 0 and "launch" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert top.startswith("usage: commfuse-dp COMMAND") and "commfuse-dp demo" in top and "``" not in top, top
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.startswith("commfuse-dp ")
 
 
 def test_help_after_the_script_belongs_to_the_script():
@@ -188,7 +191,7 @@ def _bootstrap(tmp_path, env_extra, *target):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFUSE_")}
     env.update(env_extra)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "commfuse_dp.integrations.bootstrap", *target], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "commfuse_dp.integrations.worker", *target], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
 
 
@@ -238,7 +241,7 @@ def _commfuse_launch(tmp_path, script: str, out, *, commfuse=None, timeout=240) 
     config = _write_config(tmp_path, commfuse={"min_fuse_numel": 0} if commfuse is None else commfuse,
                            name=f"{os.path.basename(script)}.yaml")
     # `python -m commfuse_dp.cli` from the repository root: this checkout's commfuse_dp in the launcher and
-    # (cwd is inherited) in the workers' `python -m commfuse_dp.integrations.bootstrap`.
+    # (cwd is inherited) in the workers' `python -m commfuse_dp.integrations.worker`.
     return subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", config, script,
                            str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -259,6 +262,8 @@ def _run_pair(tmp_path, script: str) -> dict:
         out = tmp_path / f"{mode}.json"
         proc = run(out)
         assert proc.returncode == 0, f"{mode} launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        # the worker entry runs the bootstrap module once (not a second copy as __main__: runpy would warn)
+        assert "found in sys.modules" not in proc.stderr, proc.stderr[-3000:]
         results[mode] = json.loads(out.read_text())
     return results
 
@@ -324,3 +329,29 @@ def test_exit_status_is_the_workers(tmp_path):
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     proc = _commfuse_launch(tmp_path, str(script), tmp_path / "unused", commfuse={})
     assert proc.returncode == 3, proc.stderr[-3000:]
+
+
+def test_usage_docs_config_passes_the_checks_and_a_missing_distributed_type_says_what_to_add(tmp_path, monkeypatch):
+    """docs/usage.md's ``accel.yaml``, as a user copies it: its ``commfuse:`` block and its accelerate part pass the
+    checks ``commfuse-dp launch`` makes before anything starts (a new user's trial found it without
+    ``distributed_type``, which accelerate refuses). Without that key the one-line error says what to add."""
+    import re
+    import tempfile
+
+    _clean_env(monkeypatch)
+    with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:
+        blocks = [b for b in re.findall(r"```yaml\n(.*?)```", f.read(), re.S) if "commfuse:" in b]
+    assert blocks, "docs/usage.md has no yaml block with a commfuse: section"
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"usage{i}.yaml"
+        path.write_text(block)
+        accel, cfg, _ = launch._read_config(str(path))
+        with tempfile.TemporaryDirectory() as tmp:
+            launch._accelerate_part_file(str(path), accel, tmp)
+    data = yaml.safe_load(blocks[0])
+    del data["distributed_type"]
+    path = tmp_path / "no_type.yaml"
+    path.write_text(yaml.safe_dump(data))
+    accel, _, _ = launch._read_config(str(path))
+    with tempfile.TemporaryDirectory() as tmp, pytest.raises(launch.LaunchError, match="distributed_type: MULTI_CPU"):
+        launch._accelerate_part_file(str(path), accel, tmp)
