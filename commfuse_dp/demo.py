@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -77,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 1:
         print("commfuse-dp demo: --nproc must be at least 1", file=sys.stderr)
         return 2
+    from commfuse_dp.recipes.common import RecipeError, check_output_dir
+
+    try:  # before any process starts (the recipe checks it too, on every rank)
+        check_output_dir(args.output_dir, args.overwrite_output_dir or "--overwrite_output_dir" in extra)
+    except RecipeError as e:
+        print(f"commfuse-dp demo: {e} (a demo ran there before: add --overwrite_output_dir, or pass another "
+              f"--output_dir)", file=sys.stderr)
+        return 2
     recipe = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
               "-m", "commfuse_dp.recipes.finetune_clm", "--output_dir", args.output_dir,
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    print(f"commfuse-dp demo: {' '.join(recipe[1:])}", flush=True)
+    print(f"commfuse-dp demo: {shlex.join([os.path.basename(sys.executable), *recipe[1:]])}", flush=True)
     began = time.perf_counter()
     chunks: list[bytes] = []
     with subprocess.Popen(recipe, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:

@@ -109,3 +109,20 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
         assert os.listdir(tmp_path / "out") == ["keep.txt"]
     else:
         assert not (tmp_path / "out").exists(), "nothing may be written for bad input"
+
+
+
+def test_demo_again_into_its_folder_is_one_line_before_any_process(tmp_path):
+    """``commfuse-dp demo`` run a second time: its ``runs/demo`` is not empty. One line naming the way out, exit 2,
+    before any worker starts (a new user's trial saw the recipe's error only after a 40-line traceback of the
+    launcher), and nothing of the earlier run touched."""
+    out = tmp_path / "runs" / "demo"
+    out.mkdir(parents=True)
+    (out / "summary.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "demo", "--output_dir", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, (proc.returncode, proc.stdout[-2000:], err)
+    assert "--overwrite_output_dir" in err and "not empty" in err, err
+    assert "torch.distributed.run" not in proc.stdout, proc.stdout   # no launch line: nothing was started
+    assert os.listdir(out) == ["summary.json"]
