@@ -443,8 +443,10 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    first, _, rest = __doc__.partition("\n\n")  # the help shows each once, without the docstring's markup
+    parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=first.replace("``", ""),
+                                     epilog=rest.replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-7b", help=f"known shape ({', '.join(KNOWN_MODELS)}) or an HF "
                                                             f"config.json path")
     parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks")
@@ -530,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         print_nodes(args, model, cl)
         return 0
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
+    best = best_piece_shards(model, cl, args.tokens, args.seq)
+    if best != args.piece_shards:  # what the recommended config below would give, beside what was asked
+        results[f"fused, ps={best}"] = predict(model, replace(cl, piece_shards=best), args.tokens, args.seq,
+                                               args.peak_tflops * 1e12)["fused"]
     print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
           f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
     print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'pieces s':>8} {'host s':>7} {'MFU':>6} "
@@ -550,8 +556,12 @@ def main(argv: list[str] | None = None) -> int:
           f"a step is at least that long")
     print("unit_slicing: not a schedule of this library; one gather per decoder layer, norms included, one layer "
           "ahead (stock FSDP2's shape on one link): the bound of layer-level overlap")
+    if best != args.piece_shards:
+        pieces = max(1, args.ranks // best)
+        print(f"fused, ps={best}: the fused schedule with piece_shards={best} (each GEMM "
+              f"{f'in {pieces} pieces' if pieces > 1 else 'whole, once its weight is gathered'}), the recommended "
+              f"one below; --piece-shards {best} plays it throughout")
     rec = recommend(cl)
-    best = best_piece_shards(model, cl, args.tokens, args.seq)
     print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}, "
           f"piece_shards={best})")
     return 0

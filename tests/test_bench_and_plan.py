@@ -1,6 +1,7 @@
 """The planner, the benchmark's bookkeeping and plots, and one real (tiny) emulated-cluster run."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -91,6 +92,24 @@ def test_plan_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plan.main(["--tflops", "500", "--peak-tflops", "400"])  # achievable above the peak
     assert "above --peak-tflops" in capsys.readouterr().err
+
+
+def test_plan_shows_fused_with_the_recommended_piece_shards(capsys):
+    """The table is played with ``--piece-shards`` (default 1, the library's); when the recommendation differs, a
+    ``fused, ps=B`` row shows what it gives (a new user's trial saw fused behind ``unit_slicing`` at the default and
+    no word that the recommended config below it is ahead), equal to the ``fused`` row of ``--piece-shards B``."""
+    def rows(*argv):
+        assert plan.main(["--model", "llama3-8b", "--ranks", "8", *argv]) == 0
+        out = capsys.readouterr().out
+        table = {line[:12].strip(): float(line[12:].split()[0]) for line in out.splitlines()[2:]
+                 if line[:12].strip() and line[12:].strip()[:1].isdigit()}
+        return table, re.search(r"piece_shards=(\d+)\)", out).group(1)
+
+    default, best = rows()
+    assert best != "1" and f"fused, ps={best}" in default, default
+    given, best_again = rows("--piece-shards", best)
+    assert best_again == best and not any(name.startswith("fused, ps=") for name in given), given
+    assert default[f"fused, ps={best}"] == given["fused"] < default["fused"]
 
 
 def test_planner_models_nodes(capsys):
