@@ -200,7 +200,9 @@ def parse(argv: list[str] | None):
     defaults = {"output_dir": "runs/clm", "max_steps": 60, "per_device_train_batch_size": 4,
                 "per_device_eval_batch_size": 4, "learning_rate": 2e-3, "warmup_steps": 5, "logging_steps": 5,
                 "lr_scheduler_type": "cosine", "save_strategy": "no", "eval_strategy": "no", "report_to": "none",
-                "include_num_input_tokens_seen": True, "seed": 0, "dataloader_num_workers": 0}
+                "include_num_input_tokens_seen": True, "seed": 0, "dataloader_num_workers": 0,
+                # pinned host memory only helps a copy to a GPU; without one torch warns once per rank
+                "dataloader_pin_memory": torch.cuda.is_available()}
     parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=argv)
 
