@@ -44,6 +44,8 @@ from .cluster import EmulatedCluster
 from .worker import EXTRA_VARIANTS, MMAP_ENV, MODEL_DEFAULTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
 
 CPU_NOTES = {
+    "fsdp2_overlap": "the peer: stock FSDP2 as it runs on a GPU (next unit gathered one ahead, async; "
+                     "reduce-scatters waited at the backward's end), on the same rings",
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
     "deepspeed_zero3": "CPU: DeepSpeed's gloo collectives; its prefetch/overlap as on CPU",
     "ddp": "DDP keeps the full model and optimizer on every rank (no sharding)",

@@ -14,6 +14,11 @@ more ranks than cores, not for training).
 
 Variants:
 - ``fused``, ``slicing``: ``commfuse_dp.shard`` with that schedule.
+- ``fsdp2_overlap``: the peer. Stock ``fully_shard`` per decoder layer and root, run as FSDP2 runs on a GPU, on
+  the same rings and links (``use_ring_collectives(model, overlap=True)``): the next unit's all-gather issued
+  asynchronously one unit ahead in forward (``set_modules_to_forward_prefetch``) and backward (FSDP2's backward
+  prefetch, asynchronous with ``_set_unshard_async_op(True)``), the reduce-scatters behind the backward's compute,
+  waited for at its end.
 - ``fsdp2``: stock ``fully_shard`` per decoder layer and root, its own gloo collectives. On CPU, FSDP2 runs them
   synchronously on the main thread (no overlap at all): a CPU artefact that weakens this baseline.
 - ``deepspeed_zero3``: a DeepSpeed ZeRO-3 engine (gloo, torch AdamW as client optimizer). Its collectives are
@@ -63,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
-VARIANTS = ("fused", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
+VARIANTS = ("fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
                   "fsdp2_hsdp")
@@ -185,6 +190,13 @@ class Runner:
             fully_shard(layer)
         fully_shard(self.model)
         self.opt = self._optimizer(self.model.parameters())
+
+    def _build_fsdp2_overlap(self):
+        import commfuse_dp as cf
+        from commfuse_dp.integrations.fsdp import use_ring_collectives
+
+        self._build_fsdp2()
+        use_ring_collectives(self.model, cf.CommFuseConfig(timeout_s=600), overlap=True)
 
     def _build_ddp(self):
         from torch.nn.parallel import DistributedDataParallel

@@ -12,17 +12,18 @@ def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
+        cfg = GPT2Config(**{**dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0), **overrides})
         model = GPT2LMHeadModel(cfg)
     elif kind == "llama":
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **overrides)
+        cfg = LlamaConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
+                             **overrides})
         model = LlamaForCausalLM(cfg)
     elif kind == "bert":
-        cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=44, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0, **overrides)
+        cfg = BertConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=44, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0), **overrides})
         model = BertForMaskedLM(cfg)
     else:
         raise ValueError(kind)

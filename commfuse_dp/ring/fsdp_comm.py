@@ -10,6 +10,21 @@ complete when it returns (CPU) or ordered on FSDP2's reduce-scatter stream (CUDA
 FSDP2 passes the group of each call: the shard group (the ``fsdp`` dimension of an HSDP mesh; HSDP's all-reduce
 across replicas stays ``dist.all_reduce``), the smaller post-forward group of ``reshard_after_forward=<int>``, or
 the group of ``set_separate_reduce_scatter_group``. Each group has its own ring.
+
+[Note: FSDP2's GPU schedule on the rings]
+``use_ring_collectives(model, overlap=True)`` (and ``shard()``'s ``schedule="fsdp2"``) runs stock FSDP2 as it runs
+on a GPU, also on CPU where FSDP2 itself waits for every collective at once:
+- forward: unit i's pre-forward issues unit i+1's all-gather asynchronously (``set_modules_to_forward_prefetch``,
+  units in module order; the root prefetches the first), so it travels while unit i computes. On a GPU the host
+  running ahead of the device gives the same one-unit lookahead.
+- backward: each unit's pre-backward issues the previous unit's all-gather asynchronously (FSDP2's default
+  backward prefetch, made asynchronous with ``_set_unshard_async_op(True)``).
+- reduce-scatters: issued from each unit's post-backward on the ring thread and not waited for there; the
+  gradients are views of their output (FSDP2 builds them so), and the backward's last autograd callback waits for
+  all of them, as FSDP2's ``finalize_backward`` makes the compute stream wait for its reduce-scatter stream. Where
+  FSDP2 reads the output right after the call (a gradient to accumulate into, a post-accumulate-grad hook, HSDP's
+  all-reduce, a cast to another dtype, a divide after the sum) the reduce-scatter completes before it returns.
+The ring thread serves the all-gathers and reduce-scatters in the order they were issued: one link.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
@@ -60,11 +76,24 @@ class RingReduceScatter(_RingComm, ReduceScatter):
 
     ``op``: SUM and AVG as FSDP2 passes them, and ``ReduceOp.PREMUL_SUM(f)`` (what FSDP2 passes after
     ``set_gradient_divide_factor`` for fp32/bf16 reductions): the ring sums and the output is scaled by ``f``.
+    With a ``DeferredReductions`` (``overlap``) it runs behind the compute where FSDP2 does not read its output at
+    once ([Note: FSDP2's GPU schedule on the rings]).
     """
+
+    def __init__(self, config: CommFuseConfig | None = None, recorder: StatsRecorder | None = None,
+                 label: str | None = None, deferred: DeferredReductions | None = None) -> None:
+        super().__init__(config, recorder, label)
+        self.deferred = deferred
+        self.param_group = None  # the FSDP2 parameter group it serves (set by use_ring_collectives)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
-        # Complete on return: FSDP2 ignores the return value of its reduce-scatter.
+        # FSDP2 ignores the return value of its reduce-scatter: complete on return, or deferred (see above)
+        if self.deferred is not None and self.deferred.may_defer(self.param_group, output_tensor, op):
+            work = ring_reduce_scatter(output_tensor, input_tensor, group, op, async_op=True, label=self.label,
+                                       **self.config.ring_kwargs)
+            self.deferred.add(work)
+            return None
         began = time.perf_counter()
         scale = None
         if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
@@ -75,6 +104,62 @@ class RingReduceScatter(_RingComm, ReduceScatter):
         if self.recorder is not None:
             self.recorder.blocking(began, time.perf_counter())
         return None
+
+
+class DeferredReductions:
+    """The reduce-scatters of one model's FSDP2 units that run behind the backward's compute, waited for by the
+    backward's last autograd callback ([Note: FSDP2's GPU schedule on the rings]). CPU only: on CUDA the ring's
+    reduce-scatter is ordered on its stream already and the host never waits for it."""
+
+    def __init__(self, recorder: StatsRecorder | None = None) -> None:
+        self.recorder = recorder
+        self.pending: list[dist.Work] = []
+        self._queued: int | None = None  # the graph task whose callback waits for them
+        self._finished: int | None = None  # the graph task whose callback ran already
+
+    def may_defer(self, param_group, output: torch.Tensor, op) -> bool:
+        """Whether FSDP2 leaves ``output`` unread until the end of the backward: it becomes the gradients' storage
+        as it is (AVG: no divide after the sum; no cast; no HSDP all-reduce or hook), no gradient is accumulated
+        into and no post-accumulate-grad hook reads one, inside a backward whose final callbacks have not run."""
+        if output.device.type != "cpu" or param_group is None or op != dist.ReduceOp.AVG:
+            return False
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._finished:
+            return False
+        if isinstance(param_group.mesh_info, DDPMeshInfo) or param_group._all_reduce_hook is not None:
+            return False
+        if param_group._orig_dtype not in (None, output.dtype):
+            return False
+        for fsdp_param in param_group.fsdp_params:
+            param = fsdp_param.sharded_param
+            if (param.grad is not None or fsdp_param.offload_to_cpu
+                    or getattr(param, "_post_accumulate_grad_hooks", None)):
+                return False
+        return True
+
+    def add(self, work: dist.Work | None) -> None:
+        if work is None:  # (one rank: nothing in flight)
+            return
+        self.pending.append(work)
+        task = torch._C._current_graph_task_id()
+        if task != self._queued:
+            self._queued = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._finished, self._queued = self._queued, None
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for every deferred reduce-scatter (re-raising a ring error)."""
+        if not self.pending:
+            return
+        began = time.perf_counter()
+        pending, self.pending = self.pending, []
+        for work in pending:
+            work.wait()
+        if self.recorder is not None:
+            self.recorder.blocking(began, time.perf_counter())
 
 
 def _units(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
@@ -116,12 +201,17 @@ def _param_groups(state) -> list:
     return [group] if group is not None else []
 
 
-def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None, *,
+def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None, *, overlap: bool = False,
                          recorder: StatsRecorder | None = None) -> nn.Module:
     """Install ``RingAllGather`` / ``RingReduceScatter`` on every FSDP2 unit inside ``model`` (itself included)
     and return ``model``. ``config`` gives ``bucket_mb`` and ``timeout_s`` (default ``CommFuseConfig()``);
     ``recorder`` is internal (``commfuse_dp.shard()`` passes its statistics). Calling it again replaces the
     rings it installed before.
+
+    ``overlap=True``: FSDP2's GPU schedule, also on CPU ([Note: FSDP2's GPU schedule on the rings]): the next
+    unit's all-gather issued one unit ahead and asynchronously in forward (units in module order) and backward,
+    the reduce-scatters running behind the backward's compute and waited for at its end. Off (default): FSDP2's
+    own prefetch settings are left as they are (on CPU FSDP2 waits for each collective where it issues it).
 
     Raises ``ValueError``, changing nothing, when no module was ``fully_shard``-ed; when a unit has several
     parameter groups (``shard_placement_fn`` with per-parameter meshes), which FSDP2's custom-comm hooks cannot
@@ -164,13 +254,23 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             if group.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"use_ring_collectives: FSDP2 unit '{unit}' is on {group.device.type!r}; the "
                                  f"rings run on cpu (gloo) and cuda (nccl) only")
+    deferred = DeferredReductions(recorder) if overlap else None
+    gathering = []  # the units with parameters, in module order
     for unit, module, state in units:
-        if not _param_groups(state):  # a unit whose parameters all went to inner units: nothing to gather
+        groups = _param_groups(state)
+        if not groups:  # a unit whose parameters all went to inner units: nothing to gather
             continue
+        gathering.append(module)
         gather = RingAllGather(config, recorder, f"FSDP2 unit {unit} (all-gather)")
-        scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)")
+        scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)", deferred)
+        scatter.param_group = groups[0]
         if from_shard:
             gather.owner = scatter.owner = _SHARD_OWNER
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
+    if overlap or getattr(model, "_commfuse_deferred_reductions", None) is not None:  # (un)install the schedule
+        for module, following in zip(gathering, gathering[1:] + [None]):
+            module._set_unshard_async_op(overlap)
+            module.set_modules_to_forward_prefetch([following] if overlap and following is not None else [])
+    model._commfuse_deferred_reductions = deferred
     return model
