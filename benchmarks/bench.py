@@ -44,6 +44,7 @@ from .cluster import EmulatedCluster
 from .worker import EXTRA_VARIANTS, MMAP_ENV, MODEL_DEFAULTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
 
 CPU_NOTES = {
+    "defaults": "CommFuseConfig() told the link and the tokens: its \"auto\" schedule chose {chosen}",
     "fsdp2_overlap": "the peer: stock FSDP2 as it runs on a GPU (next unit gathered one ahead, async; "
                      "reduce-scatters waited at the backward's end), on the same rings",
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
@@ -75,7 +76,7 @@ def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *
                 "--master", f"{cluster.address(0)}:{port}", "--variants", ",".join(variants),
                 "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(warmup),
                 "--settle", str(args.settle if rounds else 0),
-                "--out", out, *args.model_args]
+                "--out", out, "--link-mbit", f"{rate:g}", *args.model_args]
         env = None
         if memory:
             argv.append("--memory")
@@ -132,7 +133,8 @@ def records_from(result: dict, rate: float, world: int) -> list[dict]:
                                                     "forward_s", "cpu_s", "minor_faults", "steps_cpu_s",
                                                     "steps_minor_faults", "steps_gc_s")},
                      "compute": result.get("compute", "real"),
-                     **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {})})
+                     **({"lookahead_mb": result.get("lookahead_mb", "auto")} if name == "fused" else {}),
+                     **({"chosen": result["chosen"][name]} if name in result.get("chosen", {}) else {})})
     return rows
 
 
@@ -198,7 +200,7 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
             cpu = f"{r['cpu_s']:.3f}" if r.get("cpu_s") is not None else "-"
             opt = f"{r['opt_s']:.3f}" if r.get("opt_s") is not None else "-"
             faults = f"{r['minor_faults'] / 1000:.1f}" if r.get("minor_faults") is not None else "-"
-            note = CPU_NOTES.get(r["schedule"], "")
+            note = CPU_NOTES.get(r["schedule"], "").format(chosen=r.get("chosen", {}).get("schedule", "?"))
             print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
                   f"{mem:>9} {ratio:>7} {floor:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
@@ -310,12 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(records, balanced, args.burst_kb)
     paired = paired_ratios(records, args.rounds)
     print_paired(paired)
+    paired_defaults = paired_ratios(records, args.rounds, of="defaults")
+    print_paired(paired_defaults, of="defaults")
     if args.nodes > 1:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks: the rates are inside a node; between "
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
     from commfuse_dp.config import CommFuseConfig
 
-    payload = {"records": records, "paired": paired, "rounds": args.rounds, "balanced_rate_mbit": balanced,
+    payload = {"records": records, "paired": paired, "paired_defaults": paired_defaults, "rounds": args.rounds, "balanced_rate_mbit": balanced,
                "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",

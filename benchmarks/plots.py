@@ -7,7 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"fused": "#d62728", "slicing": "#1f77b4", "fsdp2": "#2ca02c", "deepspeed_zero3": "#9467bd",
+COLORS = {"defaults": "#ff00ff", "fused": "#d62728", "slicing": "#1f77b4", "fsdp2": "#2ca02c", "deepspeed_zero3": "#9467bd",
           "ddp": "#8c564b", "compute_only": "#7f7f7f", "comm_only": "#bcbd22", "fused_noprefetch": "#ff9896",
           "fused_lockstep": "#e377c2", "concurrent": "#17becf", "hsdp_fused": "#ff7f0e", "hsdp_slicing": "#aec7e8",
           "fsdp2_hsdp": "#98df8a", "fused_ring": "#c5b0d5", "fused_bundles": "#8c6d31",

@@ -13,6 +13,9 @@ and attention kernel waits its FLOPs at X TFLOP/s instead of using the CPU, and 
 more ranks than cores, not for training).
 
 Variants:
+- ``defaults``: ``commfuse_dp.shard`` with ``CommFuseConfig()``'s defaults, told what a user can tell it: the link
+  (``link_gbps``: the rate of the run) and the tokens of a rank's step (``tokens_per_rank``). Its ``"auto"`` schedule
+  is fused or the peer's (``commfuse_dp/choose.py``); the result says which (``chosen``).
 - ``fused``, ``slicing``: ``commfuse_dp.shard`` with that schedule.
 - ``fsdp2_overlap``: the peer. Stock ``fully_shard`` per decoder layer and root, run as FSDP2 runs on a GPU, on
   the same rings and links (``use_ring_collectives(model, overlap=True)``): the next unit's all-gather issued
@@ -68,7 +71,8 @@ import torch
 import torch.distributed as dist
 
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
-VARIANTS = ("fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only", "comm_only")
+VARIANTS = ("defaults", "fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only",
+            "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
                   "fsdp2_hsdp")
@@ -143,6 +147,15 @@ class Runner:
             options["lookahead_mb"] = la if la == "auto" else float(la)
         config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
                                    **options)
+        self.model = cf.shard(build_model(self.args), config)
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_defaults(self):
+        import commfuse_dp as cf
+
+        config = cf.CommFuseConfig(timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
+                                   tokens_per_rank=self.args.batch * self.args.seq,
+                                   link_gbps=self.args.link_mbit / 8000 if self.args.link_mbit else None)
         self.model = cf.shard(build_model(self.args), config)
         self.opt = self._optimizer(self.model.parameters())
 
@@ -430,6 +443,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lookahead-mb", default="auto", help="CommFuseConfig.lookahead_mb of the fused variant")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused", help="AdamW's implementation")
     parser.add_argument("--nodes", type=int, default=1, help="copies for the hsdp_* variants (the bench's --nodes)")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="the link's rate, Mbit/s, told to the defaults variant (CommFuseConfig.link_gbps)")
     for name, default in MODEL_DEFAULTS:
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
@@ -548,6 +563,8 @@ def main(argv=None) -> int:
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"
         result["lookahead_mb"] = args.lookahead_mb  # the fused variant's (fused_lockstep: 0)
         result["optimizer"] = f"AdamW ({args.optimizer})"
+        result["chosen"] = {name: runner.model._commfuse_choice.as_dict() for name, runner in runners.items()
+                            if getattr(runner.model, "_commfuse_choice", None) is not None}
         result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
                                for name in TIMELINE_VARIANTS if name in names and args.timeline}
         with open(args.out, "w") as f:

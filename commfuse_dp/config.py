@@ -20,7 +20,7 @@ import torch
 
 ENV_PREFIX = "COMMFUSE_"
 
-SCHEDULES = ("fused", "slicing")
+SCHEDULES = ("auto", "fused", "slicing", "fsdp2")
 MIN_FUSE_NUMEL = 1 << 16  # CommFuseConfig.min_fuse_numel's default (also the planner's)
 GRAD_DIVIDES = ("post", "pre", "split")
 NONFINITE_MODES = ("auto", "raise", "skip", "off")
@@ -44,10 +44,16 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class CommFuseConfig:
     """Configuration of the sharded model and its ring collectives."""
 
-    schedule: str = "fused"
-    """``"fused"``: CommFuse, each ring step runs during a shard-sized piece of the layer's own compute.
+    schedule: str = "auto"
+    """``"auto"`` (default): ``"fused"`` where the planner predicts it faster than the peer (``"fsdp2"``) by 2 %
+    for this model, its ranks, the device and the link, else ``"fsdp2"`` (``commfuse_dp/choose.py``;
+    ``commfuse_dp.describe(model)`` says what was chosen and why).
+    ``"fused"``: CommFuse, each ring step runs during a shard-sized piece of the layer's own compute.
     ``"slicing"``: data-slicing overlap on the same rings (prefetch the next unit's all-gather, reduce-scatter a
-    unit during the next unit's backward); kept so that every benchmark compares the two on one transport."""
+    unit during the next unit's backward); kept so that every benchmark compares the two on one transport.
+    ``"fsdp2"``: nothing fused; stock FSDP2 units (each decoder layer and the root) run FSDP2's GPU schedule on the
+    rings, on any device: the next unit's all-gather one unit ahead and asynchronous, the reduce-scatters behind the
+    backward's compute (``use_ring_collectives(overlap=True)``). What fusing is measured against."""
 
     bucket_mb: float = 25.0
     """Size of one ring bucket in MiB. Many small tensors are packed into flat buckets of this size; a larger
@@ -109,10 +115,11 @@ class CommFuseConfig:
     ``True``/``False`` force it. ``commfuse-dp plan`` plays both (docs/performance.md, "The gather floor, and
     bundles in the forward")."""
 
-    piece_shards: int = 1
+    piece_shards: int | str = "auto"
     """Weight shards per compute piece of a fused layer: its outputs in the forward and its input gradient in the
     backward are computed ``piece_shards`` landed shards at a time, as one wider GEMM (the weight gradient stays one
-    piece per shard: it feeds the gradient ring). ``1`` (default): a piece per ring step. On a GPU a GEMM cut into N
+    piece per shard: it feeds the gradient ring). ``"auto"`` (default): the width with the shortest predicted fused
+    step (``choose.py``; 1 on CPU, where pieces cost what whole GEMMs do). ``1``: a piece per ring step. On a GPU a GEMM cut into N
     thin pieces loses 7-41 % at 8 ranks on Llama-3-8B shapes, mostly in the input gradient, and about 2-13 % in
     pieces of 4 shards (docs/performance.md, "On one GPU"); the forward's first piece then waits for that many
     shards. Takes effect where the gathered weight stays whole (the elastic lookahead, the kept lm_head); lockstep
@@ -132,6 +139,14 @@ class CommFuseConfig:
     synchronised backward (accumulation micro-batches skip it, as DeepSpeed's MiCS does). Parameters are DTensors
     ``(Replicate(), Shard(d))`` on a 2-D mesh ``("replicate", "shard")``. 1 (default): one group, no HSDP. Passing
     ``shard(model, config, mesh=<2-D DeviceMesh>)`` sets the groups instead."""
+
+    link_gbps: float | None = None
+    """Each rank's link, GB/s (bytes), where known: what ``schedule="auto"`` plans with. ``None``: NVLink's 450 on
+    CUDA inside one node, 50 across nodes, 1.25 (10 Gb Ethernet) on CPU."""
+
+    tokens_per_rank: int | None = None
+    """Tokens of one rank's micro-batch (batch x sequence), where known: what ``schedule="auto"`` plans with.
+    ``None``: the model's context (``max_position_embeddings``), at most 4096."""
 
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
@@ -202,10 +217,23 @@ class CommFuseConfig:
         if not (isinstance(self.forward_bundles, bool) or self.forward_bundles == "auto"):
             raise ValueError(f"CommFuseConfig.forward_bundles={self.forward_bundles!r}: must be \"auto\", true or "
                              f"false")
-        self.piece_shards = _number("piece_shards", self.piece_shards, int)
-        if self.piece_shards < 1:
-            raise ValueError(f"CommFuseConfig.piece_shards={self.piece_shards!r}: must be an integer >= 1 (weight "
-                             f"shards per compute piece; 1: one per ring step)")
+        if not (isinstance(self.piece_shards, str) and self.piece_shards.strip().lower() == "auto"):
+            self.piece_shards = _number("piece_shards", self.piece_shards, int)
+            if self.piece_shards < 1:
+                raise ValueError(f"CommFuseConfig.piece_shards={self.piece_shards!r}: must be \"auto\" or an "
+                                 f"integer >= 1 (weight shards per compute piece; 1: one per ring step)")
+        else:
+            self.piece_shards = "auto"
+        if self.link_gbps is not None:
+            self.link_gbps = _number("link_gbps", self.link_gbps, float)
+            if not self.link_gbps > 0:
+                raise ValueError(f"CommFuseConfig.link_gbps={self.link_gbps!r}: must be a number of GB/s > 0, or "
+                                 f"None (unknown)")
+        if self.tokens_per_rank is not None:
+            self.tokens_per_rank = _number("tokens_per_rank", self.tokens_per_rank, int)
+            if self.tokens_per_rank < 1:
+                raise ValueError(f"CommFuseConfig.tokens_per_rank={self.tokens_per_rank!r}: must be an integer "
+                                 f">= 1, or None (unknown)")
         self.replicate = _number("replicate", self.replicate, int)
         if self.replicate < 1:
             raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be an integer >= 1 (the number of "
@@ -397,13 +425,15 @@ def _parse_env(name: str, raw: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
-    if name in ("lookahead_mb", "forward_bundles") and text.lower() == "auto":
+    if name in ("lookahead_mb", "forward_bundles", "piece_shards") and text.lower() == "auto":
         return "auto"
+    if name in ("link_gbps", "tokens_per_rank") and text.lower() in ("none", ""):
+        return None
     if name in ("bucket_mb", "direct_kb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
-                "piece_shards"):
+                "piece_shards", "link_gbps", "tokens_per_rank"):
         try:
-            return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate", "piece_shards") \
-                else int(float(text))
+            return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate", "piece_shards",
+                                               "tokens_per_rank") else int(float(text))
         except ValueError:
             raise ValueError(f"{var}={raw!r}: must be a number") from None
     return text  # strings and dtype names

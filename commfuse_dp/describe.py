@@ -91,6 +91,7 @@ class ShardReport:
     excluded: dict[str, str] = field(default_factory=dict)
     fused_param_bytes: int = 0  # full bytes of the parameters in fused linears and ring embeddings
     total_param_bytes: int = 0
+    choice: dict[str, Any] = field(default_factory=dict)  # what CommFuseConfig's "auto" settings became (choose.py)
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes this rank sends per training step, per part and in all."""
@@ -115,6 +116,12 @@ class ShardReport:
         lines = [f"commfuse_dp: {self.world} ranks, {self.schedule} schedule; {_size(self.fused_param_bytes)} of "
                  f"{_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
                  f"embeddings; bytes sent per rank per training step"]
+        if self.choice:
+            lines.append(f"chosen: schedule {self.choice['schedule']!r}, piece_shards {self.choice['piece_shards']}: "
+                         f"{self.choice['reason']}" + (f" [{self.choice['machine']}]" if self.choice["machine"] else ""))
+            if self.choice["predicted_s"]:
+                lines.append("  predicted step s: " + ", ".join(
+                    f"{name} {seconds:.4g}" for name, seconds in self.choice["predicted_s"].items()))
         head = ("fwd gather", "bwd gather", "reduce-scatter")
         rows = [(_group_name(g.modules), " ".join("x".join(map(str, s)) for s in g.weight_shapes), str(g.shard_numel),
                  *_moves(g), g.note) for g in self.fused_groups]
@@ -141,7 +148,9 @@ def describe(model: nn.Module) -> ShardReport:
                          "first")
     config: CommFuseConfig = engine.config
     world = engine.ring.size
-    report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})))
+    choice = getattr(model, "_commfuse_choice", None)
+    report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})),
+                         choice=choice.as_dict() if choice is not None else {})
     named = list(model.named_modules())
     fused_params: set[int] = set()
     groups: dict[int, list[tuple[int, str, nn.Module]]] = {}

@@ -10,9 +10,11 @@ o, gate/up, down; attention itself as compute only), the final norm and the lm_h
 compute ``2·T·out·in / F`` and backward twice that; a ring step costs ``α + bytes / B``. The simulation has two
 resources per rank, the compute stream and the link, and plays each schedule on them:
 - ``no_overlap``: every collective, then the compute that needs it.
-- ``unit_slicing`` (not a schedule of this library; the bound of layer-level overlap, stock FSDP2's shape on one
-  link): the link all-gathers unit i+1 (a decoder layer, norms included) while unit i computes, and
-  reduce-scatters unit i during unit i-1's backward; the first all-gather and the last reduce-scatter are exposed.
+- ``fsdp2`` (the peer, also ``unit_slicing``): stock FSDP2 as it runs on a GPU (``plays.fsdp2``, the bench's
+  ``fsdp2_overlap``, ``CommFuseConfig(schedule="fsdp2")``): a unit per decoder layer and the root (embedding,
+  final norm, lm_head); the next layer's gather issued one layer ahead, each reduce-scatter when its layer's
+  backward ends, on one link in issue order; the root's gather and the first layer's are exposed at the head, the
+  first layer's and the root's reduce-scatters at the tail.
 - ``slicing`` (``fused/sliced.py``, as it runs): the same one group ahead, per fused group (``plays.slicing``).
 - ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
   N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
@@ -60,6 +62,7 @@ KNOWN_MODELS = {
 
 def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     """Step time (s), its compute, and the model FLOPs of one step on one rank."""
+    schedule = ALIASES.get(schedule, schedule)
     n = cl.ranks
     steps = n - 1
     if schedule in PLACED:  # what shard() fuses for it
@@ -94,9 +97,10 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
         # stack): the compute of an overlapping schedule slows by that much.
-        total = sum(u.exchange(n, cl.rows_ring)[1] * (cl.param_bytes + cl.grad_bytes) if u.table else
-                    (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
-                    for u in units)  # bytes one rank sends per step
+        total = plays.fsdp2_bytes(units, cl) if schedule == "fsdp2" else sum(
+            u.exchange(n, cl.rows_ring)[1] * (cl.param_bytes + cl.grad_bytes) if u.table else
+            (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
+            for u in units)  # bytes one rank sends per step
         return slowed(cl.cpu_s_per_byte * total, cpu_s_per_byte=0.0)
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
     # ... and the host issues every ring step and piece of the fused groups (``plays.host_seconds``)
@@ -111,32 +115,8 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         t = plays.slicing(units, cl) if n > 1 else compute
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops,
                 "pieces_s": plays.piece_extra(units, cl, cl.piece_shards), "host_s": host}
-    if schedule == "unit_slicing":
-        # Not a schedule of this library: the strongest layer-level overlap, stock FSDP2's shape with its collectives
-        # on one link (one gather per unit, norms included, one unit ahead). The link serves requests in issue order:
-        # unit i+1's gather is issued when unit i starts computing; in backward, unit i's reduce-scatter is issued
-        # when its backward compute ends.
-        ag = [moved(u, cl.param_bytes) for u in units]
-        rs = [moved(u, cl.grad_bytes) for u in units]
-        link = comp = 0.0
-        gathered = {0: ag[0]}
-        link = ag[0]
-        for i in range(len(units)):
-            start = max(comp, gathered[i])
-            if i + 1 < len(units):
-                link = max(link, start) + ag[i + 1]
-                gathered[i + 1] = link
-            comp = start + fwd[i]
-        order = list(reversed(range(len(units))))
-        gathered = {order[0]: comp}  # the last unit keeps its forward gather for the backward
-        for j, i in enumerate(order):
-            start = max(comp, gathered[i])
-            if j + 1 < len(order):  # (a ring embedding's backward needs no table: nothing to gather)
-                link = max(link, start) + (0.0 if units[order[j + 1]].table else ag[order[j + 1]])
-                gathered[order[j + 1]] = link
-            comp = start + bwd[i]
-            link = max(link, comp) + rs[i]
-        return {"step_s": max(comp, link), "compute_s": compute, "flops": flops}
+    if schedule == "fsdp2":  # the peer: stock FSDP2's units and its GPU schedule (plays.fsdp2)
+        return {"step_s": plays.fsdp2(units, cl), "compute_s": compute, "flops": flops}
     if schedule in ("fused", "lockstep"):
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
         play = plays.lockstep if lockstep else plays.elastic
@@ -146,7 +126,8 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-SCHEDULES = ("no_overlap", "unit_slicing", "slicing", "lockstep", "fused")
+SCHEDULES = ("no_overlap", "fsdp2", "slicing", "lockstep", "fused")
+ALIASES = {"unit_slicing": "fsdp2"}  # another name of the peer (stock FSDP2's shape)
 PLACED = ("slicing", "lockstep", "fused")  # this library's schedules: they fuse what shard() fuses
 
 
@@ -241,7 +222,7 @@ def predict_nodes(model: tuple, nodes: int, per_node: int, intra: Cluster, inter
     node = replace(intra, ranks=per_node)
     flat = replace(intra, ranks=nodes * per_node, bytes_per_s=min(intra.bytes_per_s, inter_bytes_per_s))
     out = {}
-    for schedule in ("unit_slicing", "slicing", "fused"):
+    for schedule in ("fsdp2", "slicing", "fused"):
         hsdp = simulate(units, node, schedule)
         tail = exchange_tail(units, node, nodes, inter_bytes_per_s, at_landing=schedule != "slicing")
         whole = simulate(units, flat, schedule)
@@ -263,7 +244,7 @@ def print_nodes(args, model: tuple, intra: Cluster) -> None:
         schedule, mesh = key.split("/")
         print(f"{schedule:>12} {mesh:>5} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%}")
     print("hsdp: sharded inside a node, gradients averaged across nodes on each rank's own link; flat: one ring over "
-          "every rank (its slowest hop sets its speed). unit_slicing: stock FSDP2's shape (HSDP: its all-reduce "
+          "every rank (its slowest hop sets its speed). fsdp2: stock FSDP2's schedule (HSDP: its all-reduce "
           "per unit after the reduce-scatter)")
     if args.model in ("llama3-8b",):
         print("published (torchtitan, FSDP2, Llama-3.1-8B, eager bf16, seq 8192, local batch 2, H100): "
@@ -315,7 +296,7 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
                       3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
     # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
     # are slower than the rings the planner models.
-    names = {"fused": "fused", "slicing": "slicing", "lockstep": "fused_lockstep"}
+    names = {"fused": "fused", "fsdp2": "fsdp2_overlap", "slicing": "slicing", "lockstep": "fused_lockstep"}
     print(f"calibration against {path}: {world} ranks, fp32, {tokens} tokens per rank")
     # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
     # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
@@ -394,7 +375,7 @@ def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
           against: str = "slicing", piece_fit: tuple[float, float] | None = None,
           host_fit: tuple[float, float] | None = None, min_fuse_numel: int = MIN_FUSE_NUMEL) -> int:
-    """Fused step time over ``against``'s (``slicing`` or ``unit_slicing``) for every (ranks, link, tokens per rank)
+    """Fused step time over ``against``'s (``slicing`` or ``fsdp2``, the peer) for every (ranks, link, tokens per rank)
     of the sweep grid; prints a table and returns the number of cells where fused is slower. The last lines count
     the cells against both. With ``piece_fit`` (GEMM pieces cost time), each schedule computes in pieces as its
     best ``piece_shards`` does: fused the one ``best_piece_shards`` recommends, slicing (which gathers whole
@@ -408,7 +389,8 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
           + (f"; the host needs {host_fit[0] * 1e3:g} + {host_fit[1] * 1e3:g} N ms per fused group per step"
              if host_fit else ""))
     print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
-    ratios: dict[str, list[float]] = {"slicing": [], "unit_slicing": []}
+    against = ALIASES.get(against, against)
+    ratios: dict[str, list[float]] = {"slicing": [], "fsdp2": []}
     unknown = 0
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
@@ -477,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--piece-shards", type=int, default=1,
                         help="CommFuseConfig.piece_shards of the fused schedule: weight shards per compute piece "
                              "(default 1)")
-    parser.add_argument("--host-fit", default="none",
+    parser.add_argument("--host-fit", default="h200",
                         help="the host's time per fused group per step, a + b * ranks seconds (fused and slicing "
                              "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'none' "
                              "(default: not modelled), 'h200' (1.7 ms + 0.30 ms x ranks, measured on an H200's host "
@@ -491,9 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
                              f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
-    parser.add_argument("--against", choices=("slicing", "unit_slicing"), default="slicing",
-                        help="--sweep: the schedule fused is divided by (slicing: this library's, as it runs; "
-                             "unit_slicing: one gather per decoder layer, norms included, stock FSDP2's shape)")
+    parser.add_argument("--against", choices=("fsdp2", "unit_slicing", "slicing"), default="fsdp2",
+                        help="--sweep: the schedule fused is divided by (fsdp2, also named unit_slicing: the peer, "
+                             "stock FSDP2 as it runs on a GPU; slicing: this library's layer-level prefetch)")
     args = parser.parse_args(argv)
     try:
         fit = _pair(args.piece_fit, plays.H200_PIECE_FIT)
@@ -532,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         print_nodes(args, model, cl)
         return 0
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
-    best = best_piece_shards(model, cl, args.tokens, args.seq)
+    from .choose import decide
+
+    chosen, best, _ = decide(units_for(*model, tokens=args.tokens, seq=args.seq), cl)
     if best != args.piece_shards:  # what the recommended config below would give, beside what was asked
         results[f"fused, ps={best}"] = predict(model, replace(cl, piece_shards=best), args.tokens, args.seq,
                                                args.peak_tflops * 1e12)["fused"]
@@ -554,16 +538,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.piece_fit})")
     print(f"host: the host's time to issue the fused groups' ring steps and pieces (--host-fit {args.host_fit}); "
           f"a step is at least that long")
-    print("unit_slicing: not a schedule of this library; one gather per decoder layer, norms included, one layer "
-          "ahead (stock FSDP2's shape on one link): the bound of layer-level overlap")
+    print("fsdp2: the peer, stock FSDP2 as it runs on a GPU (a unit per decoder layer and the root, the next "
+          "layer gathered one ahead, reduce-scatters behind the backward; CommFuseConfig(schedule='fsdp2'))")
     if best != args.piece_shards:
         pieces = max(1, args.ranks // best)
         print(f"fused, ps={best}: the fused schedule with piece_shards={best} (each GEMM "
               f"{f'in {pieces} pieces' if pieces > 1 else 'whole, once its weight is gathered'}), the recommended "
               f"one below; --piece-shards {best} plays it throughout")
     rec = recommend(cl)
-    print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}, "
-          f"piece_shards={best})")
+    print(f"CommFuseConfig()'s defaults on this cluster: schedule={chosen!r}"
+          + (f", piece_shards={best}" if chosen == "fused" else "") + " (commfuse_dp/choose.py: fused only where "
+          "predicted at least 2% faster than fsdp2)")
+    print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}"
+          + (f", piece_shards={best})" if chosen == "fused" else ", schedule='fsdp2')"))
     return 0
 
 

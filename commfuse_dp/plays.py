@@ -429,6 +429,70 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
     return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
 
 
+def fsdp2_units(units: list[Unit]) -> tuple[float, list[int]]:
+    """Stock FSDP2's units over ``units``: the root (everything that is not a decoder layer: the embedding table,
+    the final norm, the lm_head), gathered whole; and each decoder layer with all of its parameters."""
+    root = sum(u.fused_numel + u.other_numel for u in units if not u.layer)
+    return root, [i for i, u in enumerate(units) if u.layer]
+
+
+def fsdp2(units: list[Unit], cl: Cluster) -> float:
+    """Step time of the peer, stock FSDP2 as it runs on a GPU (``use_ring_collectives(overlap=True)``, the bench's
+    ``fsdp2_overlap``), on one FIFO link: nothing fused, whole GEMMs. The root unit (``fsdp2_units``) is gathered
+    before anything computes and layer 0's gather is issued with it; each layer's pre-forward waits for its gather
+    and issues the next layer's. The root keeps its parameters for the backward, whose pre-backward issues the last
+    layer's gather; each layer's pre-backward waits for its own and issues the one before, and its reduce-scatter
+    is issued when its backward compute ends; the root's goes last. The step ends when the compute and the link
+    are both done (the backward waits for every reduce-scatter)."""
+    if cl.ranks == 1:
+        return sum(3 * u.flops for u in units) / cl.flops_per_s
+    root, layers = fsdp2_units(units)
+    size = {i: units[i].fused_numel + units[i].other_numel for i in layers}
+    link = [0.0]
+
+    def send(at: float, seconds: float) -> float:
+        link[0] = max(at, link[0]) + seconds
+        return link[0]
+
+    def gather(i: int, at: float) -> float:
+        return send(at, bucketed_seconds(size[i], cl, cl.param_bytes))
+
+    t = send(0.0, bucketed_seconds(root, cl, cl.param_bytes))
+    ready = {layers[0]: gather(layers[0], t)} if layers else {}
+    for i, u in enumerate(units):  # forward
+        if u.layer:
+            t = max(t, ready.pop(i))
+            at = layers.index(i)
+            if at + 1 < len(layers):
+                ready[layers[at + 1]] = gather(layers[at + 1], t)
+        t += u.flops / cl.flops_per_s
+    if layers:  # the root's pre-backward
+        ready[layers[-1]] = gather(layers[-1], t)
+    for i in reversed(range(len(units))):  # backward: twice the forward's compute
+        u = units[i]
+        if u.layer:
+            t = max(t, ready.pop(i))
+            at = layers.index(i)
+            if at > 0:
+                ready[layers[at - 1]] = gather(layers[at - 1], t)
+        t += 2 * u.flops / cl.flops_per_s
+        if u.layer:
+            send(t, bucketed_seconds(size[i], cl, cl.grad_bytes))
+    send(t, bucketed_seconds(root, cl, cl.grad_bytes))
+    return max(t, link[0])
+
+
+def fsdp2_bytes(units: list[Unit], cl: Cluster) -> float:
+    """Bytes one rank sends in a step of the peer: every unit gathered twice (the root once) and reduce-scattered
+    once."""
+    root, layers = fsdp2_units(units)
+    n = cl.ranks
+    per = lambda numel, times: numel * (n - 1) / n * times  # noqa: E731
+    return (per(root, 1) * cl.param_bytes + per(root, 1) * cl.grad_bytes
+            + sum(per(units[i].fused_numel + units[i].other_numel, 1) * (2 * cl.param_bytes + cl.grad_bytes)
+                  for i in layers))
+
+
 def lockstep(units: list[Unit], cl: Cluster) -> float:
     """Step time of the fused schedule in lockstep (``lookahead_mb=0``): compute pieces and a FIFO link per rank.
 

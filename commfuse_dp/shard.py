@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from . import lockstep
 from .checks import check_not_deepspeed, check_ranks_agree
+from .choose import resolve
 from .fused.replicas import Replicas
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
@@ -111,6 +112,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
                          f"move the model to the mesh's device first")
     group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
     everyone = mesh.mesh.flatten().tolist()
+    one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
+    # "auto" settings from the planner's plays (choose.py): the same on every rank, which the check below confirms
+    config, choice = resolve(model, config, dist.get_world_size(group), device, one_node)
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
     replicas = None
     if mesh.ndim == 2:
@@ -122,9 +126,10 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
 
     data_dependent = lockstep.data_dependent_modules(model)
     excluded = lockstep.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
-    tied = _tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
+    peer = config.schedule == "fsdp2"  # nothing fused: FSDP2's units and its GPU schedule on the rings
+    tied = {} if peer else _tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
     unit_modules = _units(model, units, not_units=lockstep.inside(model, data_dependent))
-    fused = _fusable_linears(model, config, engine.ring.size, excluded, tied, unit_modules)
+    fused = [] if peer else _fusable_linears(model, config, engine.ring.size, excluded, tied, unit_modules)
     fused_params: set[nn.Parameter] = set()
     bound: list[tuple[str, nn.Module, dict[str, int]]] = []  # fused modules and their sharded params' dims
     for name, module, transposed in fused:
@@ -134,7 +139,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         attach_group(steps, [m for _, m, _ in members], [names[id(m)] for _, m, _ in members])
     for _, lm_head in tied.values():
         lm_head._cf_group.state.tied = True
-    if config.ring_embeddings:
+    if config.ring_embeddings and not peer:
         for module in _ring_embeddings(model, config, engine.ring.size, excluded, tied):
             pair = tied.get(id(module.weight))  # the lm_head that shares this table was sharded above: use its shards
             fused_params.add(convert_embedding(module, steps, names[id(module)],
@@ -150,7 +155,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     kept_out = fused_params | scalars.params  # what fully_shard leaves alone
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     _bundle_units(steps, unit_modules)
-    if units is None:
+    if units is None and not peer:  # (FSDP2's shape: every decoder layer a unit of its own)
         unit_modules = [u for u in unit_modules
                         if _unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
     for unit in unit_modules:
@@ -159,7 +164,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if any(p not in kept_out for p in model.parameters()):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        use_ring_collectives(model, config, recorder=engine.stats)
+        use_ring_collectives(model, config, recorder=engine.stats, overlap=peer)
     if isinstance(model, FSDPModule) and callable(getattr(model, "generate", None)):
         # generate() may call submodules directly (T5's encoder): the root's parameters must be gathered for it
         register_fsdp_forward_method(model, "generate")
@@ -171,9 +176,11 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     for state in steps.states:  # each group's local shards as views of one buffer that its rings send as it is
         state.adopt_packed()
     model._commfuse_excluded = dict(excluded.reasons)
-    logger.info("commfuse_dp.shard: %d linears fused (%s schedule), %d FSDP2 units + root, %d ranks",
-                len(fused), config.schedule, len(unit_modules), engine.ring.size)
-    warn_if_little_fused(model, config)
+    model._commfuse_choice = choice
+    logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
+                len(fused), config.schedule, choice.reason, len(unit_modules), engine.ring.size)
+    if not peer:
+        warn_if_little_fused(model, config)
     return model
 
 

@@ -35,7 +35,8 @@ def main(out_dir: str, mode: str, kind: str) -> None:
     if mode == "ddp":
         acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
     else:
-        acc = CommFuseAccelerator(commfuse=CommFuseConfig(min_fuse_numel=0), gradient_accumulation_steps=ACCUM)
+        acc = CommFuseAccelerator(commfuse=CommFuseConfig(schedule="fused", min_fuse_numel=0),
+                                                          gradient_accumulation_steps=ACCUM)
     model = hf_models.build(kind, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (4 * STEPS))

@@ -144,14 +144,14 @@ def refusals() -> dict:
     engine.destroy()
     # A commfuse-sharded model given to DeepSpeed: the Trainer callback refuses at on_init_end, and
     # enable_ring_collectives refuses an engine built around it (ZeRO-1 initialises on DTensor parameters here).
-    sharded = cf.shard(hf_models.build(KIND, seed=0), cf.CommFuseConfig(min_fuse_numel=0))
+    sharded = cf.shard(hf_models.build(KIND, seed=0), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
 
     class Args:
         fsdp = []
         deepspeed = ds_config(3)
         save_strategy = "no"
 
-    expect("callback_on_sharded", lambda: CommFuseCallback(cf.CommFuseConfig()).on_init_end(
+    expect("callback_on_sharded", lambda: CommFuseCallback(cf.CommFuseConfig(schedule="fused")).on_init_end(
         Args(), None, None, model=sharded))
     try:
         engine1, _, _, _ = deepspeed.initialize(model=sharded, model_parameters=sharded.parameters(),

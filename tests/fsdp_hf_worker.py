@@ -177,7 +177,7 @@ def _wrong_calls(model_dir, world_size):
     plain = AutoModelForCausalLM.from_pretrained(model_dir)
     refused("not_sharded", lambda: use_ring_collectives(plain))
     # a model commfuse_dp.shard() sharded: its FSDP2 units run on rings already, with the config shard() got
-    sharded = cf.shard(hf_models.build("llama", 0), cf.CommFuseConfig(min_fuse_numel=0, timeout_s=60))
+    sharded = cf.shard(hf_models.build("llama", 0), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, timeout_s=60))
     before = {type(s._fsdp_param_groups[0]._all_gather_comm).__name__ for _, _, s in _cf_units(sharded)}
     refused("shard_model", lambda: use_ring_collectives(sharded))
     refused("shard_submodule", lambda: use_ring_collectives(sharded.model))
@@ -195,7 +195,7 @@ def _wrong_calls(model_dir, world_size):
     untouched = type(own.model.layers[0]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__
     # the other way round: commfuse_dp.shard() on a model transformers sharded at load time
     loaded = _load(model_dir, fsdp_size=world_size)
-    refused("shard_on_fsdp_model", lambda: cf.shard(loaded, cf.CommFuseConfig()))
+    refused("shard_on_fsdp_model", lambda: cf.shard(loaded, cf.CommFuseConfig(schedule="fused")))
     # the shard()ed model still trains after the refusals (nothing was changed)
     loss = sharded(**hf_models.batch(dist.get_rank(), 0)).loss
     loss.backward()

@@ -134,7 +134,7 @@ def test_torch_compile_trains_correctly(schedule):
 
 def _deepcopy_worker(rank, world_size):
     model = hf_models.build("llama")
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     for target in (model, model.model.layers[0].self_attn.q_proj, model.model.embed_tokens):
         try:
             copy.deepcopy(target)
@@ -152,7 +152,7 @@ def test_deepcopy_raises_clearly():
 
 def _inplace_worker(rank, world_size):
     model, ref = _stack(), _stack()
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     x = _data(rank, 0)
     out = model[0](x)
     out.mul_(2)  # as into an nn.Linear's output (wav2vec2 masks its projection in place)
@@ -189,7 +189,7 @@ def test_tied_table_hook_runs_once(schedule):
 def _eval_then_optimizer_worker(rank, world_size, min_fuse_numel):
     """The Trainer's order: evaluate() (a no-grad forward), then build the optimizer, then train."""
     model = _stack()
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=min_fuse_numel))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=min_fuse_numel))
     with torch.no_grad():
         model(_data(rank, step=9))
     # every registered parameter must be the sharded one again, not FSDP2's unsharded full tensor

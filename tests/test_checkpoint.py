@@ -48,12 +48,12 @@ def _save_worker(rank, world_size, path, kind):
 
 def _load_worker(rank, world_size, path, kind):
     model = hf_models.build(kind, seed=1)          # other initial weights: everything must come from the folder
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck.load_sharded(path, [model], [(model, opt)])
     loaded = _full(model, opt)
     fresh = hf_models.build(kind, seed=2)
-    cf.shard(fresh, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(fresh, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     ck.load_pretrained_weights(fresh, path + "-hf")
     consolidated = {n: p.full_tensor().clone() for n, p in fresh.named_parameters()}
     # training goes on from the loaded state
@@ -115,7 +115,7 @@ def _killed_save_worker(rank, world_size, path):
 
 def _after_kill_worker(rank, world_size, path):
     model = hf_models.build("llama", seed=1)
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(FileNotFoundError) as refused:
         ck.load_sharded(path + ".partial", [model], [(model, opt)])

@@ -9,11 +9,14 @@ def test_defaults_and_keywords():
     assert cfg.schedule == "slicing"
     assert cfg.bucket_mb == 4.0 and cfg.bucket_bytes == 4 << 20
     assert cfg.param_dtype is torch.bfloat16 and cfg.reduce_dtype is torch.float32
-    assert CommFuseConfig().schedule == "fused"
+    assert CommFuseConfig().schedule == "auto" and CommFuseConfig().piece_shards == "auto"
 
 
 @pytest.mark.parametrize("field,value,fragment", [
-    ("schedule", "zero3", "allowed values are ('fused', 'slicing')"),
+    ("schedule", "zero3", "allowed values are ('auto', 'fused', 'slicing', 'fsdp2')"),
+    ("piece_shards", "wide", "must be a number"),
+    ("link_gbps", 0, "link_gbps=0.0: must be a number of GB/s > 0"),
+    ("tokens_per_rank", 0, "tokens_per_rank=0: must be an integer >= 1"),
     ("bucket_mb", 0, "bucket_mb=0"),
     ("bucket_mb", "big", "must be a number"),
     ("direct_kb", -1, "direct_kb=-1.0: must be a number of KiB >= 0"),

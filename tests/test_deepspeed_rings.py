@@ -285,7 +285,7 @@ def test_callback_with_deepspeed_leaves_sharding_to_deepspeed():
     model = torch.nn.Linear(2, 2)
     args = types.SimpleNamespace(fsdp=[], deepspeed={"zero_optimization": {"stage": 3}}, save_strategy="steps",
                                  hf_deepspeed_config=None)
-    cb = CommFuseCallback(CommFuseConfig())
+    cb = CommFuseCallback(CommFuseConfig(schedule="fused"))
     cb.on_init_end(args, None, None, model=model)  # save_strategy is DeepSpeed's business here: no refusal
     assert getattr(model, "_commfuse_engine", None) is None and not hasattr(model, "_is_accelerate_prepared")
     assert cb.rings is None and cb.on_train_begin.__name__ == "on_train_begin" and "on_train_begin" in vars(cb)

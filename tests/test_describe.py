@@ -16,8 +16,8 @@ def _describe_worker(rank, world_size):
     # must reach stderr through logging's last-resort handler).
     quiet = cf.shard(hf_models.build("llama"))
     assert cf.describe(quiet).fused_groups == []
-    report = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0)))
-    excluding = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0,
+    report = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0)))
+    excluding = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
                                                                                   exclude=("lm_head",))))
     return report.as_dict(), str(report), excluding.as_dict()
 
@@ -111,7 +111,7 @@ def _gqa_worker(rank, world_size):
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=hf_models.VOCAB, hidden_size=64, intermediate_size=16,
                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=2000))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=2000))
     attn = model.model.layers[0].self_attn
     return {name: (type(getattr(attn, name)).__name__, getattr(attn, name)._cf_group.names
                    if hasattr(getattr(attn, name), "_cf_group") else None) for name in ("q_proj", "k_proj", "v_proj")}

@@ -3,7 +3,6 @@ unit's all-gather issued one unit ahead and asynchronously, the reduce-scatters 
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 

@@ -29,7 +29,7 @@ def _worker(rank, world_size, transposed):
     from transformers.pytorch_utils import Conv1D
 
     mesh = init_device_mesh("cpu", (world_size,))
-    engine = Engine(get_ring(), mesh, CommFuseConfig())
+    engine = Engine(get_ring(), mesh, CommFuseConfig(schedule="fused"))
     steps = StepState(engine)
     checked = 0
     for dtype in (torch.float32, torch.bfloat16):

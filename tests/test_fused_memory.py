@@ -33,7 +33,7 @@ def peak_bytes(fn) -> int:
 def _worker(rank, world_size, lookahead_mb):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, OUT, bias=False))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, lookahead_mb=lookahead_mb))
     layer = model[0]
     x = torch.randn(TOKENS, IN)
     with torch.no_grad():

@@ -55,7 +55,7 @@ def test_two_copies_of_two_shards_match_one_process(kind):
 def _placements_worker(rank, world_size):
     import hf_models
 
-    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0, replicate=2))
+    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, replicate=2))
     q = model.model.layers[0].self_attn.q_proj.weight
     engine = model._commfuse_engine
     return (tuple(q.placements), tuple(q.device_mesh.shape), engine.ring.size, engine.replicas.size,
@@ -72,7 +72,7 @@ def _bad_replicate_worker(rank, world_size):
     import hf_models
 
     with pytest.raises(ValueError, match="does not divide the 3 ranks"):
-        cf.shard(hf_models.build("llama"), cf.CommFuseConfig(replicate=2))
+        cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", replicate=2))
     return True
 
 
@@ -93,11 +93,13 @@ def _load_worker(rank, world_size, path, replicate):
     import hf_models
     from commfuse_dp import checkpoint as ck
 
-    model = cf.shard(hf_models.build("gpt2", seed=1), cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate))
+    model = cf.shard(hf_models.build("gpt2", seed=1), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                                                                        replicate=replicate))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck.load_sharded(path, [model], [(model, opt)])
     loaded = _full(model, opt)
-    fresh = cf.shard(hf_models.build("gpt2", seed=2), cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate))
+    fresh = cf.shard(hf_models.build("gpt2", seed=2), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                                                                        replicate=replicate))
     ck.load_pretrained_weights(fresh, path + "-hf")
     consolidated = {n: p.full_tensor().clone() for n, p in fresh.named_parameters()}
     loss = model(**hf_models.batch(rank, 5)).loss  # training goes on from the loaded state

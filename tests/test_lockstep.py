@@ -205,7 +205,7 @@ def _skipped(rank, step):
 
 def _layerdrop_worker(rank, world_size):
     model, ref = LayerDropLM(), LayerDropLM()
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     assert type(model.lm_head).__name__ == "RingLinear" and type(model.embed).__name__ == "RingEmbedding"
     assert all(type(layer.up) is nn.Linear and not isinstance(layer, FSDPModule) for layer in model.layers)
     assert model._get_fsdp_state()._fsdp_param_groups[0].reduce_scatter_unused_params
@@ -309,7 +309,8 @@ def _exclusion_worker(rank, world_size):
 
     messages = log_messages()
 
-    llama = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0, exclude=("*.mlp.*", "lm_head")))
+    llama = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                                                                 exclude=("*.mlp.*", "lm_head")))
     for layer in llama.model.layers:
         assert type(layer.self_attn.q_proj).__name__ == "RingLinear"
         assert all(type(getattr(layer.mlp, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
@@ -322,12 +323,13 @@ def _exclusion_worker(rank, world_size):
     loss.backward()
 
     messages.clear()
-    cf.shard(MoECausalLM(), cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(MoECausalLM(), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     about = [m for m in messages if "MoE experts" in m]
     assert len(about) == 1 and about[0].startswith("commfuse_dp: 8 MoE experts"), messages  # one line, not eight
     assert "MoE expert of layers.0.moe" in about[0]
 
-    anyway = cf.shard(MoECausalLM(), cf.CommFuseConfig(min_fuse_numel=0, exclude_data_dependent=False))
+    anyway = cf.shard(MoECausalLM(), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                                                       exclude_data_dependent=False))
     for layer in anyway.layers:
         assert all(type(e.up).__name__ == "RingLinear" and type(e.down).__name__ == "RingLinear"
                    for e in layer.moe.experts)
@@ -335,7 +337,8 @@ def _exclusion_worker(rank, world_size):
 
     from transformers.distributed.fsdp import is_fsdp_managed_module
 
-    fused_only = cf.shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), cf.CommFuseConfig(min_fuse_numel=0))
+    fused_only = cf.shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), cf.CommFuseConfig(schedule="fused",
+                                                                                             min_fuse_numel=0))
     assert not isinstance(fused_only, FSDPModule)  # every parameter fused: no FSDP2 root marks the modules
     assert all(is_fsdp_managed_module(m) for m in fused_only.modules())  # generate() then syncs the ranks itself
     return True
@@ -355,7 +358,7 @@ def _wav2vec2_worker(rank, world_size):
                             num_conv_pos_embedding_groups=2, vocab_size=12, layerdrop=0.9,
                             mask_time_prob=0.0)  # SpecAugment writes into the fused projection's output in place,
     # which a fused linear's output (a view made inside an autograd Function) does not allow yet
-    model = cf.shard(Wav2Vec2ForCTC(config), cf.CommFuseConfig(min_fuse_numel=0))
+    model = cf.shard(Wav2Vec2ForCTC(config), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     layers = model.wav2vec2.encoder.layers
     assert all(type(layer.attention.q_proj) is nn.Linear and not isinstance(layer, FSDPModule) for layer in layers)
     assert type(model.lm_head).__name__ == "RingLinear"
@@ -379,7 +382,7 @@ def _experts_fused_anyway_worker(rank, world_size):
     import time
 
     model = MoECausalLM()
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, exclude_data_dependent=False, timeout_s=4.0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, exclude_data_dependent=False, timeout_s=4.0))
     assert type(model.layers[0].moe.experts[0].up).__name__ == "RingLinear"
     start = time.monotonic()
     try:

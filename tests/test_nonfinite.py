@@ -202,9 +202,9 @@ def test_accumulation_checks_at_the_synced_backward(schedule):
 
 def _off_worker(rank, world_size):
     out = {}
-    for label, config in (("off", cf.CommFuseConfig(min_fuse_numel=0, nonfinite_grads="off")),
-                          ("auto-fp16", cf.CommFuseConfig(min_fuse_numel=0, param_dtype="fp16")),
-                          ("auto-fp32", cf.CommFuseConfig(min_fuse_numel=0))):
+    for label, config in (("off", cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, nonfinite_grads="off")),
+                          ("auto-fp16", cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, param_dtype="fp16")),
+                          ("auto-fp32", cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))):
         model = hf_models.build("llama")
         cf.shard(model, config)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -47,7 +47,7 @@ def _check_step(rank, world_size, mods, refs, step, dtype, tol):
 
 
 def _worker(rank, world_size):
-    engine = Engine(get_ring(), init_device_mesh("cpu", (world_size,)), CommFuseConfig())
+    engine = Engine(get_ring(), init_device_mesh("cpu", (world_size,)), CommFuseConfig(schedule="fused"))
     steps = StepState(engine)
     torch.manual_seed(0)
     refs = [nn.Linear(IN, out) for out in OUTS]

@@ -62,7 +62,7 @@ def _worker(rank, world_size):
     seen = []
     for vocab, hidden, padding_idx, tokens, _ in CASES:
         model, ref = _build(vocab, hidden, padding_idx), _build(vocab, hidden, padding_idx)
-        cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+        cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
         assert isinstance(model[0], RingEmbedding) and isinstance(model[0], nn.Embedding)
         chunk = -(-vocab // world_size)
         assert model[0].weight.to_local().shape == (max(0, min(chunk, vocab - rank * chunk)), hidden)
@@ -97,9 +97,10 @@ def test_ring_embedding_matches_nn_embedding(world_size):
 def _conversion_worker(rank, world_size):
     converted = {}
     for kind in ("gpt2", "llama", "bert"):
-        model = cf.shard(hf_models.build(kind), cf.CommFuseConfig(min_fuse_numel=0))
+        model = cf.shard(hf_models.build(kind), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
         converted[kind] = sorted(n for n, m in model.named_modules() if isinstance(m, RingEmbedding))
-    off = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0, ring_embeddings=False))
+    off = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                                                               ring_embeddings=False))
     converted["llama/off"] = [n for n, m in off.named_modules() if isinstance(m, RingEmbedding)]
     return converted
 
@@ -114,7 +115,7 @@ def test_which_embeddings_are_converted():
 
 def _out_of_range_worker(rank, world_size):
     model = _build(50, 8, None)
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     ids = torch.tensor([1, 2, 50 if rank == world_size - 1 else 3])
     with pytest.raises(IndexError, match=rf"out of range \[0, 50\) on rank\(s\) \[{world_size - 1}\]"):
         model(ids)
@@ -130,7 +131,7 @@ def _skewed_worker(rank, world_size):
     # Every rank's ids fall in shard 0 (rank 0 sends every other rank all their rows; the rest send nothing), and
     # rank 1 has no tokens at all: still the rows exchange, still exact.
     model, ref = _build(64, 8, None), _build(64, 8, None)
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     all_ids = [torch.randint(0, 16, (0 if r == 1 else 5 + r,), generator=torch.Generator().manual_seed(r))
                for r in range(world_size)]
     ops, _ = _step_against_reference(model, ref, all_ids, rank, world_size)

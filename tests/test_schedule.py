@@ -12,7 +12,8 @@ from harness import run_ranks
 def _fused_worker(rank, world_size, steps=1, prefetch_next=True, lookahead_mb=0):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, prefetch_next=prefetch_next, lookahead_mb=lookahead_mb),
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, prefetch_next=prefetch_next,
+                                      lookahead_mb=lookahead_mb),
              mesh=init_device_mesh("cpu", (world_size,)))
     x = torch.randn(4, 16, requires_grad=True)
     for _ in range(steps):
@@ -81,7 +82,7 @@ def test_no_backward_prefetch_without_grad():
 def _no_grad_worker(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, lookahead_mb=0))
     x = torch.randn(4, 16, requires_grad=True)
     model(x).sum().backward()  # learns the order
     events = []
@@ -202,7 +203,8 @@ def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.ModuleList([_Block() for _ in range(3)]))
     model.forward = lambda x: model[0][2](model[0][1](model[0][0](x)))
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, lookahead_mb=lookahead_mb, forward_bundles=forward_bundles))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, lookahead_mb=lookahead_mb,
+                                      forward_bundles=forward_bundles))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         model.zero_grad()

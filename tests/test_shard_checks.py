@@ -42,11 +42,12 @@ def _config_worker(rank, world_size):
     if world_size > 2:
         return messages  # the other cases at 2 ranks only
     # only prefetch_next differs
-    messages["prefetch_next"] = _refused(_llama(), cf.CommFuseConfig(prefetch_next=rank != last))
+    messages["prefetch_next"] = _refused(_llama(), cf.CommFuseConfig(schedule="fused", prefetch_next=rank != last))
     # only min_fuse_numel differs
-    messages["min_fuse_numel"] = _refused(_llama(), cf.CommFuseConfig(min_fuse_numel=0 if rank == last else 1024))
+    messages["min_fuse_numel"] = _refused(_llama(), cf.CommFuseConfig(schedule="fused",
+                                                                      min_fuse_numel=0 if rank == last else 1024))
     # the same on every rank: accepted
-    cf.shard(_llama(), cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(_llama(), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     return messages
 
 
@@ -68,7 +69,7 @@ def test_config_that_differs_across_ranks(world_size):
 
 def _model_worker(rank, world_size):
     last = world_size - 1
-    config = cf.CommFuseConfig(min_fuse_numel=0)
+    config = cf.CommFuseConfig(schedule="fused", min_fuse_numel=0)
     messages = {"layers": _refused(_llama(layers=3 if rank == last else 2), config)}
     if world_size == 2:  # at 3 ranks the extra layer only
         messages["hidden"] = _refused(_llama(hidden=48 if rank == last else 32), config)
@@ -98,7 +99,8 @@ def test_model_that_differs_across_ranks(world_size):
 def test_differences_named_without_ranks():
     from commfuse_dp.checks import config_differences, model_differences
 
-    a, b = cf.CommFuseConfig().to_dict(), cf.CommFuseConfig(bucket_mb=4, exclude=("lm_head",)).to_dict()
+    a, b = cf.CommFuseConfig(schedule="fused").to_dict(), cf.CommFuseConfig(schedule="fused", bucket_mb=4,
+                             exclude=("lm_head",)).to_dict()
     assert config_differences({0: a, 1: b, 2: a}) == [
         "bucket_mb: ranks 0, 2 have 25.0, rank 1 has 4.0", "exclude: ranks 0, 2 have [], rank 1 has ['lm_head']"]
     w, v = ("w", (4, 2), "float32", True), ("v", (4,), "float32", True)

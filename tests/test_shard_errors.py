@@ -34,7 +34,7 @@ def _mixed_devices_worker(rank, world_size):
         assert "Load its weights first" in str(err)
     else:
         raise AssertionError("a meta-built model ran a forward before its weights were loaded")
-    sharded = cf.shard(nn.Linear(4, 4), cf.CommFuseConfig(min_fuse_numel=0))
+    sharded = cf.shard(nn.Linear(4, 4), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     try:
         cf.shard(sharded)
     except ValueError as err:
@@ -79,7 +79,7 @@ def _unfusable_worker(rank, world_size):
     torch.manual_seed(0)
     model, ref = _Attention(), _Attention()
     ref.load_state_dict(model.state_dict())
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0))
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     x = torch.randn(2, 5, 16)
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
     assert type(model.head).__name__ == "RingLinear"

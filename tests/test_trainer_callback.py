@@ -178,7 +178,7 @@ def _args(**kw):
 def test_refuses_fsdp_and_saving_without_a_trainer(kw, word):
     from commfuse_dp import CommFuseConfig
 
-    cb = _integration()(CommFuseConfig())
+    cb = _integration()(CommFuseConfig(schedule="fused"))
     with pytest.raises(ValueError, match=word):
         cb.on_init_end(_args(**kw), None, None, model=torch.nn.Linear(2, 2))
 
@@ -189,7 +189,7 @@ def test_refuses_without_process_group():
     from commfuse_dp import CommFuseConfig
 
     assert not dist.is_initialized(), "the test process itself must have no process group"
-    cb = _integration()(CommFuseConfig())
+    cb = _integration()(CommFuseConfig(schedule="fused"))
     with pytest.raises(RuntimeError, match="torchrun"):
         cb.on_init_end(_args(), None, None, model=torch.nn.Linear(2, 2))
 
@@ -199,10 +199,10 @@ def test_two_callbacks_on_one_trainer_only_one_acts():
     from commfuse_dp import CommFuseConfig
 
     cls = _integration()
-    default, explicit = cls(), cls(CommFuseConfig(bucket_mb=5))
+    default, explicit = cls(), cls(CommFuseConfig(schedule="fused", bucket_mb=5))
     trainer = types.SimpleNamespace(callback_handler=types.SimpleNamespace(callbacks=[object(), default, explicit]))
     assert default._defer(trainer) and not explicit._defer(trainer)
-    first, second = cls(CommFuseConfig()), cls(CommFuseConfig())
+    first, second = cls(CommFuseConfig(schedule="fused")), cls(CommFuseConfig(schedule="fused"))
     trainer.callback_handler.callbacks = [first, second]
     assert not first._defer(trainer) and second._defer(trainer)
     assert not cls()._defer(None)
@@ -222,7 +222,7 @@ def test_trainer_parallelism_config_becomes_replicate(sizes, replicate, error):
 
     from commfuse_dp import CommFuseConfig
 
-    cfg = CommFuseConfig(replicate=sizes.pop("cfg_replicate", 1))
+    cfg = CommFuseConfig(schedule="fused", replicate=sizes.pop("cfg_replicate", 1))
     cb = _integration()(cfg)
     pc = ParallelismConfig(**sizes)
     if error:

@@ -102,7 +102,7 @@ def test_weight_read_after_forward_matches_single_process():
 def _audit_worker(rank, world_size):
     """What else touches a fused parameter after shard(): each exact, or refused with a message that says what."""
     outcomes = {}
-    config = cf.CommFuseConfig(min_fuse_numel=0)
+    config = cf.CommFuseConfig(schedule="fused", min_fuse_numel=0)
 
     def sharded():
         return cf.shard(hf_models.build("llama", tie_word_embeddings=True), config)

@@ -58,7 +58,8 @@ def main(out_dir: str, mode: str) -> None:
         dataloader_num_workers=0, disable_tqdm=True)
     trainer = CrashingTrainer(model=hf_models.build("llama", seed=0), args=args,
                               train_dataset=hf_models.Synthetic(24, seed=1),
-                              callbacks=[CommFuseCallback(CommFuseConfig(min_fuse_numel=0)), StepsRun()])
+                              callbacks=[CommFuseCallback(CommFuseConfig(schedule="fused", min_fuse_numel=0)),
+                                                                         StepsRun()])
     result = {}
     if mode == "resume":
         try:
