@@ -45,6 +45,9 @@ class Engine:
 
     def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig, world_ring: Ring | None = None,
                  replicas=None) -> None:
+        if config.schedule == "auto" or config.piece_shards == "auto":  # (shard() resolves them: choose.py)
+            config = config.replace(schedule="fused" if config.schedule == "auto" else config.schedule,
+                                    piece_shards=1 if config.piece_shards == "auto" else config.piece_shards)
         self.ring, self.mesh, self.config = ring, mesh, config
         self.world_ring = world_ring or ring
         self.replicas = replicas

@@ -90,6 +90,9 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         r = simulate(units, slow, schedule)
         return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slow.flops_per_s / cl.flops_per_s}
 
+    if cl.host_on_compute and cl.peer_host_s and n > 1 and schedule == "fsdp2":
+        # FSDP2's own host work (its copies in and out of the flat buffers) on the thread that computes
+        return {**slowed(cl.peer_host_s, host_on_compute=False, peer_host_s=0.0), "host_s": cl.peer_host_s}
     if cl.host_on_compute and cl.host_fit is not None and n > 1 and schedule in ("slicing", "lockstep", "fused"):
         # The host issues the fused groups' ring steps and pieces on the thread that computes: it slows the compute.
         host = plays.host_seconds(units, cl)
@@ -116,7 +119,9 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops,
                 "pieces_s": plays.piece_extra(units, cl, cl.piece_shards), "host_s": host}
     if schedule == "fsdp2":  # the peer: stock FSDP2's units and its GPU schedule (plays.fsdp2)
-        return {"step_s": plays.fsdp2(units, cl), "compute_s": compute, "flops": flops}
+        t = plays.fsdp2(units, cl)
+        return {"step_s": max(t, cl.peer_host_s), "device_s": t, "compute_s": compute, "flops": flops,
+                "host_s": cl.peer_host_s}
     if schedule in ("fused", "lockstep"):
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
         play = plays.lockstep if lockstep else plays.elastic
@@ -331,7 +336,8 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
             if measured_name not in rows:
                 continue
             host = (extra[schedule] / groups, 0.0) if schedule in extra else None  # as a + b N per fused group
-            predicted = simulate(units, replace(cl, host_fit=host), schedule)["step_s"]
+            predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=extra.get("fsdp2", 0.0)),
+                                 schedule)["step_s"]
             measured = rows[measured_name]["step_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))
@@ -373,55 +379,62 @@ def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
 
 
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
-          against: str = "slicing", piece_fit: tuple[float, float] | None = None,
+          against: str = "fsdp2", piece_fit: tuple[float, float] | None = None,
           host_fit: tuple[float, float] | None = None, min_fuse_numel: int = MIN_FUSE_NUMEL) -> int:
-    """Fused step time over ``against``'s (``slicing`` or ``fsdp2``, the peer) for every (ranks, link, tokens per rank)
-    of the sweep grid; prints a table and returns the number of cells where fused is slower. The last lines count
-    the cells against both. With ``piece_fit`` (GEMM pieces cost time), each schedule computes in pieces as its
-    best ``piece_shards`` does: fused the one ``best_piece_shards`` recommends, slicing (which gathers whole
-    layers) all shards at once. With ``host_fit``, each step is at least the host's time to issue it."""
+    """What ``CommFuseConfig()``'s defaults run (``choose.decide``: fused at its best ``piece_shards`` where that is
+    predicted at least 2% faster than the peer, else the peer), over ``against``'s step time (``fsdp2``, the peer,
+    or ``slicing``), for every (ranks, link, tokens per rank) of the sweep grid; prints a table (``f``: the defaults
+    fuse there; ``=``: they run the peer) and returns the number of cells where the defaults are slower. With
+    ``piece_fit`` GEMM pieces cost time (slicing gathers whole layers: computes whole GEMMs); with ``host_fit`` each
+    fused step is at least the host's time to issue it."""
+    from .choose import decide
+
+    against = ALIASES.get(against, against)
     model = load_model(model_name)
-    print(f"{model_name}: fused (elastic lookahead) step time / {against}'s; {latency_us:g} us per ring step, "
+    print(f"{model_name}: CommFuseConfig()'s defaults, step time / {against}'s; {latency_us:g} us per ring step, "
           f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}, min_fuse_numel {min_fuse_numel}; tokens per "
-          f"rank across, ranks x GB/s down"
-          + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}, each schedule at its best "
-             f"piece_shards" if piece_fit else "")
+          f"rank across, ranks x GB/s down; f: fused chosen, =: the peer chosen"
+          + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}" if piece_fit else "")
           + (f"; the host needs {host_fit[0] * 1e3:g} + {host_fit[1] * 1e3:g} N ms per fused group per step"
              if host_fit else ""))
     print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
-    against = ALIASES.get(against, against)
-    ratios: dict[str, list[float]] = {"slicing": [], "fsdp2": []}
-    unknown = 0
+    ratios: list[float] = []
+    fused_ratios: list[float] = []  # fused at its best piece width over the peer, wherever played
+    unknown: list[str] = []
+    chose_fused = 0
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
             cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
                          piece_fit=piece_fit, host_fit=host_fit, min_fuse_numel=min_fuse_numel)
             cells = []
             for tokens in SWEEP_TOKENS:
-                if piece_fit is None:
-                    r = predict(model, cl, tokens, min(seq, tokens))
-                else:
-                    best = best_piece_shards(model, cl, tokens, min(seq, tokens))
-                    r = {**predict(model, replace(cl, piece_shards=ranks), tokens, min(seq, tokens)),
-                         "fused": predict(model, replace(cl, piece_shards=best), tokens, min(seq, tokens))["fused"]}
-                ratio = r["fused"]["step_s"] / r[against]["step_s"]
-                if r["fused"]["unplayed"] or r[against].get("unplayed"):
-                    unknown += 1  # a layer keeps its own FSDP2 collectives: not the schedule that runs
+                units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
+                schedule, width, predicted = decide(units, cl)
+                fused_s = predicted[f"fused, piece_shards={width}"]
+                mine = fused_s if schedule == "fused" else predicted["fsdp2"]
+                theirs = predicted["fsdp2"] if against == "fsdp2" else simulate(
+                    units, replace(cl, piece_shards=ranks), against)["step_s"]
+                ratio = mine / theirs
+                mark = "f" if schedule == "fused" else "="
+                if schedule == "fused" and unplayed(units, cl, "fused"):
+                    unknown.append(f"{ranks} ranks, {gbps:g} GB/s, {tokens} tokens")
                     cells.append(f"{ratio:>6.3f}?")
                     continue
-                for name, seen in ratios.items():
-                    seen.append(r["fused"]["step_s"] / r[name]["step_s"])
-                cells.append(f"{ratio:>6.3f}{'*' if ratio > 1.0 + 1e-9 else ' '}")
+                chose_fused += schedule == "fused"
+                ratios.append(ratio)
+                fused_ratios.append(fused_s / predicted["fsdp2"])
+                cells.append(f"{ratio:>6.3f}{'*' if ratio > 1.0 + 1e-9 else mark}")
             print(f"{ranks:>6} {gbps:>6g} " + " ".join(cells))
     if unknown:
-        print(f"?: {unknown} cells not played: there a decoder layer's groups below min_fuse_numel {min_fuse_numel} "
-              f"add up to an FSDP2 unit of their own in shard() (gathered per layer), which the planner does not "
-              f"model; it shows them as gathered at the step's head")
-    for name, seen in ratios.items():
-        slower = [x for x in seen if x > 1.0 + 1e-9]
-        print(f"{model_name}: fused slower than {name}{' (*)' if name == against else ''} in {len(slower)} of "
-              f"{len(seen)} cells played" + (f", at most {max(slower):.3f}x" if slower else ""))
-    return sum(x > 1.0 + 1e-9 for x in ratios[against])
+        print(f"?: {len(unknown)} cells where the defaults fuse but a decoder layer's groups below min_fuse_numel "
+              f"{min_fuse_numel} add up to an FSDP2 unit of their own in shard() (gathered per layer), which the "
+              f"planner does not play: " + "; ".join(unknown))
+    slower = [x for x in ratios if x > 1.0 + 1e-9]
+    print(f"{model_name}: the defaults fuse in {chose_fused} of {len(ratios)} cells played and are slower than "
+          f"{against} in {len(slower)}" + (f", at most {max(slower):.3f}x (*)" if slower else "")
+          + f"; fused at its best piece width alone would be slower than fsdp2 in "
+          f"{sum(x > 1.0 + 1e-9 for x in fused_ratios)}")
+    return len(slower)
 
 
 def main(argv: list[str] | None = None) -> int:

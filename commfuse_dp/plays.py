@@ -67,6 +67,10 @@ class Cluster:
     # CommFuseConfig.forward_bundles: a unit's forward rings share their steps (True), go each alone (False), or
     # None: its "auto" (``CommFuseConfig.bundles_forward``)
     forward_bundles: bool | None = None
+    # The peer's (fsdp2's) host work per step, seconds: FSDP2's copies into and out of its flat buffers and its hooks
+    # (``benchmarks/step_overhead.py --schedules fsdp2``), on the computing thread or ahead of the device as
+    # ``host_on_compute`` says; 0: not modelled
+    peer_host_s: float = 0.0
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
     rows_ring: bool = False  # the ring embedding's rows as a dense ring (runs before 2026-11-27; ``Unit.exchange``)
     # CommFuseConfig.min_fuse_numel: smaller groups (and ring embedding tables) are not fused (``placed``)

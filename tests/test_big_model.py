@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import commfuse_dp as cf
 from commfuse_dp import checkpoint as ck
 
-CONFIG = {"min_fuse_numel": 0}
+CONFIG = {"schedule": "fused", "min_fuse_numel": 0}
 OVERRIDES = {"llama": {"tie_word_embeddings": True}, "gpt2": {}, "bert": {}}
 
 

@@ -22,7 +22,7 @@ harness._context().set_forkserver_preload(["torch", "torch.distributed", "harnes
 
 def _trained(kind, rank, **config):
     model = hf_models.build(kind, seed=0)
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, **config))
+    cf.shard(model, cf.CommFuseConfig(**{"schedule": "fused", "min_fuse_numel": 0, **config}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         model(**hf_models.batch(rank, step)).loss.backward()

@@ -132,7 +132,7 @@ def _unit_worker(rank, world_size):
     for label, options in (("elastic", {}), ("lockstep", {"lookahead_mb": 0}), ("slicing", {"schedule": "slicing"})):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=hf_models.VOCAB, hidden_size=64, intermediate_size=16,
                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1))
-        cf.shard(model, cf.CommFuseConfig(min_fuse_numel=2000, **options))
+        cf.shard(model, cf.CommFuseConfig(**{"schedule": "fused", "min_fuse_numel": 2000, **options}))
         mlp = model.model.layers[0].mlp
         kinds[label] = {name: type(getattr(mlp, name)).__name__ for name in ("gate_proj", "up_proj", "down_proj")}
     return kinds

@@ -101,7 +101,7 @@ def _parity_worker(rank, world_size, kinds):
             assert moved > 1e-4, "training did not move the parameters: the comparison would prove nothing"
             stats = result["stats"]
             assert stats.wall_s > 0 and 0 <= stats.exposed_comm_s <= stats.wall_s
-            assert stats.ring_steps > 0 or schedule == "fsdp2"  # (FSDP2's units count no fused ring steps)
+            assert stats.ring_steps > 0
             summary[f"{kind}/{schedule}"] = stats.ring_steps
     return summary
 

@@ -212,6 +212,19 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
         out.div_(world)
 
 
+def ring_steps_of(ring: Ring, whole: torch.Tensor, shard_numel: int, bucket_mb: float = DEFAULT_BUCKET_MB,
+                  direct_kb: float = DEFAULT_DIRECT_KB) -> int:
+    """The ring steps one ``ring_all_gather`` or ``ring_reduce_scatter`` of ``whole`` (the gathered output, or the
+    reduce-scatter's input) with shards of ``shard_numel`` elements takes: 1 when it goes direct, else its chunks'
+    wavefront, N-2 steps longer than the chunks (a step carries one slice of every chunk in flight)."""
+    if ring.size == 1 or shard_numel == 0:
+        return 0
+    chunk = _chunk_numel(bucket_mb, whole.element_size(), "ring_steps_of")
+    if goes_direct(ring, whole, direct_kb, chunked=shard_numel > chunk):
+        return 1
+    return -(-shard_numel // chunk) + ring.size - 2
+
+
 def goes_direct(ring: Ring, whole: torch.Tensor, direct_kb: float, chunked: bool = False) -> bool:
     """Whether a collective of ``whole`` (the gathered output, or the reduce-scatter's input) is one direct exchange
     with every peer: more than 2 ranks, ``whole`` within ``direct_kb`` KiB, and its shard within one bucket

@@ -41,7 +41,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
-from .collectives import ring_all_gather, ring_reduce_scatter
+from .collectives import ring_all_gather, ring_reduce_scatter, ring_steps_of
+from .topology import get_ring
 
 _SHARD_OWNER = "commfuse_dp.shard()"
 
@@ -57,12 +58,20 @@ class _RingComm:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
+    def count(self, whole: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Count the collective's ring steps in the step's statistics (``StepStats.ring_steps``)."""
+        if self.recorder is not None:
+            cfg = self.config
+            self.recorder.ring_steps += ring_steps_of(get_ring(group), whole, shard.numel(), cfg.bucket_mb,
+                                                      cfg.direct_kb)
+
 
 class RingAllGather(_RingComm, AllGather):
     """``fully_shard``'s all-gather as a bucketed ring (``FSDPModule.set_custom_all_gather``)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
+        self.count(output_tensor, input_tensor, group)
         began = time.perf_counter()
         work = ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
                                **self.config.ring_kwargs)
@@ -89,6 +98,7 @@ class RingReduceScatter(_RingComm, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
         # FSDP2 ignores the return value of its reduce-scatter: complete on return, or deferred (see above)
+        self.count(input_tensor, output_tensor, group)
         if self.deferred is not None and self.deferred.may_defer(self.param_group, output_tensor, op):
             work = ring_reduce_scatter(output_tensor, input_tensor, group, op, async_op=True, label=self.label,
                                        **self.config.ring_kwargs)

@@ -53,7 +53,7 @@ def _append(workdir: str, rank: int, key: str, value) -> None:
 def _config(rank: int, fault: str):
     from commfuse_dp import CommFuseConfig
 
-    values = {"min_fuse_numel": 0, "timeout_s": RING_TIMEOUT_S}
+    values = {"schedule": "fused", "min_fuse_numel": 0, "timeout_s": RING_TIMEOUT_S}
     if fault == "mismatched_config" and rank == VICTIM:
         values["bucket_mb"] = 5.0
     if fault == "nan_grads_skip":
