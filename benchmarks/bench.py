@@ -12,8 +12,8 @@
    ``--rates``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
 3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit, step_s, exposed_s,
    tokens_per_s, peak_mem_mb, ratio_to_limit, ratio_to_floor; ``paired``: fused's step over each other
-   variant's, round by round, with the lowest and highest round), a PNG of the sweep, and a timeline of one fused
-   and one slicing step at the balanced rate (PNG and a Chrome/Perfetto trace).
+   variant's, round by round, with the lowest and highest round), a PNG of the sweep, and a timeline of one fused,
+   one fsdp2_overlap and one slicing step at the balanced rate (PNG and a Chrome/Perfetto trace).
 
 Peak memory per rank (at the balanced rate, in a run of its own): what the variant holds between steps (parameter
 shards, optimizer state) plus the peak of the process's resident size during a step above its size before it.
@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
     from commfuse_dp.config import CommFuseConfig
 
-    payload = {"records": records, "paired": paired, "paired_defaults": paired_defaults, "rounds": args.rounds, "balanced_rate_mbit": balanced,
+    payload = {"command": "commfuse-dp bench " + " ".join(sys.argv[1:] if argv is None else argv),
+               "records": records, "paired": paired, "paired_defaults": paired_defaults, "rounds": args.rounds, "balanced_rate_mbit": balanced,
                "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",

@@ -77,7 +77,7 @@ VARIANTS = ("defaults", "fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed
 EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
                   "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
-TIMELINE_VARIANTS = ("fused", "slicing", "hsdp_fused")  # --timeline records one step of each present
+TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
 
 # The bench's default model and batch (its --hidden ... --min-fuse-numel)

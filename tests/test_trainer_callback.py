@@ -48,7 +48,7 @@ def _launch(tmp_path, mode: str, precision: str = "fp32") -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("trainer")
-    result = {mode: _launch(tmp_path, mode) for mode in ("commfuse", "ddp", "resume")}
+    result = {mode: _launch(tmp_path, mode) for mode in ("commfuse", "ddp", "resume", "peer")}
     result["dir"] = tmp_path
     return result
 
@@ -84,6 +84,17 @@ def test_losses_match_ddp(runs):
     assert max(ddp["grad_norms"]) > 1.0
     # The model actually trains: the loss is not constant.
     assert len(set(ddp["losses"])) > 1
+
+
+def test_peer_schedule_matches_ddp(runs):
+    """CommFuseConfig(schedule="fsdp2"), what the defaults run where fusing cannot win: its asynchronous gathers
+    and deferred reduce-scatters under the Trainer's accumulation (no_sync) and clipping, against DDP."""
+    peer, ddp = runs["peer"], runs["ddp"]
+    assert peer["all_dtensor"] and peer["optimizer_state_dtensor"] and peer["steps"] == ddp["steps"]
+    torch.testing.assert_close(torch.tensor(peer["losses"]), torch.tensor(ddp["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(peer["grad_norms"]), torch.tensor(ddp["grad_norms"]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(peer["eval_loss"]), torch.tensor(ddp["eval_loss"]), rtol=1e-5, atol=0)
+    assert all(entry["commfuse/ring_steps"] > 0 for entry in peer["logs"])
 
 
 def test_eval_loss_matches_ddp_with_short_last_batch(runs):

@@ -42,7 +42,9 @@ def main(out: str, mode: str, precision: str = "fp32") -> None:
         lr_scheduler_type="constant",
         # No padding of the last eval batch: rank 1 evaluates a batch of 1 at the end (11 samples, 2 ranks x 2).
         accelerator_config={"even_batches": False})
-    callbacks = [CommFuseCallback(CommFuseConfig(schedule="fused", min_fuse_numel=0))] if mode != "ddp" else []
+    # "peer": the schedule the defaults run where fusing cannot win (stock FSDP2's units, its GPU schedule)
+    schedule = "fsdp2" if mode == "peer" else "fused"
+    callbacks = [CommFuseCallback(CommFuseConfig(schedule=schedule, min_fuse_numel=0))] if mode != "ddp" else []
     # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 48 samples for 6 steps.
     # Eval: 11 samples over 2 ranks x 2 per device, so the last batch is short.
     trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(48, seed=1),
