@@ -35,6 +35,11 @@ MARGIN = 0.02  # fused only where predicted at least this much faster than the p
 # ``benchmarks/step_overhead.py`` (the bench model at 2 ranks, 1.7 ms a group; a tiny Llama at 2-16 ranks,
 # 0.5 ms more a group per rank).
 CPU_HOST_FIT = (0.7e-3, 0.5e-3)
+# The peer's own host work on CPU, per byte of parameters, of which it copies three times a step (out of its flat
+# buffer after the forward's and the backward's all-gathers, into one before the reduce-scatter): 93 ms a step for
+# the bench model's 68 MB at 2 ranks (``step_overhead.py --schedules fsdp2 --bench-model real``,
+# benchmarks/results/step-overhead-2ranks-real-peer.json). On a GPU these copies are device kernels.
+CPU_PEER_COPY_S_PER_BYTE = 0.093 / (3 * 68.2e6)
 DEFAULT_TOKENS_CAP = 4096
 
 
@@ -92,8 +97,15 @@ def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: tor
         where = "given" if config.link_gbps is not None else "assumed: 10 Gb Ethernet"
     cl = replace(cl, lookahead_bytes=None if config.lookahead_mb == "auto" else config.lookahead_mb * 2**20,
                  prefetch_depth=config.prefetch_depth)
+    if device.type != "cuda":  # FSDP2's copies on the computing thread (set per model: peer_host_on_cpu)
+        cl = replace(cl, peer_host_s=-1.0)
     return cl, (f"{device.type}, {ranks} ranks, link {link:g} GB/s ({where}), {cl.flops_per_s / 1e12:g} TFLOP/s, "
                 f"{nbytes}-byte elements")
+
+
+def peer_host_on_cpu(units: list, cl: Cluster) -> float:
+    """Seconds of the peer's host work per step on CPU: three copies of the model's parameters."""
+    return CPU_PEER_COPY_S_PER_BYTE * 3 * sum(u.fused_numel + u.other_numel for u in units) * cl.param_bytes
 
 
 def decide(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int | str = "auto"
@@ -137,8 +149,10 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
     tokens = tokens_of(model, config)
     seq = min(tokens, getattr(model.config, "max_position_embeddings", tokens) or tokens)
     described += f", {tokens} tokens per rank" + ("" if config.tokens_per_rank is not None else " (assumed)")
-    schedule, width, predicted = decide(units_for(*shape, tokens=tokens, seq=seq), cl, config.schedule,
-                                        config.piece_shards)
+    units = units_for(*shape, tokens=tokens, seq=seq)
+    if cl.peer_host_s < 0:
+        cl = replace(cl, peer_host_s=peer_host_on_cpu(units, cl))
+    schedule, width, predicted = decide(units, cl, config.schedule, config.piece_shards)
     fused_s = predicted[f"fused, piece_shards={width}"] if schedule == "fused" else min(
         v for k, v in predicted.items() if k != "fsdp2")
     if fixed is not None:
