@@ -36,7 +36,7 @@ Variants:
   their steps, as the backward's (what ``"auto"`` chooses for many layers on many ranks, not for the bench's 4).
 - ``fused_ring`` (only when asked for): ``fused`` with ``direct_kb=0``: every bucketed collective goes round the
   ring, also the tiny ones (the root unit's norms, the ring embedding's token ids) that otherwise take one direct
-  round (the library before 2026-11-26 evening).
+  round.
 - ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
   the same time, with no dependency between them. The best any overlap can do on this machine, where the
   communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
@@ -135,8 +135,7 @@ class Runner:
 
     def _optimizer(self, params):
         # fused: torch's one-kernel AdamW, the Trainer's default (optim="adamw_torch_fused"); foreach: torch's
-        # default when constructed plainly, which dispatches each of its list ops through DTensor (the runs before
-        # 2026-11-27 evening)
+        # default when constructed plainly, which dispatches each of its list ops through DTensor
         return torch.optim.AdamW(params, lr=1e-4, **OPTIMIZERS[getattr(self.args, "optimizer", "fused")])
 
     def _build_fused(self, schedule="fused", **options):

@@ -292,7 +292,7 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
     model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m.get("kv_heads") or m["heads"], m["vocab"])
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
     direct_bytes = m.get("direct_kb", 0) * 1024  # runs that do not record it went round the ring
-    rows_ring = m.get("embedding_rows") != "direct"  # so did the ring embedding's rows before 2026-11-27
+    rows_ring = m.get("embedding_rows") != "direct"  # a file without it: the rows went round a ring
     units = units_for(*model, tokens=tokens, seq=seq)
     flops = 3 * sum(u.flops for u in units)
     # What the bench's comm_only moves per rank: every unit gathered twice and reduce-scattered once, except the ring

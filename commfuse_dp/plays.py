@@ -31,8 +31,8 @@ class Unit:
         """A ring embedding's exchange, one way: (rounds, elements one rank sends). The rows of its tokens that the
         other shards own (ids spread evenly over the shards), in one direct round, where that is fewer than the
         table ring's ``(N-1)·c`` rows (``fused/embedding.py``'s ``rows_cheaper``); else the table shard, round an
-        N-1-step ring. ``rows_ring``: the library before 2026-11-27, whose rows went round an N-1-step ring of
-        every token's row, taken while the tokens were no more than a shard's rows."""
+        N-1-step ring. ``rows_ring``: as a bench file without ``embedding_rows`` ran it, the rows round an N-1-step
+        ring of every token's row, taken while the tokens were no more than a shard's rows."""
         rows, width = self.table
         chunk = -(-rows // ranks)
         if rows_ring:
@@ -72,7 +72,7 @@ class Cluster:
     # ``host_on_compute`` says; 0: not modelled
     peer_host_s: float = 0.0
     direct_bytes: float = 1 << 20  # CommFuseConfig.direct_kb in bytes: smaller bucketed collectives take one round
-    rows_ring: bool = False  # the ring embedding's rows as a dense ring (runs before 2026-11-27; ``Unit.exchange``)
+    rows_ring: bool = False  # the ring embedding's rows as a dense ring (``Unit.exchange``)
     # CommFuseConfig.min_fuse_numel: smaller groups (and ring embedding tables) are not fused (``placed``)
     min_fuse_numel: int = MIN_FUSE_NUMEL
 

@@ -48,7 +48,8 @@ def test_planner_ring_embedding_moves_the_smaller_of_rows_and_table():
     # shard has 2004 rows, fewer than the tokens, but the table ring would move 63 of them
     assert embedding.exchange(8) == (1, 4096 * 7 // 8 * hidden)
     assert embedding.exchange(64) == (1, 4096 * 63 // 64 * hidden)
-    # before 2026-11-27: a dense ring of every token's row, or the table beyond a shard's rows
+    # rows_ring (bench files without "embedding_rows"): a dense ring of every token's row, or the table beyond a
+    # shard's rows
     assert embedding.exchange(8, rows_ring=True) == (7, 7 * 4096 * hidden)
     assert embedding.exchange(64, rows_ring=True) == (63, 63 * -(-vocab // 64) * hidden)
     # more tokens per rank than the table has rows: the table
@@ -317,7 +318,7 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
 
 def test_cuda_check_dry_run_on_cpu(tmp_path):
     """The GPU check script (benchmarks/cuda_check.py) runs its parts on the CPU too, so it does not rot between the
-    sessions that are lent a GPU; it must fail when a part fails or does not run (here: no time left for it)."""
+    machines that are lent a GPU; it must fail when a part fails or does not run (here: no time left for it)."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cuda_check.py")
     run = lambda parts, *more: subprocess.run(  # noqa: E731
         [sys.executable, script, "--device", "cpu", "--quick", "--parts", parts, "--out", str(tmp_path), *more],

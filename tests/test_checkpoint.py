@@ -14,7 +14,7 @@ from commfuse_dp import checkpoint as ck
 from harness import run_ranks
 
 # have the fork server import transformers and commfuse_dp once instead of every rank (no effect if an earlier
-# test module of this session started it)
+# test module of this pytest run started it)
 harness._context().set_forkserver_preload(["torch", "torch.distributed", "harness", "hf_models", "commfuse_dp",
                                            "transformers.models.llama.modeling_llama",
                                            "transformers.models.gpt2.modeling_gpt2"])

@@ -231,8 +231,8 @@ def test_no_abort_at_exit_after_shutdown(tmp_path):
     the lowest priority, so that they tend to get the CPU back only once the main thread is finalizing. Measured
     here with ``slow``: unguarded, 9 of 40 processes aborted (about one launch in three); with the drain alone
     (what a DeepSpeed run whose engine keeps its groups gets), 0 of 32; drain and ``destroy_process_group()``
-    (``shutdown()``), 0 of 40. On 2026-11-28, rings used and nothing at the end (``rings``): 9 and 7 of 12 launches
-    aborted before the first gloo ring registered the drain at exit, 0 and 0 of 12 after; ``bare`` 9 of 12.
+    (``shutdown()``), 0 of 40. Rings used and nothing at the end (``rings``): 9 and 7 of 12 launches aborted without
+    the drain at exit that the first gloo ring registers, 0 and 0 of 12 with it; ``bare`` 9 of 12.
 
     The test first launches the unguarded script (``bare``: plain torch + gloo, no rings) until it aborts (at most
     EXIT_LAUNCHES times; at one launch in three, not seeing it in 12 launches has a chance under 1 %), so the abort

@@ -1,4 +1,4 @@
-"""``commfuse-dp launch --config_file cfg.yaml LAUNCHER ...``: commands that start their own workers (issue 18).
+"""``commfuse-dp launch --config_file cfg.yaml LAUNCHER ...``: commands that start their own workers.
 
 Real launchers, 2 CPU ranks (gloo), nothing mocked: ``trl sft`` (its own ``accelerate launch`` inside), ``torchrun
 --nproc_per_node 2 script.py`` and ``accelerate launch script.py``. Each must end (a timeout turns a hang into a

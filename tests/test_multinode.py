@@ -76,7 +76,7 @@ def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
     torch.testing.assert_close(torch.tensor(cf["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-4, atol=0)
     # The trained models' logits: 2 copies x 2 shards sum gradients in another order than DDP's all-reduce, and the
     # fused GEMMs run in pieces. After 4 AdamW steps at lr 1e-2 that is within 1e-5 with torch's AVX2 kernels and up
-    # to 2.3e-5 with its AVX-512 ones (ATEN_CPU_CAPABILITY=avx2 vs the default on an AMD EPYC, 2026-11-27); a
+    # to 2.3e-5 with its AVX-512 ones (ATEN_CPU_CAPABILITY=avx2 vs the default on an AMD EPYC); a
     # gradient lost or counted twice would move an Adam step's update by about lr.
     torch.testing.assert_close(torch.tensor(cf["logits"]), torch.tensor(plain["logits"]), rtol=1e-4, atol=1e-4)
 

@@ -29,7 +29,7 @@ from harness import run_ranks
 
 # Nine launches of up to 4 ranks: have the fork server import transformers' Llama and commfuse_dp once, so a
 # rank does not spend seconds importing them on a shared 2-core machine (no effect if an earlier test module of
-# this session already started the fork server).
+# this pytest run already started the fork server).
 harness._context().set_forkserver_preload(["torch", "torch.distributed", "harness", "hf_models", "commfuse_dp",
                                            "transformers.models.llama.modeling_llama"])
 

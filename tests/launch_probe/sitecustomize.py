@@ -75,7 +75,7 @@ if os.environ.get("LAUNCH_PROBE_OUT") and "RANK" in os.environ:
     if os.environ.get("LAUNCH_PROBE_EXIT_DRAIN") == "1":
         # Only for the stock DDP reference runs: plain torch + gloo can abort at interpreter exit after the run is
         # done ("terminate called without an active exception": a gloo worker frees a finished work while the
-        # interpreter finalizes; CI of 2026-11-28 lost the `torchrun -m trl.scripts.sft` reference to it). The
+        # interpreter finalizes; a `torchrun -m trl.scripts.sft` reference run was lost to it in CI). The
         # same 0.1 s release of the GIL at exit that commfuse's first gloo ring registers ([Note: the abort at
         # exit], commfuse_dp/ring/topology.py), registered first so it runs last. The commfuse runs do not get it:
         # their clean exit is the product's own.
