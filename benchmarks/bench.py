@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
     parser.add_argument("--settle", type=int, default=1,
                         help="untimed steps per variant at the start of each round, so that no timed step follows "
-                             "another variant's step (default 1; 0: none, a variant's first timed step follows another's)")
+                             "another variant's step (default 1; 0: none, a variant's first timed step follows "
+                             "another's)")
     parser.add_argument("--json", help="write the records to this JSON file")
     parser.add_argument("--out-dir", default="bench-out", help="PNG plots and traces go here (default bench-out)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one rate may take before it is killed")
@@ -246,13 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in MODEL_DEFAULTS:
         parser.add_argument(f"--{name}", type=int, default=default, help=helps.get(name))
     parser.add_argument("--burst-kb", type=int, default=128,
-                        help="tc tbf burst of every link, KiB (default 128). After an idle gap a link sends up to this much above its rate: schedules that "
-                             "leave the link idle get those bytes free, so keep it small")
+                        help="tc tbf burst of every link, KiB (default 128). After an idle gap a link sends up to "
+                             "this much above its rate: schedules that leave the link idle get those bytes free, so "
+                             "keep it small")
     parser.add_argument("--lookahead-mb", default="auto",
                         help="CommFuseConfig.lookahead_mb of the fused variant (fused_lockstep: always 0)")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused",
                         help="AdamW's implementation in every variant: fused (default; the Trainer's adamw_torch_fused) "
-                             "or foreach (torch's default when constructed plainly), which costs a sharded rank more host time per step (DTensor dispatch)")
+                             "or foreach (torch's default when constructed plainly), which costs a sharded rank more "
+                             "host time per step (DTensor dispatch)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
@@ -327,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                "model": {**{k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
                                                            "vocab", "seq", "batch", "min_fuse_numel")},
                          "direct_kb": CommFuseConfig().direct_kb,  # fused_ring: 0
-                         "embedding_rows": "direct"},  # the ring embedding's rows in one round (a file without it: a ring)
+                         # the ring embedding's rows in one round (a file without it: a ring)
+                         "embedding_rows": "direct"},
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE.format(burst=args.burst_kb)}, "wall_s": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as f:

@@ -27,7 +27,8 @@ request (``commfuse_dp.ring.topology.set_device_clock``: a CUDA communication st
 stream's event so), the host blocks where it waits for a ring step as before, and ``synchronize()`` sleeps until
 the queue is done (the worker calls it after the backward and at the step's end). So host work of the schedule
 (Python, packing, the ring thread's issuing) overlaps the emulated compute, as on a GPU, instead of adding to it.
-``host_ahead=False`` (``--emulated-host sync``): the host sleeps until each piece is done. Either way, work that is not emulated (norms, softmax, the optimizer) runs on the host's CPU.
+``host_ahead=False`` (``--emulated-host sync``): the host sleeps until each piece is done. Either way, work that is
+not emulated (norms, softmax, the optimizer) runs on the host's CPU.
 """
 
 from __future__ import annotations
