@@ -9,8 +9,9 @@ they do not, and 1 is kept). The plays read:
 - the model's shapes: its transformers config (hidden, intermediate and vocabulary sizes, layers, heads);
 - the ranks of the shard group;
 - the device: a CUDA device plays the GEMM-piece cost and host time measured on an H200 (the host issuing ahead of
-  the device), bf16/fp16 at 400 TFLOP/s and fp32 at 50; the CPU plays whole-GEMM pieces and this library's host
-  time on the computing thread, at 50 GFLOP/s per rank;
+  the device), bf16/fp16 at 400 TFLOP/s and fp32 at 50; the CPU plays whole-GEMM pieces, this library's host time
+  and FSDP2's copies into and out of its flat buffers on the computing thread (both measured on this project's
+  2-core machines), at 50 GFLOP/s per rank;
 - the link: ``CommFuseConfig.link_gbps`` where given; else NVLink's 450 GB/s on CUDA inside one node, 50 GB/s
   across nodes, and 1.25 GB/s (10 Gb Ethernet) on CPU;
 - the tokens of one rank's step: ``CommFuseConfig.tokens_per_rank`` where given, else the model's context
@@ -28,9 +29,11 @@ import torch
 import torch.nn as nn
 
 from .config import CommFuseConfig
+from .plan import MARGIN, decide
 from .plays import H200_HOST_FIT, H200_PIECE_FIT, Cluster, units_for
 
-MARGIN = 0.02  # fused only where predicted at least this much faster than the peer
+__all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
+
 # The host's time per fused group per step on this project's 2-core CPU machines, on the thread that computes:
 # ``benchmarks/step_overhead.py`` (the bench model at 2 ranks, 1.7 ms a group; a tiny Llama at 2-16 ranks,
 # 0.5 ms more a group per rank).
@@ -97,8 +100,6 @@ def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: tor
         where = "given" if config.link_gbps is not None else "assumed: 10 Gb Ethernet"
     cl = replace(cl, lookahead_bytes=None if config.lookahead_mb == "auto" else config.lookahead_mb * 2**20,
                  prefetch_depth=config.prefetch_depth)
-    if device.type != "cuda":  # FSDP2's copies on the computing thread (set per model: peer_host_on_cpu)
-        cl = replace(cl, peer_host_s=-1.0)
     return cl, (f"{device.type}, {ranks} ranks, link {link:g} GB/s ({where}), {cl.flops_per_s / 1e12:g} TFLOP/s, "
                 f"{nbytes}-byte elements")
 
@@ -106,26 +107,6 @@ def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: tor
 def peer_host_on_cpu(units: list, cl: Cluster) -> float:
     """Seconds of the peer's host work per step on CPU: three copies of the model's parameters."""
     return CPU_PEER_COPY_S_PER_BYTE * 3 * sum(u.fused_numel + u.other_numel for u in units) * cl.param_bytes
-
-
-def decide(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int | str = "auto"
-           ) -> tuple[str, int, dict[str, float]]:
-    """The schedule and piece width for ``units`` on ``cl`` (``"auto"`` values chosen, explicit ones kept), and the
-    predicted step seconds of each candidate: fused at each piece width (powers of two up to the ranks, or the one
-    given), and the peer (``fsdp2``). Fused where it is predicted faster than the peer by ``MARGIN``; the piece
-    width with the shortest fused step, the smallest on a tie. ``commfuse-dp plan`` recommends with this too."""
-    from .plan import simulate
-
-    widths = [piece_shards] if piece_shards != "auto" else [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
-    predicted = {f"fused, piece_shards={g}": simulate(units, replace(cl, piece_shards=g), "fused")["step_s"]
-                 for g in widths}
-    best = min(widths, key=lambda g: (round(predicted[f"fused, piece_shards={g}"], 6), g))
-    if schedule != "auto":
-        return schedule, best, predicted
-    predicted["fsdp2"] = simulate(units, cl, "fsdp2")["step_s"]
-    if predicted[f"fused, piece_shards={best}"] <= (1 - MARGIN) * predicted["fsdp2"]:
-        return "fused", best, predicted
-    return "fsdp2", 1 if piece_shards == "auto" else piece_shards, predicted
 
 
 def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True
@@ -150,7 +131,7 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
     seq = min(tokens, getattr(model.config, "max_position_embeddings", tokens) or tokens)
     described += f", {tokens} tokens per rank" + ("" if config.tokens_per_rank is not None else " (assumed)")
     units = units_for(*shape, tokens=tokens, seq=seq)
-    if cl.peer_host_s < 0:
+    if device.type != "cuda":  # FSDP2's copies on the computing thread
         cl = replace(cl, peer_host_s=peer_host_on_cpu(units, cl))
     schedule, width, predicted = decide(units, cl, config.schedule, config.piece_shards)
     fused_s = predicted[f"fused, piece_shards={width}"] if schedule == "fused" else min(

@@ -155,10 +155,29 @@ def recommend(cl: Cluster) -> dict:
 
 def best_piece_shards(model: tuple, cl: Cluster, tokens: int, seq: int) -> int:
     """The ``piece_shards`` (a power of two up to the ranks) with the shortest fused step; the smallest on a tie."""
-    units = units_for(*model, tokens=tokens, seq=seq)
-    choices = [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
-    times = {g: simulate(units, replace(cl, piece_shards=g), "fused")["step_s"] for g in choices}
-    return min(choices, key=lambda g: (round(times[g], 6), g))
+    return decide(units_for(*model, tokens=tokens, seq=seq), cl, schedule="fused")[1]
+
+
+MARGIN = 0.02  # the defaults fuse only where predicted at least this much faster than the peer
+
+
+def decide(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int | str = "auto"
+           ) -> tuple[str, int, dict[str, float]]:
+    """The schedule and piece width for ``units`` on ``cl`` (``"auto"`` values chosen, explicit ones kept), and the
+    predicted step seconds of each candidate: fused at each piece width (powers of two up to the ranks, or the one
+    given), and the peer (``fsdp2``). Fused where it is predicted faster than the peer by ``MARGIN``; the piece
+    width with the shortest fused step, the smallest on a tie. ``CommFuseConfig()``'s defaults choose with this
+    (``choose.py``), and ``commfuse-dp plan`` recommends with it."""
+    widths = [piece_shards] if piece_shards != "auto" else [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
+    predicted = {f"fused, piece_shards={g}": simulate(units, replace(cl, piece_shards=g), "fused")["step_s"]
+                 for g in widths}
+    best = min(widths, key=lambda g: (round(predicted[f"fused, piece_shards={g}"], 6), g))
+    if schedule != "auto":
+        return schedule, best, predicted
+    predicted["fsdp2"] = simulate(units, cl, "fsdp2")["step_s"]
+    if predicted[f"fused, piece_shards={best}"] <= (1 - MARGIN) * predicted["fsdp2"]:
+        return "fused", best, predicted
+    return "fsdp2", 1 if piece_shards == "auto" else piece_shards, predicted
 
 
 def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: float | None = None
@@ -381,14 +400,12 @@ def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
 def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
           against: str = "fsdp2", piece_fit: tuple[float, float] | None = None,
           host_fit: tuple[float, float] | None = None, min_fuse_numel: int = MIN_FUSE_NUMEL) -> int:
-    """What ``CommFuseConfig()``'s defaults run (``choose.decide``: fused at its best ``piece_shards`` where that is
+    """What ``CommFuseConfig()``'s defaults run (``decide``: fused at its best ``piece_shards`` where that is
     predicted at least 2% faster than the peer, else the peer), over ``against``'s step time (``fsdp2``, the peer,
     or ``slicing``), for every (ranks, link, tokens per rank) of the sweep grid; prints a table (``f``: the defaults
     fuse there; ``=``: they run the peer) and returns the number of cells where the defaults are slower. With
     ``piece_fit`` GEMM pieces cost time (slicing gathers whole layers: computes whole GEMMs); with ``host_fit`` each
     fused step is at least the host's time to issue it."""
-    from .choose import decide
-
     against = ALIASES.get(against, against)
     model = load_model(model_name)
     print(f"{model_name}: CommFuseConfig()'s defaults, step time / {against}'s; {latency_us:g} us per ring step, "
@@ -527,8 +544,6 @@ def main(argv: list[str] | None = None) -> int:
         print_nodes(args, model, cl)
         return 0
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
-    from .choose import decide
-
     chosen, best, _ = decide(units_for(*model, tokens=args.tokens, seq=args.seq), cl)
     if best != args.piece_shards:  # what the recommended config below would give, beside what was asked
         results[f"fused, ps={best}"] = predict(model, replace(cl, piece_shards=best), args.tokens, args.seq,
