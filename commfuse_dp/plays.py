@@ -144,13 +144,13 @@ def table_seconds(u: Unit, cl: Cluster, nbytes: int) -> float:
 
 
 # The fit of benchmarks/cuda_check.py's ``gemm`` part on an H200 (bf16, 8192 tokens, Llama-3-8B shapes, forward and
-# backward; benchmarks/results/cuda-h200-2026-11-26-check.json): within 0.1 of every measured slowdown for w >= 512.
+# backward; benchmarks/results/cuda-h200-check-1.json): within 0.1 of every measured slowdown for w >= 512.
 H200_PIECE_FIT = (0.645, 0.89)
 
 
 # The host's time per fused group per step on the lent H200's host with CUDA tensors, a least-squares line through
 # ``benchmarks/step_overhead.py --fake-worlds 2,4,8,16 --device cuda`` (extra ms over the unsharded model, 9 fused
-# groups; benchmarks/results/host-overhead-2026-11-26.txt): fused 1.62 + 0.302 N ms, slicing 1.76 + 0.301 N ms.
+# groups; benchmarks/results/host-overhead-cuda-h200.txt): fused 1.62 + 0.302 N ms, slicing 1.76 + 0.301 N ms.
 H200_HOST_FIT = (1.7e-3, 0.30e-3)
 
 

@@ -386,7 +386,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
     each schedule's own work adds to its compute, so its predicted step grows; a file measured for another world size
     or compute is refused with what to run instead."""
     bench = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results",
-                         "2ranks-cpu-2026-11-27-issue19.json")
+                         "2ranks-real-lockstep.json")
 
     def table(*extra):
         assert plan.main(["--calibrate", bench, "--latency-us", "300", *extra]) == 0
@@ -412,7 +412,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
         plan.main(["--calibrate", bench, "--overhead", str(overhead)])
     # An emulated run ("compute": "emulated at 0.01 TFLOP/s"): the host runs ahead of the device, and 50 ms is far
     # below its steps (about 5 s), so nothing changes.
-    bench = bench.replace("2ranks-cpu-2026-11-27-issue19", "4ranks-emulated-2026-11-27-issue19-sweep")
+    bench = bench.replace("2ranks-real-lockstep", "4ranks-emulated-lockstep")
     overhead.write_text(json.dumps({"model": "bench", "compute": "emulated", "extra_s": {"4": {"fused": 0.05}}}))
     assert table() == table("--overhead", str(overhead))
 
