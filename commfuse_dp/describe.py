@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .config import CommFuseConfig
+from .fused.layout import conv1d_class
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -255,9 +256,7 @@ def _padded_shard(p: torch.Tensor, world: int) -> int:
 
 def _small_linears(model: nn.Module, world: int, config: CommFuseConfig) -> list[int]:
     """Weight shard sizes of the plain linears that were not fused only for being below ``min_fuse_numel``."""
-    from .shard import _conv1d_class  # not at import time: shard imports this module
-
-    kinds = tuple(k for k in (nn.Linear, _conv1d_class()) if k is not None)
+    kinds = tuple(k for k in (nn.Linear, conv1d_class()) if k is not None)
     excluded = getattr(model, "_commfuse_excluded", {})
     owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     sizes = []

@@ -41,21 +41,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import difflib
-import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
 
 from commfuse_dp.launch_help import _EXAMPLE, help_text  # noqa: F401  (launch.help_text, launch._EXAMPLE)
 
+from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
+
 BOOTSTRAP = "commfuse_dp.integrations.worker"   # runs integrations/bootstrap.py's main()
-
-class LaunchError(Exception):
-    """A wrong use found before anything was started: printed as one line, exit status 2."""
-
 
 # ---- argument handling --------------------------------------------------------------------------------------------
 
@@ -76,73 +70,6 @@ def _wants_help(argv: list[str], parser: argparse.ArgumentParser) -> bool:
             i += 1  # its value
         i += 1
     return False
-
-
-def _load_config_file(path: str) -> tuple[dict, dict]:
-    """(the accelerate part, the commfuse part) of an accelerate config file (YAML or JSON)."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
-    except FileNotFoundError:
-        raise LaunchError(f"--config_file {path}: no such file") from None
-    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LaunchError(f"{path}: not a readable YAML/JSON file: {' '.join(str(e).split())}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise LaunchError(f"{path}: expected a mapping of accelerate config keys, got {type(data).__name__}")
-    data = dict(data)
-    block = data.pop("commfuse", None)
-    if block is None:
-        block = {}
-    if not isinstance(block, Mapping):
-        raise LaunchError(f"{path}: commfuse: must be a mapping of CommFuseConfig fields (key: value lines under "
-                          f"commfuse:), got {type(block).__name__} {block!r}")
-    return data, dict(block)
-
-
-def _commfuse_config(path: str | None, block: dict):
-    from commfuse_dp.config import CommFuseConfig
-
-    where = f"{path}: commfuse:" if path else "commfuse:"
-    known = [f.name for f in dataclasses.fields(CommFuseConfig)]
-    unknown = sorted(set(block) - set(known), key=str)
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise LaunchError(f"{where} unknown key {key!r}{' (and ' + str(unknown[1:]) + ')' if unknown[1:] else ''}; "
-                          f"{hint}known keys are {known}")
-    try:
-        return CommFuseConfig.from_dict(block)
-    except ValueError as e:
-        raise LaunchError(f"{where} {' '.join(str(e).split())}") from None
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    try:
-        return bool(torch.accelerator.is_available())
-    except (AttributeError, RuntimeError):
-        return torch.cuda.is_available()
-
-
-def _worker_env(cfg) -> dict[str, str]:
-    """``COMMFUSE_ENABLE=1`` and the config's variables, checked the way the workers will read them."""
-    from commfuse_dp.config import CommFuseConfig
-
-    env = {"COMMFUSE_ENABLE": "1", **cfg.to_env()}
-    merged = {**os.environ, **env}
-    try:
-        back = CommFuseConfig.from_env(merged)
-    except ValueError as e:  # a stray COMMFUSE_* variable in this shell would stop every worker
-        raise LaunchError(f"environment: {' '.join(str(e).split())}") from None
-    if back != cfg:
-        raise LaunchError(f"commfuse: the config does not survive the environment round trip: {cfg} became {back}")
-    return env
 
 
 @contextlib.contextmanager
@@ -202,73 +129,6 @@ def _launch_cpu(args: argparse.Namespace) -> None:
         distrib_run.run(run_args)
 
 
-def _accelerate_part_file(path: str, accel_part: dict, tmp: str) -> str:
-    """Write the accelerate part of ``path`` into ``tmp`` and check it the way accelerate will read it."""
-    import yaml
-    from accelerate.commands.config import load_config_from_file
-
-    out = os.path.join(tmp, "accelerate" + (".json" if path.endswith(".json") else ".yaml"))
-    with open(out, "w", encoding="utf-8") as f:
-        if path.endswith(".json"):
-            json.dump(accel_part, f)
-        else:
-            yaml.safe_dump(accel_part, f, sort_keys=False)
-    try:
-        load_config_from_file(out)
-    except (ValueError, TypeError, KeyError) as e:
-        hint = ""
-        if "distributed_type" not in accel_part:
-            hint = (" Add `distributed_type: MULTI_CPU` (with `use_cpu: true`) on a CPU machine, or `MULTI_GPU` on "
-                    "GPUs (`accelerate config` writes a complete file).")
-        raise LaunchError(f"{path} (the accelerate part): {' '.join(str(e).split())}".replace(out, path) + hint
-                          ) from None
-    return out
-
-
-def _read_config(path: str | None, *, nested: bool = False, replicate_flag: int = 1):
-    """(accelerate part, CommFuseConfig, worker environment) of a config file. ``nested``: a file without a
-    ``commfuse:`` block keeps the configuration already in the environment (the outer commfuse-dp launch's).
-    ``replicate_flag``: ``--parallelism_config_dp_replicate_size`` from the command line."""
-    from commfuse_dp.config import CommFuseConfig
-
-    accel_part, block = _load_config_file(path) if path else ({}, {})
-    if nested and not block:
-        try:
-            cfg = CommFuseConfig.from_env()
-        except ValueError as e:
-            raise LaunchError(f"environment: {' '.join(str(e).split())}") from None
-    else:
-        cfg = _commfuse_config(path, block)
-    cfg = _replicate_from_parallelism(accel_part, cfg, replicate_flag, path)
-    return accel_part, cfg, _worker_env(cfg)
-
-
-def _replicate_from_parallelism(accel_part: dict, cfg, replicate_flag: int, path: str | None):
-    """accelerate's HSDP setting (``parallelism_config: {parallelism_config_dp_replicate_size: R}`` in the config
-    file, or ``--parallelism_config_dp_replicate_size R``) as ``CommFuseConfig.replicate``. accelerate itself allows
-    a parallelism config only with FSDP2, which commfuse replaces, so the block is taken out of what accelerate
-    reads; ``dp_shard_size`` is then world / R, and tensor, context or sequence parallel sizes are refused."""
-    from commfuse_dp.config import with_parallelism
-
-    block = accel_part.pop("parallelism_config", None) or {}
-    sizes = {key.removeprefix("parallelism_config_"): value for key, value in block.items()}
-    replicate = int(sizes.get("dp_replicate_size") or 1)
-    if replicate_flag and replicate_flag > 1:
-        if replicate > 1 and replicate != replicate_flag:
-            raise LaunchError(f"--parallelism_config_dp_replicate_size {replicate_flag} disagrees with the config "
-                              f"file's dp_replicate_size {replicate}: give one")
-        sizes["dp_replicate_size"] = replicate_flag
-    try:
-        return with_parallelism(cfg, sizes, f"{path}: accelerate's parallelism_config", "the commfuse: block's")
-    except ValueError as err:
-        raise LaunchError(str(err)) from None
-
-
-def _is_cpu(args: argparse.Namespace, accel_part: dict) -> bool:
-    return (bool(getattr(args, "cpu", False)) or bool(accel_part.get("use_cpu"))
-            or accel_part.get("distributed_type") == "MULTI_CPU" or not _has_accelerator())
-
-
 def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
     """Start the workers of ``args`` (accelerate launch's parsed options), each through the bootstrap."""
     from accelerate.commands import launch as accelerate_launch
@@ -284,20 +144,20 @@ def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
         path = os.environ[LAUNCH_CONFIG_ENV]  # the commfuse-dp launch config fills in what this launcher lacks
     if path is None and os.path.isfile(default_config_file):
         path = default_config_file  # what accelerate launch reads without --config_file
-    accel_part, _, env = _read_config(path, nested=nested,
+    accel_part, _, env = read_config(path, nested=nested,
                                       replicate_flag=getattr(args, "parallelism_config_dp_replicate_size", 1) or 1)
     args.parallelism_config_dp_replicate_size = 1  # it is commfuse's replicate now (in env): accelerate must not
     args.use_parallelism_config = False            # set up FSDP2's parallelism config
     env["PYTHONPATH"] = pythonpath()  # the activation: a launcher inside a worker is refused, not left to hang
     with tempfile.TemporaryDirectory(prefix="commfuse-launch-") as tmp:
-        accel_config = _accelerate_part_file(path, accel_part, tmp) if path is not None else None
+        accel_config = accelerate_part_file(path, accel_part, tmp) if path is not None else None
         # The workers run the bootstrap module, which runs the user's script or module.
         target = ["-m", args.training_script] if args.module else [args.training_script]
         args.config_file = accel_config
         args.module = True
         args.training_script = BOOTSTRAP
         args.training_script_args = target + list(args.training_script_args)
-        cpu = _is_cpu(args, accel_part)
+        cpu = is_cpu(args, accel_part)
         # accelerate's own validation fills the options from the config file; on a copy, because
         # launch_command validates the options it is given once more.
         checked = argparse.Namespace(**vars(args))

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-from commfuse_dp.launch import LaunchError
+from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
 
 LAUNCHERS = ("accelerate", "trl", "torchrun")
 LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch", "accelerate.commands.accelerate_cli",
@@ -99,14 +99,13 @@ def run_once(args: argparse.Namespace, command: list[str]) -> int:
     """Run a launcher once with the activation in its environment; its exit status is ours."""
     from accelerate.commands.config import default_config_file
 
-    from commfuse_dp import launch
     from commfuse_dp.integrations.autoload import LAUNCH_CONFIG_ENV, pythonpath
 
     path = args.config_file
     if path is None and os.path.isfile(default_config_file):
         path = default_config_file
-    accel_part, _, env = launch._read_config(path)
-    cpu = launch._is_cpu(args, accel_part)
+    accel_part, _, env = read_config(path)
+    cpu = is_cpu(args, accel_part)
     is_torchrun = os.path.basename(command[0]) == "torchrun" or command[1:3] == ["-m", "torch.distributed.run"]
     if is_torchrun and accel_part.get("num_processes"):
         world = _torchrun_world_size(command)
@@ -119,7 +118,7 @@ def run_once(args: argparse.Namespace, command: list[str]) -> int:
         env["ACCELERATE_USE_CPU"] = "true"  # what commfuse-dp launch gives its own CPU ranks (torchrun's workers)
     with tempfile.TemporaryDirectory(prefix="commfuse-launch-") as tmp:
         if path is not None:
-            env[LAUNCH_CONFIG_ENV] = launch._accelerate_part_file(path, accel_part, tmp)
+            env[LAUNCH_CONFIG_ENV] = accelerate_part_file(path, accel_part, tmp)
         proc = subprocess.run(command, env={**os.environ, **env}, check=False)
     code = proc.returncode
     return code if code >= 0 else 128 - code

@@ -49,6 +49,7 @@ from .fused.replicas import Replicas
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .engine import Engine
+from .fused.layout import conv1d_class
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
 from .fused.reads import ParamBindings, attach_reads
@@ -220,18 +221,10 @@ def step_stats(model: nn.Module) -> StepStats:
 
 # ---- what to fuse ----------------------------------------------------------------------------------------
 
-def _conv1d_class() -> type | None:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return None
-    return Conv1D
-
-
 def _fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, excluded: lockstep.Exclusions,
                      tied_tables: dict[int, tuple[nn.Embedding, nn.Linear]],
                      unit_modules: list[nn.Module]) -> list[tuple[str, nn.Module, bool]]:
-    conv1d = _conv1d_class()
+    conv1d = conv1d_class()
     owners = _param_owners(model)
     fused, candidates, small, tied, other = [], [], 0, 0, Counter()
     for name, module in model.named_modules():

@@ -20,7 +20,7 @@ import yaml
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from commfuse_dp import CommFuseConfig, launch
+from commfuse_dp import CommFuseConfig, launch, launch_config
 
 import hf_models  # noqa: E402  (tests/ is on sys.path: conftest)
 from harness import free_port  # noqa: E402
@@ -114,8 +114,8 @@ def test_shipped_deepspeed_config_is_valid_and_refused_on_cpu(capsys, monkeypatc
     _clean_env(monkeypatch)
     script, marker = marker_script
     path = os.path.join(ROOT, "recipes", "configs", "accelerate_deepspeed_commfuse.yaml")
-    accel, block = launch._load_config_file(path)
-    assert accel["distributed_type"] == "DEEPSPEED" and launch._commfuse_config(path, block).bucket_mb == 25
+    accel, block = launch_config.load_config_file(path)
+    assert accel["distributed_type"] == "DEEPSPEED" and launch_config.commfuse_config(path, block).bucket_mb == 25
     assert launch.main(["--config_file", path, script]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "runs DeepSpeed only on GPUs" in err, err
@@ -133,7 +133,7 @@ def test_worker_environment_round_trips(monkeypatch):
     _clean_env(monkeypatch)
     cfg = CommFuseConfig(schedule="slicing", bucket_mb=4, param_dtype="bf16", exclude=("lm_head", "*.mlp"),
                          stats=False, min_fuse_numel=0)
-    env = launch._worker_env(cfg)
+    env = launch_config.worker_env(cfg)
     assert env["COMMFUSE_ENABLE"] == "1"
     assert CommFuseConfig.from_env(env) == cfg
 
@@ -345,13 +345,13 @@ def test_usage_docs_config_passes_the_checks_and_a_missing_distributed_type_says
     for i, block in enumerate(blocks):
         path = tmp_path / f"usage{i}.yaml"
         path.write_text(block)
-        accel, cfg, _ = launch._read_config(str(path))
+        accel, cfg, _ = launch_config.read_config(str(path))
         with tempfile.TemporaryDirectory() as tmp:
-            launch._accelerate_part_file(str(path), accel, tmp)
+            launch_config.accelerate_part_file(str(path), accel, tmp)
     data = yaml.safe_load(blocks[0])
     del data["distributed_type"]
     path = tmp_path / "no_type.yaml"
     path.write_text(yaml.safe_dump(data))
-    accel, _, _ = launch._read_config(str(path))
-    with tempfile.TemporaryDirectory() as tmp, pytest.raises(launch.LaunchError, match="distributed_type: MULTI_CPU"):
-        launch._accelerate_part_file(str(path), accel, tmp)
+    accel, _, _ = launch_config.read_config(str(path))
+    with tempfile.TemporaryDirectory() as tmp, pytest.raises(launch_config.LaunchError, match="distributed_type: MULTI_CPU"):
+        launch_config.accelerate_part_file(str(path), accel, tmp)

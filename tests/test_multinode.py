@@ -92,14 +92,14 @@ def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
     ({}, {"parallelism_config": {"parallelism_config_tp_size": 2}}, 1, None, "data-parallel dimension only"),
 ])
 def test_accelerate_replicate_size_becomes_commfuse_replicate(tmp_path, block, accel, flag, replicate, error):
-    from commfuse_dp import launch
+    from commfuse_dp import launch_config
 
     config = tmp_path / "accel.yaml"
     config.write_text(yaml.safe_dump({**CPU_CONFIG, **accel, "commfuse": block}))
     if error:
-        with pytest.raises(launch.LaunchError, match=error):
-            launch._read_config(str(config), replicate_flag=flag)
+        with pytest.raises(launch_config.LaunchError, match=error):
+            launch_config.read_config(str(config), replicate_flag=flag)
         return
-    accel_part, cfg, env = launch._read_config(str(config), replicate_flag=flag)
+    accel_part, cfg, env = launch_config.read_config(str(config), replicate_flag=flag)
     assert cfg.replicate == replicate and env["COMMFUSE_REPLICATE"] == str(replicate)
     assert "parallelism_config" not in accel_part  # accelerate allows it only with FSDP2, which commfuse replaces

@@ -90,3 +90,12 @@ class GroupLayout(NamedTuple):
         if m.has_bias:
             grads += (m.bias(flat, rows).to(dtype),)
         return grads
+
+
+def conv1d_class() -> type | None:
+    """Hugging Face's ``Conv1D`` (GPT-2's linears, weight ``(in, out)``), or None without transformers."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
