@@ -100,16 +100,16 @@ def part_linear(args) -> dict:
     """The fused linear at world size 1 against F.linear: outputs, dx, dW, db."""
     import torch.nn as nn
     from commfuse_dp import CommFuseConfig
-    from commfuse_dp.engine import Engine
+    from commfuse_dp.runtime.engine import Engine
     from commfuse_dp.fused.modules import attach_group, convert_linear
-    from commfuse_dp.fused.step import StepState
+    from commfuse_dp.runtime import step_state
     from commfuse_dp.ring import get_ring
     from torch.distributed.device_mesh import init_device_mesh
 
     device = _device(args)
     _init_world(device)
     engine = Engine(get_ring(), init_device_mesh(device.type, (1,)), CommFuseConfig())
-    steps = StepState(engine)
+    steps = step_state(engine)
     cases = [((7,), 5, True, 6), ((12, 6, 6), 10, True, 6), ((1536,), 512, False, 1024), ((384, 128, 128), 384, True, 512)]
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
     worst = {}
@@ -413,7 +413,7 @@ def _hold_freed_buffers() -> None:
     pointer, not the views at offsets inside it, so a block reused after ``record_stream`` allowed it reads as a race
     (its report says "Trace for tensor allocation not found"). If the sanitizer is clean with this, what it
     reported without it was that reuse."""
-    from commfuse_dp.fused.sliced import SlicingScheduler
+    from commfuse_dp.runtime.slicing import SlicingScheduler
 
     held: list = []
     scatter, end = SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward
@@ -428,7 +428,7 @@ def _hold_freed_buffers() -> None:
 
     SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward = reduce_scatter, end_backward
 
-    from commfuse_dp.fused.replicas import Replicas
+    from commfuse_dp.runtime.replicas import Replicas
 
     after_event, exchange = Replicas.after_event, Replicas.exchange
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .config import CommFuseConfig
-from .fused.layout import conv1d_class
+from .runtime.layout import conv1d_class
 
 logger = logging.getLogger("commfuse_dp")
 

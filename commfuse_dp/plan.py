@@ -212,7 +212,7 @@ def exchange_tail(units: list[Unit], cl: Cluster, nodes: int, inter_bytes_per_s:
     """HSDP: seconds the replica exchange adds after the backward's compute. Each rank sums its gradient shard of
     every unit over the ``nodes`` copies on its own inter-node link (a ring reduce-scatter and all-gather over the
     copies: 2 (K-1) steps of 1/K of the shard). ``at_landing``: a unit's exchange starts when its backward compute
-    ends (``fused/replicas.py``: a fused group's gradient starts when its ring lands; stock FSDP2 all-reduces each
+    ends (``runtime/replicas.py``: a fused group's gradient starts when its ring lands; stock FSDP2 all-reduces each
     unit after its reduce-scatter); else all start at the end of the backward (the slicing schedule lands its
     reduce-scatters there). A ring embedding's gradient always crosses at the end. The link serves them in order."""
     if nodes == 1:

@@ -1,7 +1,7 @@
 """The schedules of ``shard()`` played on a model of one rank: a compute stream and a link (``commfuse-dp plan``).
 
 ``Unit`` and ``Cluster`` describe the model and the machine; ``units_for`` builds a decoder's units; ``elastic``,
-``slicing`` and ``lockstep`` play those schedules as ``fused/schedule.py`` and ``fused/sliced.py`` run them and
+``slicing`` and ``lockstep`` play those schedules as ``runtime/schedule.py`` and ``runtime/slicing.py`` run them and
 return the step time; ``edges`` is what every fused schedule leaves exposed at a step's head and tail. ``plan.py``
 builds predictions, calibration and the sweep on these.
 """
@@ -220,7 +220,7 @@ def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:
 
 
 def elastic(units: list[Unit], cl: Cluster) -> float:
-    """Step time of the fused schedule with elastic lookahead (``fused/schedule.py``), played on one FIFO link.
+    """Step time of the fused schedule with elastic lookahead (``runtime/schedule.py``), played on one FIFO link.
 
     Rings ahead go by unit (a decoder layer, an FSDP2 unit) in the backward, and in the forward with
     ``forward_bundles`` (else one per group): the groups of one unit chosen together share their ring steps (a

@@ -45,18 +45,19 @@ from torch.distributed.tensor import DTensor
 from . import lockstep
 from .checks import check_not_deepspeed, check_ranks_agree
 from .choose import resolve
-from .fused.replicas import Replicas
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
-from .engine import Engine
-from .fused.layout import conv1d_class
 from .fused.embedding import convert_embedding, embedding_eligible
 from .fused.modules import attach_group, convert_linear
 from .fused.reads import ParamBindings, attach_reads
-from .fused.step import StepState
 from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
 from .ring.topology import get_ring
+from .runtime import step_state
+from .runtime.engine import Engine
+from .runtime.layout import conv1d_class
+from .runtime.replicas import Replicas
+from .runtime.step import StepState
 from .scalars import ScalarParams
 from .stats import StepStats
 
@@ -122,7 +123,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs)
     world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
     engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
-    steps = StepState(engine)
+    steps = step_state(engine)
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
 
     data_dependent = lockstep.data_dependent_modules(model)
@@ -383,7 +384,7 @@ def _innermost_unit(unit_modules: list[nn.Module]) -> dict[int, int]:
 def _bundle_units(steps: StepState, unit_modules: list[nn.Module]) -> None:
     """Each fused group's unit (``FusedGroupState.unit``): the innermost unit module around it, also where that
     unit is too small to be an FSDP2 unit of its own. The elastic schedule bundles the ring steps of a unit's
-    groups (``fused/schedule.py``)."""
+    groups (``runtime/schedule.py``)."""
     innermost = _innermost_unit(unit_modules)
     for state in steps.states:
         state.unit = innermost.get(id(state.modules[0]))

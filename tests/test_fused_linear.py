@@ -6,9 +6,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from commfuse_dp import CommFuseConfig
-from commfuse_dp.engine import Engine
+from commfuse_dp.runtime.engine import Engine
 from commfuse_dp.fused.modules import attach_group, convert_linear
-from commfuse_dp.fused.step import StepState
+from commfuse_dp.runtime import step_state
 from commfuse_dp.ring import get_ring
 from harness import run_ranks
 
@@ -30,7 +30,7 @@ def _worker(rank, world_size, transposed):
 
     mesh = init_device_mesh("cpu", (world_size,))
     engine = Engine(get_ring(), mesh, CommFuseConfig(schedule="fused"))
-    steps = StepState(engine)
+    steps = step_state(engine)
     checked = 0
     for dtype in (torch.float32, torch.bfloat16):
         for members, in_features, bias in CASES:

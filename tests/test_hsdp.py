@@ -1,5 +1,5 @@
 """HSDP (``CommFuseConfig(replicate=R)``, or a 2-D mesh): fused rings inside each copy of the model, gradient shards
-summed across copies (``commfuse_dp/fused/replicas.py``). 4 ranks as 2 copies x 2 shards against one process on
+summed across copies (``commfuse_dp/runtime/replicas.py``). 4 ranks as 2 copies x 2 shards against one process on
 the concatenated batch: losses, grad norms, parameters and logits, both schedules, a tied decoder (GPT-2) and one
 with every fused shape (Llama), with gradient accumulation; and the accumulation micro-batches do not cross the
 copies."""
@@ -17,7 +17,7 @@ from test_shard_parity import assert_parity, run_case
 
 
 def _hsdp_worker(rank, world_size, cases):
-    from commfuse_dp.fused.replicas import Replicas
+    from commfuse_dp.runtime.replicas import Replicas
 
     exchanged = []
     original = Replicas._summed

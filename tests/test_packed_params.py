@@ -8,9 +8,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from commfuse_dp import CommFuseConfig
-from commfuse_dp.engine import Engine
+from commfuse_dp.runtime.engine import Engine
 from commfuse_dp.fused.modules import attach_group, convert_linear
-from commfuse_dp.fused.step import StepState
+from commfuse_dp.runtime import step_state
 from commfuse_dp.ring import get_ring
 from harness import run_ranks
 
@@ -48,7 +48,7 @@ def _check_step(rank, world_size, mods, refs, step, dtype, tol):
 
 def _worker(rank, world_size):
     engine = Engine(get_ring(), init_device_mesh("cpu", (world_size,)), CommFuseConfig(schedule="fused"))
-    steps = StepState(engine)
+    steps = step_state(engine)
     torch.manual_seed(0)
     refs = [nn.Linear(IN, out) for out in OUTS]
     mods = [nn.Linear(IN, out) for out in OUTS]

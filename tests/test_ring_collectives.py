@@ -160,6 +160,6 @@ def _submit_worker(rank, world_size):
 
 def test_submit_returns_the_value_also_behind_a_device_clock():
     """``Ring.submit``'s future holds what the job returned, also when the job waits for an emulated device first
-    (HSDP's replica exchange reads it: ``fused/replicas.py``), and the job does not start before that device time."""
+    (HSDP's replica exchange reads it: ``runtime/replicas.py``), and the job does not start before that device time."""
     for rank, (plain, gated, after) in enumerate(run_ranks(_submit_worker, 2)):
         assert (plain, gated) == (rank + 1, rank + 2) and after >= 0.05

@@ -1,6 +1,6 @@
 """Decomposed ops: the ring-fused linear (autograd Function), its modules and shared-input groups."""
 
-from .layout import GroupLayout, Member
+from ..runtime.layout import GroupLayout, Member
 from .linear import FusedRingLinearFn
 from .modules import FusedGroup, attach_group, convert_linear, ring_class
 

@@ -35,10 +35,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
-from .exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce, swap as _swap
+from ..runtime.exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce, swap as _swap
+from ..runtime.replicas import autograd_grad, grad_node
+from ..runtime.step import StepState
+from .modules import shard_parameter
 from .reads import guarded_class
-from .replicas import autograd_grad, grad_node
-from .step import StepState
 
 
 class EmbeddingState:
@@ -278,7 +279,6 @@ def convert_embedding(module: nn.Embedding, steps: StepState, name: str,
     """Shard ``module``'s table by rows onto the engine's mesh and swap its class; returns the new parameter.
     ``table``: the row-sharded ``Shard(0)`` DTensor parameter of a fused lm_head tied to this table (same rows
     per rank, as ``torch.chunk`` splits both), used as it is instead of sharding the table a second time."""
-    from .modules import shard_parameter
 
     num_embeddings = module.weight.shape[0]
     if table is not None:

@@ -41,19 +41,16 @@ each shard's partial sum locally, sends no gradient bytes, and adds them into th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor
 
 from ..ring import transport
-from .layout import GroupLayout, Member
-from .layer_rings import Landing, WeightRing, piece_steps
-
-if TYPE_CHECKING:
-    from ..engine import Engine
-    from .modules import FusedGroupState
+from ..runtime.engine import Engine
+from ..runtime.group import FusedGroupState
+from ..runtime.layer_rings import Landing, WeightRing, piece_steps
+from ..runtime.layout import GroupLayout, Member
 
 
 class Call(NamedTuple):
@@ -387,22 +384,3 @@ def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor 
             w_out.copy_(torch.mm(dy_t.t(), x2))
         if m.has_bias:
             m.bias(part, hi - lo).copy_(dy_t.sum(0))
-
-
-def accumulate_grad(param: torch.nn.Parameter, local_grad: torch.Tensor) -> None:
-    """Add ``local_grad`` (this rank's shard) into the DTensor parameter's ``.grad``, then run its
-    post-accumulate-grad hooks, as autograd's AccumulateGrad would (FSDP2 does the same for its sharded
-    parameters). Tensor hooks (``register_hook``) never reach here: ``accumulates`` returns such gradients
-    through autograd."""
-    if param.grad is None:
-        if local_grad.dtype == param.dtype and local_grad.shape == param._local_tensor.shape:
-            # The parameter's own spec (mesh, placements, global shape, stride, dtype): what FSDP2 does for its
-            # sharded gradients (``_from_local_no_grad``), without ``from_local``'s checks and autograd node.
-            param.grad = DTensor(local_grad, param._spec, requires_grad=False)
-        else:
-            param.grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
-                                            shape=param.shape, stride=param.stride())
-    else:
-        param.grad.to_local().add_(local_grad)
-    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
-        hook(param)

@@ -34,9 +34,9 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
-from . import exchange
-from .replicas import autograd_grad, grad_node
-from .step import StepState
+from ..runtime import exchange
+from ..runtime.replicas import autograd_grad, grad_node
+from ..runtime.step import StepState
 
 logger = logging.getLogger("commfuse_dp")
 

@@ -35,7 +35,7 @@ def observe_ring(callback: Observer) -> Iterator[None]:
     """Call ``callback(event, op, step)`` for every ring step's ``"start"``, ``"wait"`` (the wait begins) and
     ``"done"`` (it ended), and for the fused layers' compute pieces, ``"compute_begin"`` and ``"compute"`` (the
     piece ended), reported through ``notify``. Called on the thread doing the work. A step requested on the link
-    scheduler (``commfuse_dp/link.py``) reports ``"start"`` when it is requested and ``"wait"``/``"done"`` when
+    scheduler (``commfuse_dp/runtime/link.py``) reports ``"start"`` when it is requested and ``"wait"``/``"done"`` when
     compute waits for it, on the compute thread, and ``"issued"``/``"landed"`` from the link's thread when the
     link works it. For schedule tests and timelines."""
     _OBSERVERS.append(callback)

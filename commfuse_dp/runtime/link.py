@@ -2,7 +2,7 @@
 
 Every ring step of a fused layer, a ring embedding or a gathered weight read is a request here
 (``Link.step``); the compute that needs its bytes waits on what the request returns (``Pending.wait``). The
-schedule (``fused/schedule.py``) decides only *when* to request: a lockstep layer requests step k beside compute
+schedule (``runtime/schedule.py``) decides only *when* to request: a lockstep layer requests step k beside compute
 piece k; an elastic one requests the steps of coming layers ahead of their compute, within the memory budget.
 
 [Note: the link]
@@ -30,9 +30,9 @@ from concurrent.futures import Future
 
 import torch
 
-from .ring import transport
-from .ring.topology import Ring
-from .stats import StatsRecorder
+from ..ring import transport
+from ..ring.topology import Ring
+from ..stats import StatsRecorder
 
 
 class Pending:

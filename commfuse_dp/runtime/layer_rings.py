@@ -7,15 +7,12 @@ after its layer's backward returned (``Landing``). When they are requested acros
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..engine import Engine, RingOp
-from ..link import Pending
-
-if TYPE_CHECKING:
-    from .modules import FusedGroupState
+from .engine import Engine, RingOp
+from .group import FusedGroupState
+from .link import Pending
 
 
 class WeightRing:

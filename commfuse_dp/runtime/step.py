@@ -18,11 +18,13 @@ it). ``begin_step`` calls it by itself when the previous step did not finish its
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from ..engine import Engine, RingOp
-from .schedule import FusedSchedule
+from .engine import Engine, RingOp
+from .grads import accumulate_grad
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -36,15 +38,37 @@ _PHASE = {name: i for i, name in enumerate(PHASES)}
 _IDENTIFIED = 1 << 29
 
 
-class StepState:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        if engine.config.schedule == "slicing":
-            from .sliced import SlicingScheduler
+class Schedule(Protocol):
+    """When the ring steps of a step's fused layers run: ``FusedSchedule`` (elastic or lockstep, ``schedule.py``) and
+    ``SlicingScheduler`` (``slicing.py``). ``shard()`` picks one (``runtime.step_state``); the step state drives it
+    through these members, and each fused op through its own (the fused linear: ``ring_for``, ``grad_ring`` ...)."""
 
-            self.schedule: FusedSchedule | SlicingScheduler = SlicingScheduler(engine, self)
-        else:
-            self.schedule = FusedSchedule(engine, self)
+    dtype_hint: torch.dtype | None  # the compute dtype under autocast, for buffers requested ahead of a layer
+
+    @property
+    def packs_params(self) -> bool:
+        """Whether a group's local shards may be views of one packed buffer (``FusedGroupState.adopt_packed``)."""
+
+    def begin_step(self) -> None:
+        """The root's forward begins: forget the previous step's rings, keep its layer order."""
+
+    def start_first(self, phase: str) -> None:
+        """Request the first fused layer's ring steps of ``phase`` ahead of it (from the ring embedding's forward)."""
+
+    def end_backward(self) -> None:
+        """Autograd finished the backward: the last deferred gradient steps land."""
+
+    def reset(self) -> None:
+        """A step raised: wait for what is in flight, drop it and everything the schedule kept."""
+
+
+class StepState:
+    """The state a step of one sharded model carries between its phases (module docstring), and the identity of
+    each ring operation in it. ``make_schedule(engine, steps)`` builds its schedule."""
+
+    def __init__(self, engine: Engine, make_schedule: Callable[[Engine, StepState], Schedule]) -> None:
+        self.engine = engine
+        self.schedule: Schedule = make_schedule(engine, self)
         self.names: list[str] = []  # ring-op owners (fused groups, ring embeddings) by index
         self.groups: list = []  # FusedGroup: pending shared-input outputs
         self.states: list = []  # FusedGroupState: no-sync partials
@@ -116,8 +140,6 @@ class StepState:
         self.schedule.end_backward()  # the last deferred hop / background reduce-scatters
         replicas = self.engine.replicas
         if replicas is not None and self.engine.requires_grad_sync:  # HSDP: the shards cross the copies
-            from .linear import accumulate_grad
-
             replicas.exchange(accumulate_grad)
         self.backward_open = False
         self.awaiting_backward = False

@@ -1,10 +1,10 @@
 """The per-model runtime of a sharded model: its ring, link scheduler, config, gradient-sync flag and statistics.
 
-``shard()`` makes one ``Engine`` per model; every fused layer reaches it. Its ``link`` (``commfuse_dp/link.py``) is
+``shard()`` makes one ``Engine`` per model; every fused layer reaches it. Its ``link`` (``commfuse_dp/runtime/link.py``) is
 the only place where ring steps are requested and waited for on behalf of the fused layers, ring embeddings and
 weight reads, so that ordering, the CUDA stream discipline and timing live in one spot. What a step leaves
 between its phases (layer order, prefetched steps, deferred gradient hops, no-sync partials) is not here: it is
-the ``StepState`` of ``fused/step.py``, which has one ``reset()``.
+the ``StepState`` of ``runtime/step.py``, which has one ``reset()``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import NamedTuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import CommFuseConfig
+from ..config import CommFuseConfig
+from ..ring.topology import Ring
+from ..stats import StatsRecorder
 from .link import Link
-from .ring.topology import Ring
-from .stats import StatsRecorder
 
 
 class RingOp(NamedTuple):
@@ -41,7 +41,7 @@ class RingOp(NamedTuple):
 class Engine:
     """``mesh``: 1-D (the shard group) or 2-D ``(replicate, shard)`` (HSDP); ``ring`` runs over the shard dimension,
     ``world_ring`` over every rank of the mesh (checks that all ranks must agree on), ``replicas`` (HSDP only)
-    sums gradient shards across the copies (``fused/replicas.py``)."""
+    sums gradient shards across the copies (``runtime/replicas.py``)."""
 
     def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig, world_ring: Ring | None = None,
                  replicas=None) -> None:
@@ -78,7 +78,7 @@ class Engine:
 
     def divide_factors(self) -> tuple[float, float]:
         """(pre, post): the mean over the N·R data-parallel ranks divides the gradient before and after the ring
-        sum (HSDP: the sum across the R copies follows, ``fused/replicas.py``)."""
+        sum (HSDP: the sum across the R copies follows, ``runtime/replicas.py``)."""
         world = float(self.ring.size * (self.replicas.size if self.replicas is not None else 1))
         if self.config.grad_divide == "pre":
             return world, 1.0

@@ -1,7 +1,7 @@
 """When the fused schedule requests its ring steps across layers (the rings of one layer call and the steps beside
 each compute piece: ``layer_rings.py``).
 
-[Note: across layers]  (the per-layer loops are in ``linear.py``; the link that works the requests: ``link.py``)
+[Note: across layers]  (the per-layer loops are in ``fused/linear.py``; the link that works the requests: ``link.py``)
 The forward order of the fused groups is recorded in each step and used by the next one (the first step, and the
 first after a ``reset()``, run without looking ahead). Two ways to use it, one loop:
 
@@ -34,16 +34,13 @@ that raised.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..engine import Engine
+from .engine import Engine
+from .group import FusedGroupState
 from .layer_rings import Bundle, GradBundle, GradRing, Landing, SlotPool, WeightRing
-
-if TYPE_CHECKING:
-    from .modules import FusedGroupState
-    from .step import StepState
+from .step import StepState
 
 
 class FusedSchedule:
@@ -73,6 +70,11 @@ class FusedSchedule:
         self._chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
         self._pool = SlotPool()
         self._bundle_forward = False  # whether a unit's forward rings share steps (from the order: _units_of_order)
+
+    @property
+    def packs_params(self) -> bool:
+        """Elastic: no gathered buffer is ever read as a whole with this rank's own rows in it."""
+        return self.elastic
 
     def begin_step(self) -> None:
         if self._current:

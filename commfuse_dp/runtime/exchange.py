@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from ..engine import Engine
+from .engine import Engine
 from ..ring.collectives import goes_direct
 from .layer_rings import GradRing, WeightRing, piece_steps
 

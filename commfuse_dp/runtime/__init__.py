@@ -1,0 +1,16 @@
+"""The runtime under the fused ops: the link scheduler (``link.py``, ``engine.py``), the per-step state
+(``step.py``, ``group.py``), the schedules (``schedule.py``: fused elastic and lockstep; ``slicing.py``), the layer
+rings and their exchanges (``layer_rings.py``, ``exchange.py``) and the replica exchange of HSDP (``replicas.py``).
+It never imports the ops (``commfuse_dp/fused``), which are built on it."""
+
+from __future__ import annotations
+
+from .engine import Engine
+from .schedule import FusedSchedule
+from .slicing import SlicingScheduler
+from .step import StepState
+
+
+def step_state(engine: Engine) -> StepState:
+    """The step state of a sharded model, driving the schedule its config names (``slicing``, else fused)."""
+    return StepState(engine, SlicingScheduler if engine.config.schedule == "slicing" else FusedSchedule)
