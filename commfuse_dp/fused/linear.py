@@ -24,12 +24,12 @@ both in one loop::
         wait; acc_k = part_k + racc  (part_k at k = 0)
     dW_r = acc_{N-1}                            # t == r at k == N-1: complete, nothing sent after it
 
-Across layers (``schedule.py``): when each ring step is requested and which buffers hold the shards. Lockstep
+Across layers (``runtime/schedule.py``): when each ring step is requested and which buffers hold the shards. Lockstep
 (``lookahead_mb=0``) is the pseudocode above, with step 0 of the next layers requested during this layer's last
 piece and the last gradient step landing during the next layer's first piece (``Landing``): two weight-shard and
 two gradient-shard buffers live, never the full W, except for the last layer of the forward (the lm_head), which
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
-partials only. Elastic (the default from 3 ranks): the weight ring of a layer is requested ahead, into an
+partials only. Elastic (the default on 2 ranks or more): the weight ring of a layer is requested ahead, into an
 ``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both: ``piece_steps``
 requests what goes beside piece k and returns what to wait for at its end. With ``piece_shards`` = G > 1 and a
 whole gathered buffer, the forward's outputs and the backward's dx are computed G landed shards at a time
