@@ -111,3 +111,32 @@ def test_ranks_running_different_fused_layers_fail_loudly(world_size, schedule):
     # Rank 0's neighbours ran the other layer, and say so (each names its own and where its peer was).
     assert "was in right_branch (forward" in results[0]["message"], results[0]["message"]
     assert "was in left_branch (forward" in results[1]["message"], results[1]["message"]
+
+
+def _untagged_divergent_worker(rank, world_size, schedule):
+    torch.manual_seed(0)
+    model = Branches()
+    cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, timeout_s=TIMEOUT_S))
+    assert not model._commfuse_engine.ring.tagged  # paired by order alone, as NCCL pairs its messages
+    x = torch.randn(4, 16)
+    model(x, True).sum().backward()  # step 0, in lockstep
+    model(x, rank == 0).sum().backward()  # step 1: rank 0 runs left_branch, the others right_branch, same sizes
+    try:
+        model(x, True).sum().backward()  # step 2
+    except RuntimeError as err:
+        return {"raised_in": "step 2", "message": str(err), "type": type(err).__name__}
+    raise AssertionError("ranks ran different fused layers without tags and no error was raised")
+
+
+@pytest.mark.parametrize("schedule", ["fused", "slicing"])
+def test_ranks_that_diverge_without_tags_raise_one_step_later(schedule):
+    """Without message tags (NCCL has none) ranks running different fused layers of one shape pair their bytes
+    silently; the fingerprint of each step's ring steps, compared across ranks, makes every rank raise before its
+    next step's first ring step, naming the first request that differs and what each rank issued there."""
+    results = run_ranks(_untagged_divergent_worker, 2, (schedule,), timeout=60, env={"COMMFUSE_RING_TAGS": "0"})
+    for info in results:
+        assert info["type"] == "RuntimeError", info
+        message = info["message"]
+        assert "issued different ring steps in step 1: request 1 differs" in message, message
+        assert "rank 0: left_branch forward (call 1)" in message, message
+        assert "rank 1: right_branch forward (call 1)" in message, message

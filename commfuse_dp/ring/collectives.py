@@ -64,6 +64,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     ring = get_ring(group, op="ring_all_gather")
     _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
     tag = ring.next_tag() if tag is None else tag  # on the issuing thread: ops pair up in issue order
+    ring.fingerprint.add_collective("all_gather", tag, label, output.numel())
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_all_gather")
 
     direct = goes_direct(ring, output, direct_kb, chunked=input.numel() > chunk)
@@ -87,6 +88,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
                 input_numel=ring.size * output.numel())
     average = _average(op, output.dtype, "ring_reduce_scatter")
     tag = ring.next_tag() if tag is None else tag
+    ring.fingerprint.add_collective("reduce_scatter", tag, label, input.numel())
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
 
     direct = goes_direct(ring, input, direct_kb, chunked=output.numel() > chunk)

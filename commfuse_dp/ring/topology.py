@@ -9,6 +9,7 @@ the order in which they were *issued*, whichever thread later runs them.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -18,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from .fingerprint import StepFingerprint
 
 _TAG_SPACE = 1 << 29  # one tag per ring operation, recycled far apart; tags from 2**29 up carry an op identity
 
@@ -42,6 +45,10 @@ class Ring:
         self._executor: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.broken: str | None = None  # the first failure; every later op raises it at once
+        # gloo's messages carry the op's tag; COMMFUSE_RING_TAGS=0 sends all with tag 0, paired by order alone as
+        # NCCL pairs them (ring/fingerprint.py then still finds ranks that diverged)
+        self.tagged = os.environ.get("COMMFUSE_RING_TAGS", "1") != "0"
+        self.fingerprint = StepFingerprint(self)  # what this rank issued in the running step (ring/fingerprint.py)
 
     @property
     def group(self) -> dist.ProcessGroup:

@@ -164,7 +164,7 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
                                                    (handle.sends, sends, to, pg.send, "send to")):
         for t, peer in zip(tensors, peers):
             try:  # gloo raises here already when the peer's connection is gone
-                works.append(post([t], peer, tag))
+                works.append(post([t], peer, tag if ring.tagged else 0))
             except RuntimeError as err:
                 raise handle._failure(err, peer, direction) from err
     return handle

@@ -1,6 +1,6 @@
 """The per-model runtime of a sharded model: its ring, link scheduler, config, gradient-sync flag and statistics.
 
-``shard()`` makes one ``Engine`` per model; every fused layer reaches it. Its ``link`` (``commfuse_dp/runtime/link.py``) is
+``shard()`` makes one ``Engine`` per model; every fused layer reaches it. Its ``link`` (``runtime/link.py``) is
 the only place where ring steps are requested and waited for on behalf of the fused layers, ring embeddings and
 weight reads, so that ordering, the CUDA stream discipline and timing live in one spot. What a step leaves
 between its phases (layer order, prefetched steps, deferred gradient hops, no-sync partials) is not here: it is

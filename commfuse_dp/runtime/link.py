@@ -103,6 +103,8 @@ class Link:
             transport.notify("start", op.phase, k)
         ring = self.ring
         tensor = sends[0] if sends else recvs[0]
+        # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
+        ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
 
         def issue() -> transport.StepHandle:
             if before is not None:

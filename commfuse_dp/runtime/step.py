@@ -113,6 +113,8 @@ class StepState:
                            "deferred gradients and no-sync partials were dropped",
                            "forward" if self.forward_open else "backward")
             self.reset()
+        # Raises if the ranks issued different ring steps in the previous step (ring/fingerprint.py)
+        self.engine.ring.fingerprint.begin_step(self.step + 1, self.engine.config.timeout_s)
         self.engine.stats.begin_step()
         self.step += 1
         self._calls.clear()
@@ -144,10 +146,12 @@ class StepState:
         self.backward_open = False
         self.awaiting_backward = False
         self.read_cache.clear()
+        self.engine.ring.fingerprint.end_backward()  # raises if the ranks' previous steps differed
 
     def reset(self) -> None:
         """Drop all per-step state (after a step that raised); the next step starts as a first step."""
         self.schedule.reset()
+        self.engine.ring.fingerprint.drop()
         if self.engine.replicas is not None:
             self.engine.replicas.drop()
         for group in self.groups:

@@ -1,0 +1,131 @@
+"""``StepFingerprint``: the ring steps a rank issued in a training step, compared across the ranks one step late.
+
+[Note: the fingerprint of a step]
+NCCL pairs point-to-point messages by their order alone, and so does gloo with the tags turned off
+(``COMMFUSE_RING_TAGS=0``). Ranks that break the lockstep contract (a data-dependent layer order, a config that
+differs) then exchange bytes between *different* ring steps of the same size and go on with wrong numbers, or hang
+where the sizes differ. Each ``Ring`` keeps one fingerprint. While a step of a sharded model is open, every request
+issued on the ring is folded in, on the issuing thread, in program order:
+- each step of a fused ring, ring embedding or weight read, as the link takes it (``runtime/link.py``): the op's
+  identity tag, its index in its ring, the ring's length, and on a ring (not a direct exchange, whose sizes may
+  differ between ranks) the elements a tensor moves;
+- each bucketed collective on the shard ring (FSDP2 units, the slicing schedule, the non-finite check, 0-d
+  parameters), as ``ring_all_gather`` / ``ring_reduce_scatter`` draw its tag (``ring/collectives.py``): its kind,
+  tag, label and size. (HSDP's replica sums run on the replicate group's ring, which is not checked.)
+A few integer operations a request; a collective's label is hashed once per call.
+
+When a step's backward ends (or, for a forward-only step, when the next one begins), its fingerprint and its
+negation go into one asynchronous ``MAX`` all-reduce over the ring's group: equal on every rank exactly when the
+largest equals the smallest. The result is read when the next step begins (on CUDA, at the first such point where
+it has arrived): the optimizer step ran in between, so the host does not wait, and a divergence raises before the
+next step's first ring step, on every rank alike (they all read the same reduced pair). The ranks then gather
+their request lists once, and the error names the first request that differs and what each rank issued there.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import zlib
+
+_MASK = (1 << 63) - 1
+_PRIME = 0x100000001B3
+
+
+class StepFingerprint:
+    """The ring steps one rank issued in the running step (``add``), and the check of the previous step's against
+    the other ranks' (``begin_step``, ``end_backward``)."""
+
+    def __init__(self, ring) -> None:
+        self.ring, self.timeout_s = ring, 1800.0
+        self.value = 0
+        self.requests: list[tuple] = []  # (op, k, steps, numel) of the running step
+        self._checking: list[tuple[int, list[tuple], torch.Tensor, object]] = []  # step, requests, pair, work
+        self.step = -1
+
+    def add(self, op, k: int, steps: int, numel: int) -> None:
+        """Fold one requested step of a fused ring (``op``: its ``RingOp``) into the running fingerprint."""
+        if self.step < 0:
+            return  # no step of a sharded model is open: nothing is compared
+        self.value = ((self.value ^ (op.tag << 20) ^ (k << 8) ^ steps ^ (numel << 30)) * _PRIME) & _MASK
+        self.requests.append((op, k, steps, numel))
+
+    def add_collective(self, kind: str, tag: int, label: object, numel: int) -> None:
+        """Fold one bucketed collective (``kind``: all_gather / reduce_scatter) into the running fingerprint."""
+        if self.step < 0:
+            return
+        name = zlib.crc32(f"{kind} {label}".encode())
+        self.value = ((self.value ^ (tag << 20) ^ (name << 24) ^ (numel << 30)) * _PRIME) & _MASK
+        self.requests.append(((label, kind), tag, 0, numel))
+
+    def begin_step(self, step: int, timeout_s: float) -> None:
+        """A step begins: read the pending check (the previous step's, started when its backward ended), start the
+        check of a previous step that had no backward, and begin folding this one."""
+        self.timeout_s = timeout_s
+        self.check()
+        self.close()
+        self.step, self.value, self.requests = step, 0, []
+
+    def end_backward(self) -> None:
+        """The step's backward ended: read the previous step's check, start this one's."""
+        self.check()
+        self.close()
+
+    def close(self) -> None:
+        """Start comparing the running step's fingerprint across the ranks (asynchronously)."""
+        if self.step < 0 or self.ring.size == 1:
+            return
+        pair = torch.tensor([self.value, -self.value], dtype=torch.int64, device=self._device())
+        work = dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.ring.group, async_op=True)
+        self._checking.append((self.step, self.requests, pair, work))
+        self.step = -1
+
+    def drop(self) -> None:
+        """After a step that raised: its requests are not compared (the ranks may have stopped at different ones)."""
+        self.value, self.requests, self.step = 0, [], -1
+
+    def check(self) -> None:
+        """Read the pending checks that arrived (on CPU: all of them); raise on every rank if the ranks' fingerprints
+        of a step differ."""
+        while self._checking:
+            step, requests, pair, work = self._checking[0]
+            if pair.is_cuda and not work.is_completed():
+                return  # read at the next chance, never blocking the host on the device
+            self._checking.pop(0)
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+            high, low = pair.tolist()
+            if high != -low:
+                self._checking.clear()
+                raise RuntimeError(self._divergence(step, requests))
+
+    def _divergence(self, step: int, requests: list[tuple]) -> str:
+        mine = [_said(op, k, steps, numel) for op, k, steps, numel in requests]
+        every: list[list[str] | None] = [None] * self.ring.size
+        dist.all_gather_object(every, mine, group=self.ring.group)
+        longest = max(len(r) for r in every)
+        first = next(i for i in range(longest + 1)
+                     if len({r[i] if i < len(r) else "nothing" for r in every}) > 1 or i == longest)
+        said = "; ".join(f"{self.ring.peer_name(rank)}: {r[first] if first < len(r) else 'nothing'}"
+                         for rank, r in enumerate(every))
+        return (f"commfuse_dp: the ranks issued different ring steps in step {step}: request {first + 1} differs "
+                f"({said}). Every rank must run the same fused layers in the same order (the lockstep contract); "
+                f"a layer called data-dependently, or a model or config that differs between ranks, breaks it. Its "
+                f"bytes were exchanged with another rank's different step, so that step's numbers are wrong; "
+                f"CommFuseConfig(exclude=[...]) keeps such a layer out of the fused path")
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.ring.backend else torch.device("cpu")
+
+
+def _said(op, k: int, steps: int, numel: int) -> str:
+    """One request, as the error names it: a fused ring's step, or a collective (``op`` = (label, kind))."""
+    if not hasattr(op, "phase"):
+        label, kind = op
+        if hasattr(label, "phase"):  # a fused layer's RingOp (the slicing schedule)
+            label = f"{label.name} {label.phase} (call {label.occurrence + 1})"
+        return f"{label + ' ' if label is not None else ''}{kind} (tag {k}), {numel} elements"
+    size = f", {numel} elements a tensor" if numel else ""
+    return f"{op.name} {op.phase} (call {op.occurrence + 1}), ring step {k + 1} of {steps}{size}"
