@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .config import CommFuseConfig
 from .plan import MARGIN, decide
-from .plays import H200_HOST_FIT, H200_PIECE_FIT, Cluster, units_for
+from .costs import H200_HOST_FIT, H200_PIECE_FIT, Cluster, units_for
 
 __all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
 

@@ -28,7 +28,7 @@ options:
 COMMANDS = {
     "demo": ("commfuse_dp.demo", "fine-tune the embedded default model on 2 CPU processes, then a summary"),
     "bench": ("commfuse_dp.benchmarks.bench", "compare the schedules on the emulated cluster (root)"),
-    "plan": ("commfuse_dp.plan", "predict step time, exposed communication and MFU on a real cluster"),
+    "plan": ("commfuse_dp.plan_cli", "predict step time, exposed communication and MFU on a real cluster"),
     "launch": ("commfuse_dp.launch", "accelerate launch with a commfuse: config block (unchanged scripts)"),
 }
 

@@ -1,9 +1,6 @@
 """``commfuse-dp plan``: predict step time, exposed communication and MFU of the schedules on a real cluster.
 
-    commfuse-dp plan --model llama-7b --ranks 8 --link-gbps 50 --tflops 400 --tokens 8192
-    commfuse-dp plan --model path/to/config.json --ranks 16 --link-gbps 25 --latency-us 20 --tflops 300
-    commfuse-dp plan --calibrate bench.json          # predictions against the emulated cluster's measurements
-    commfuse-dp plan --model llama3-8b --sweep      # fused / slicing over ranks, links and tokens per rank
+The command line is ``plan_cli.py``.
 
 The model is a list of units in execution order: the embedding, per decoder layer the fused groups (q/k/v,
 o, gate/up, down; attention itself as compute only), the final norm and the lm_head. Each group has forward
@@ -24,7 +21,7 @@ resources per rank, the compute stream and the link, and plays each schedule on 
   lag and go as one ring per unit (``plays.elastic``).
   For both, parameters that are not fused (norms) and the ring embedding's exchanges are exposed at the step's
   head and tail.
-The last three fuse what ``shard()`` fuses (``plays.placed``, ``--min-fuse-numel``): a group whose weight shard is
+The last three fuse what ``shard()`` fuses (``costs.placed``, ``--min-fuse-numel``): a group whose weight shard is
 below the threshold joins the unfused parameters, except under ``fused``, where it rides with a larger group of its
 layer; a layer whose unfused linears reach the threshold keeps an FSDP2 unit of its own, gathered and
 reduce-scattered per layer, blocking (``slicing`` and ``lockstep`` play it; ``fused`` prints "not played").
@@ -39,14 +36,11 @@ step times.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from dataclasses import replace
 
-from . import plays
-from .config import MIN_FUSE_NUMEL
-from .plays import Cluster, Unit, units_for
+from . import costs, plays
+from .costs import Cluster, Unit, units_for
 
 KNOWN_MODELS = {
     # name: hidden, intermediate, layers, heads, kv heads, vocab
@@ -66,14 +60,14 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     n = cl.ranks
     steps = n - 1
     if schedule in PLACED:  # what shard() fuses for it
-        units = plays.placed(units, cl, elastic=schedule == "fused" and cl.lookahead_bytes != 0)
+        units = costs.placed(units, cl, elastic=schedule == "fused" and cl.lookahead_bytes != 0)
 
     def coll(numel: int, nbytes: int) -> float:  # one ring all-gather or reduce-scatter of numel elements
         return 0.0 if numel == 0 or n == 1 else steps * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)
 
     def moved(u: Unit, nbytes: int) -> float:  # one pass of a unit's parameters (or of a ring embedding's rows)
         if u.table and schedule != "no_overlap":
-            return plays.table_seconds(u, cl, nbytes)
+            return costs.table_seconds(u, cl, nbytes)
         return coll(u.fused_numel + u.other_numel, nbytes)
 
     fwd = [u.flops / cl.flops_per_s for u in units]
@@ -95,7 +89,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         return {**slowed(cl.peer_host_s, host_on_compute=False, peer_host_s=0.0), "host_s": cl.peer_host_s}
     if cl.host_on_compute and cl.host_fit is not None and n > 1 and schedule in ("slicing", "lockstep", "fused"):
         # The host issues the fused groups' ring steps and pieces on the thread that computes: it slows the compute.
-        host = plays.host_seconds(units, cl)
+        host = costs.host_seconds(units, cl)
         return {**slowed(host, host_on_compute=False, host_fit=None), "host_s": host}
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
@@ -106,18 +100,18 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
             for u in units)  # bytes one rank sends per step
         return slowed(cl.cpu_s_per_byte * total, cpu_s_per_byte=0.0)
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
-    # ... and the host issues every ring step and piece of the fused groups (``plays.host_seconds``)
-    host = plays.host_seconds(units, cl)
+    # ... and the host issues every ring step and piece of the fused groups (``costs.host_seconds``)
+    host = costs.host_seconds(units, cl)
     if schedule in ("slicing", "lockstep", "fused") and n > 1 and not any(u.groups for u in units):
         # nothing fused (every group below min_fuse_numel): it all moves at the head and the tail
-        own = sum(2 * plays.unit_seconds(u, cl, cl.param_bytes) + plays.unit_seconds(u, cl, cl.grad_bytes)
+        own = sum(2 * costs.unit_seconds(u, cl, cl.param_bytes) + costs.unit_seconds(u, cl, cl.grad_bytes)
                   for u in units if u.own)  # layers with FSDP2 units of their own: each collective blocking
-        t = plays.edges(units, cl, cl.param_bytes) + compute + own + plays.edges(units, cl, cl.grad_bytes)
+        t = costs.edges(units, cl, cl.param_bytes) + compute + own + costs.edges(units, cl, cl.grad_bytes)
         return {"step_s": t, "device_s": t, "compute_s": compute, "flops": flops, "host_s": 0.0, "pieces_s": 0.0}
     if schedule == "slicing":
         t = plays.slicing(units, cl) if n > 1 else compute
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops,
-                "pieces_s": plays.piece_extra(units, cl, cl.piece_shards), "host_s": host}
+                "pieces_s": costs.piece_extra(units, cl, cl.piece_shards), "host_s": host}
     if schedule == "fsdp2":  # the peer: stock FSDP2's units and its GPU schedule (plays.fsdp2)
         t = plays.fsdp2(units, cl)
         return {"step_s": max(t, cl.peer_host_s), "device_s": t, "compute_s": compute, "flops": flops,
@@ -127,7 +121,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         play = plays.lockstep if lockstep else plays.elastic
         t = compute if n == 1 else play(units, cl)
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops, "host_s": host,
-                "pieces_s": plays.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
+                "pieces_s": costs.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
@@ -138,11 +132,11 @@ PLACED = ("slicing", "lockstep", "fused")  # this library's schedules: they fuse
 
 def unplayed(units: list[Unit], cl: Cluster, schedule: str) -> list[str]:
     """Decoder layers whose unfused parameters ``shard()`` keeps in an FSDP2 unit of their own under ``schedule``
-    (``plays.own_collectives``): not played, so a prediction with any is not the schedule that runs."""
+    (``costs.own_collectives``): not played, so a prediction with any is not the schedule that runs."""
     if schedule != "fused" or cl.ranks == 1 or cl.lookahead_bytes == 0:  # (slicing and lockstep play them)
         return []
-    placed = plays.placed(units, cl, elastic=True)
-    return plays.own_collectives(placed, cl) if any(u.groups for u in placed) else []  # (nothing fused: played)
+    placed = costs.placed(units, cl, elastic=True)
+    return costs.own_collectives(placed, cl) if any(u.groups for u in placed) else []  # (nothing fused: played)
 
 
 def recommend(cl: Cluster) -> dict:
@@ -254,333 +248,3 @@ def predict_nodes(model: tuple, nodes: int, per_node: int, intra: Cluster, inter
             out[f"{schedule}/{name}"] = {"step_s": step, "tokens_per_s": tokens / step,
                                          "mfu": hsdp["flops"] / (step * peak_flops_per_s)}
     return out
-
-
-def print_nodes(args, model: tuple, intra: Cluster) -> None:
-    per_node = args.ranks // args.nodes
-    results = predict_nodes(model, args.nodes, per_node, intra, args.inter_gbps * 1e9, args.tokens, args.seq,
-                            args.peak_tflops * 1e12)
-    print(f"{args.model}: {args.nodes} nodes x {per_node} ranks, {args.link_gbps:g} GB/s inside a node, "
-          f"{args.inter_gbps:g} GB/s per rank between nodes, {args.latency_us:g} us per ring step, {args.tflops:g} "
-          f"TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
-    print(f"{'schedule':>12} {'mesh':>5} {'step s':>8} {'tok/s/rank':>10} {'MFU':>6}")
-    for key, r in results.items():
-        schedule, mesh = key.split("/")
-        print(f"{schedule:>12} {mesh:>5} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%}")
-    print("hsdp: sharded inside a node, gradients averaged across nodes on each rank's own link; flat: one ring over "
-          "every rank (its slowest hop sets its speed). fsdp2: stock FSDP2's schedule (HSDP: its all-reduce "
-          "per unit after the reduce-scatter)")
-    if args.model in ("llama3-8b",):
-        print("published (torchtitan, FSDP2, Llama-3.1-8B, eager bf16, seq 8192, local batch 2, H100): "
-              + ", ".join(f"{v:,} tok/s per GPU on {k} GPUs" for k, v in TORCHTITAN_8B.items()))
-
-
-def load_model(spec: str) -> tuple:
-    if spec in KNOWN_MODELS:
-        return KNOWN_MODELS[spec]
-    try:
-        with open(spec) as f:
-            c = json.load(f)
-    except OSError:
-        raise SystemExit(f"plan: --model {spec!r} is neither a known shape ({', '.join(KNOWN_MODELS)}) nor a "
-                         f"readable HF config.json") from None
-    try:
-        hidden = c.get("hidden_size", c.get("n_embd"))
-        heads = c.get("num_attention_heads", c.get("n_head"))
-        return (hidden, c.get("intermediate_size", c.get("n_inner") or 4 * hidden),
-                c.get("num_hidden_layers", c.get("n_layer")), heads, c.get("num_key_value_heads", heads),
-                c["vocab_size"])
-    except (KeyError, TypeError):
-        raise SystemExit(f"plan: {spec} lacks hidden_size / num_hidden_layers / num_attention_heads / "
-                         f"vocab_size") from None
-
-
-BENCH_MIN_FUSE_NUMEL = 1 << 16  # what `commfuse-dp bench` ran with before its files recorded it (its default then)
-
-
-def calibrate(path: str, latency_us: float, overhead_path: str | None = None) -> int:
-    """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
-    nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
-    and its GEMMs in pieces). With real compute one thread computes and issues, so it adds to the compute; with the
-    emulated accelerator the host runs ahead (the step is at least that long)."""
-    with open(path) as f:
-        bench = json.load(f)
-    on_compute = bench.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
-    extra = _overhead(overhead_path, bench) if overhead_path else {}
-    m = bench["model"]
-    model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m.get("kv_heads") or m["heads"], m["vocab"])
-    tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
-    direct_bytes = m.get("direct_kb", 0) * 1024  # runs that do not record it went round the ring
-    rows_ring = m.get("embedding_rows") != "direct"  # a file without it: the rows went round a ring
-    units = units_for(*model, tokens=tokens, seq=seq)
-    flops = 3 * sum(u.flops for u in units)
-    # What the bench's comm_only moves per rank: every unit gathered twice and reduce-scattered once, except the ring
-    # embedding's two exchanges.
-    zero3_bytes = sum(2 * u.exchange(world, rows_ring)[1] * 4 if u.table else
-                      3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
-    # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
-    # are slower than the rings the planner models.
-    names = {"fused": "fused", "fsdp2": "fsdp2_overlap", "slicing": "slicing", "lockstep": "fused_lockstep"}
-    print(f"calibration against {path}: {world} ranks, fp32, {tokens} tokens per rank")
-    # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
-    # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
-    # alone shorter than compute alone). Without such a rate, none is assumed.
-    by_rate: dict[float, dict[str, dict]] = {}
-    for r in bench["records"]:
-        by_rate.setdefault(r["rate_mbit"], {})[r["schedule"]] = r
-    per_byte = [max(rows["concurrent"]["step_s"] - rows["compute_only"]["step_s"], 0.0) / zero3_bytes
-                for rows in by_rate.values()
-                if {"concurrent", "compute_only", "comm_only"} <= set(rows)
-                and rows["comm_only"]["step_s"] < rows["compute_only"]["step_s"]]
-    cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
-    print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
-          f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
-    if extra:
-        print(f"each schedule's own work per step ({overhead_path}; "
-              f"{'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'}): "
-              + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in extra.items()))
-    groups = sum(len(u.groups) for u in units)
-    print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
-          f"{'error':>7}")
-    worst = 0.0
-    for rate, rows in sorted(by_rate.items()):
-        if "compute_only" not in rows or "comm_only" not in rows:
-            continue
-        compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
-        f_rate, b_rate = flops / compute, zero3_bytes / comm
-        cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
-                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring,
-                     host_on_compute=on_compute, min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL))
-        for schedule, measured_name in names.items():
-            if measured_name not in rows:
-                continue
-            host = (extra[schedule] / groups, 0.0) if schedule in extra else None  # as a + b N per fused group
-            predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=extra.get("fsdp2", 0.0)),
-                                 schedule)["step_s"]
-            measured = rows[measured_name]["step_s"]
-            error = predicted / measured - 1
-            worst = max(worst, abs(error))
-            print(f"{rate:>11g} {f_rate / 1e9:>10.1f} {b_rate / 1e6:>8.1f} {schedule:>9} {predicted:>11.3f} "
-                  f"{measured:>10.3f} {error:>+7.1%}")
-    print(f"worst error {worst:.1%}")
-    return 0
-
-
-def _overhead(path: str, bench: dict) -> dict[str, float]:
-    """Seconds per step each schedule adds (``step_overhead.py --json``) at the bench's world size, for its model and
-    compute; a file that does not fit the bench is an error (it would bias every prediction)."""
-    with open(path) as f:
-        data = json.load(f)
-    compute, world = bench.get("compute", "real").split()[0], str(bench["world_size"])  # "emulated at X TFLOP/s"
-    if data.get("model") != "bench" or data.get("compute") != compute or world not in data.get("extra_s", {}):
-        raise SystemExit(f"--overhead {path}: measured for model {data.get('model')!r}, compute "
-                         f"{data.get('compute')!r}, worlds {sorted(data.get('extra_s', {}))}; the bench ran the bench "
-                         f"model with {compute} compute on {world} ranks: run benchmarks/step_overhead.py "
-                         f"--fake-worlds {world} --bench-model {compute} --json FILE")
-    return {name: max(seconds, 0.0) for name, seconds in data["extra_s"][world].items()}
-
-
-SWEEP_RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-SWEEP_LINKS_GBPS = (6.25, 12.5, 25.0, 50.0, 100.0, 200.0, 450.0)
-SWEEP_TOKENS = (2048, 4096, 8192, 16384)
-
-
-def _pair(text: str, h200: tuple[float, float]) -> tuple[float, float] | None:
-    """``--piece-fit`` / ``--host-fit``: 'h200', 'none' or two non-negative numbers 'A,B'."""
-    if text == "none":
-        return None
-    if text == "h200":
-        return h200
-    a, b = (float(x) for x in text.split(","))
-    if a < 0 or b < 0:
-        raise ValueError(text)
-    return a, b
-
-
-def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, seq: int,
-          against: str = "fsdp2", piece_fit: tuple[float, float] | None = None,
-          host_fit: tuple[float, float] | None = None, min_fuse_numel: int = MIN_FUSE_NUMEL) -> int:
-    """What ``CommFuseConfig()``'s defaults run (``decide``: fused at its best ``piece_shards`` where that is
-    predicted at least 2% faster than the peer, else the peer), over ``against``'s step time (``fsdp2``, the peer,
-    or ``slicing``), for every (ranks, link, tokens per rank) of the sweep grid; prints a table (``f``: the defaults
-    fuse there; ``=``: they run the peer) and returns the number of cells where the defaults are slower. With
-    ``piece_fit`` GEMM pieces cost time (slicing gathers whole layers: computes whole GEMMs); with ``host_fit`` each
-    fused step is at least the host's time to issue it."""
-    against = ALIASES.get(against, against)
-    model = load_model(model_name)
-    print(f"{model_name}: CommFuseConfig()'s defaults, step time / {against}'s; {latency_us:g} us per ring step, "
-          f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}, min_fuse_numel {min_fuse_numel}; tokens per "
-          f"rank across, ranks x GB/s down; f: fused chosen, =: the peer chosen"
-          + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}" if piece_fit else "")
-          + (f"; the host needs {host_fit[0] * 1e3:g} + {host_fit[1] * 1e3:g} N ms per fused group per step"
-             if host_fit else ""))
-    print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{t:>7}" for t in SWEEP_TOKENS))
-    ratios: list[float] = []
-    fused_ratios: list[float] = []  # fused at its best piece width over the peer, wherever played
-    unknown: list[str] = []
-    chose_fused = 0
-    for ranks in SWEEP_RANKS:
-        for gbps in SWEEP_LINKS_GBPS:
-            cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
-                         piece_fit=piece_fit, host_fit=host_fit, min_fuse_numel=min_fuse_numel)
-            cells = []
-            for tokens in SWEEP_TOKENS:
-                units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
-                schedule, width, predicted = decide(units, cl)
-                fused_s = predicted[f"fused, piece_shards={width}"]
-                mine = fused_s if schedule == "fused" else predicted["fsdp2"]
-                theirs = predicted["fsdp2"] if against == "fsdp2" else simulate(
-                    units, replace(cl, piece_shards=ranks), against)["step_s"]
-                ratio = mine / theirs
-                mark = "f" if schedule == "fused" else "="
-                if schedule == "fused" and unplayed(units, cl, "fused"):
-                    unknown.append(f"{ranks} ranks, {gbps:g} GB/s, {tokens} tokens")
-                    cells.append(f"{ratio:>6.3f}?")
-                    continue
-                chose_fused += schedule == "fused"
-                ratios.append(ratio)
-                fused_ratios.append(fused_s / predicted["fsdp2"])
-                cells.append(f"{ratio:>6.3f}{'*' if ratio > 1.0 + 1e-9 else mark}")
-            print(f"{ranks:>6} {gbps:>6g} " + " ".join(cells))
-    if unknown:
-        print(f"?: {len(unknown)} cells where the defaults fuse but a decoder layer's groups below min_fuse_numel "
-              f"{min_fuse_numel} add up to an FSDP2 unit of their own in shard() (gathered per layer), which the "
-              f"planner does not play: " + "; ".join(unknown))
-    slower = [x for x in ratios if x > 1.0 + 1e-9]
-    print(f"{model_name}: the defaults fuse in {chose_fused} of {len(ratios)} cells played and are slower than "
-          f"{against} in {len(slower)}" + (f", at most {max(slower):.3f}x (*)" if slower else "")
-          + f"; fused at its best piece width alone would be slower than fsdp2 in "
-          f"{sum(x > 1.0 + 1e-9 for x in fused_ratios)}")
-    return len(slower)
-
-
-def main(argv: list[str] | None = None) -> int:
-    first, _, rest = __doc__.partition("\n\n")  # the help shows each once, without the docstring's markup
-    parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=first.replace("``", ""),
-                                     epilog=rest.replace("``", ""),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-7b", help=f"known shape ({', '.join(KNOWN_MODELS)}) or an HF "
-                                                            f"config.json path")
-    parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks")
-    parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes)")
-    parser.add_argument("--latency-us", type=float, default=15.0, help="fixed cost of one ring step, microseconds")
-    parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="the hardware's peak TFLOP/s per rank, for MFU (default 989: an H100 SXM, dense bf16)")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="nodes the --ranks are split into (HSDP against one flat ring; default 1)")
-    parser.add_argument("--inter-gbps", type=float, default=50.0,
-                        help="--nodes: each rank's own link between nodes, GB/s (default 50: a 400 Gb/s NIC per GPU; "
-                             "--link-gbps is then the link inside a node)")
-    parser.add_argument("--piece-fit", default="h200",
-                        help="what a GEMM cut into N pieces of w output rows costs (the fused and slicing schedules "
-                             "compute so): 'h200' (default: 1 + 0.645 (256/w)^0.89, measured on an H200 in bf16 at "
-                             "8192 tokens, benchmarks/cuda_check.py), 'A,P' for 1 + A (256/w)^P, or 'none' (as fast "
-                             "as the whole GEMM)")
-    parser.add_argument("--min-fuse-numel", type=int, default=MIN_FUSE_NUMEL,
-                        help="CommFuseConfig.min_fuse_numel (default %(default)s, the library's): a group of linears "
-                             "whose weight shard is smaller is not fused, in either schedule, except that the fused "
-                             "schedule's elastic lookahead lets it share a larger group's ring steps in its decoder "
-                             "layer; what is not fused is gathered at the step's head and reduce-scattered at its "
-                             "tail. 0: every linear fused in both")
-    parser.add_argument("--piece-shards", type=int, default=1,
-                        help="CommFuseConfig.piece_shards of the fused schedule: weight shards per compute piece "
-                             "(default 1)")
-    parser.add_argument("--host-fit", default="h200",
-                        help="the host's time per fused group per step, a + b * ranks seconds (fused and slicing "
-                             "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'none' "
-                             "(default: not modelled), 'h200' (1.7 ms + 0.30 ms x ranks, measured on an H200's host "
-                             "with benchmarks/step_overhead.py --fake-worlds) or 'A,B' in seconds (that script "
-                             "prints this machine's)")
-    parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
-    parser.add_argument("--overhead", metavar="JSON",
-                        help="--calibrate: each schedule's own work per step on the bench's machine, from "
-                             "benchmarks/step_overhead.py --fake-worlds W --bench-model real|emulated --json JSON")
-    parser.add_argument("--sweep", action="store_true",
-                        help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
-                             f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
-                             f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
-    parser.add_argument("--against", choices=("fsdp2", "unit_slicing", "slicing"), default="fsdp2",
-                        help="--sweep: the schedule fused is divided by (fsdp2, also named unit_slicing: the peer, "
-                             "stock FSDP2 as it runs on a GPU; slicing: this library's layer-level prefetch)")
-    args = parser.parse_args(argv)
-    try:
-        fit = _pair(args.piece_fit, plays.H200_PIECE_FIT)
-    except ValueError:
-        parser.error(f"--piece-fit {args.piece_fit!r}: give 'h200', 'none' or two numbers 'A,P' (e.g. 0.645,0.89)")
-    try:
-        host_fit = _pair(args.host_fit, plays.H200_HOST_FIT)
-    except ValueError:
-        parser.error(f"--host-fit {args.host_fit!r}: give 'h200', 'none' or two numbers 'A,B' (e.g. 1.7e-3,3e-4)")
-    if args.min_fuse_numel < 0:
-        parser.error("--min-fuse-numel must be at least 0")
-    if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
-        return calibrate(args.calibrate, args.latency_us, args.overhead)
-    if args.sweep:
-        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
-              args.min_fuse_numel)
-        return 0
-    for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("link_gbps", "tflops", "peak_tflops"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.tflops > args.peak_tflops:
-        parser.error(f"--tflops {args.tflops:g} (achievable) is above --peak-tflops {args.peak_tflops:g} (the "
-                     f"hardware's peak); give the peak of the accelerator you plan for")
-    model = load_model(args.model)
-    cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
-                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit,
-                 min_fuse_numel=args.min_fuse_numel)
-    if args.nodes != 1:
-        if args.nodes < 1 or args.ranks % args.nodes:
-            parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
-        if args.inter_gbps <= 0:
-            parser.error("--inter-gbps must be > 0")
-        print_nodes(args, model, cl)
-        return 0
-    results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
-    chosen, best, _ = decide(units_for(*model, tokens=args.tokens, seq=args.seq), cl)
-    if best != args.piece_shards:  # what the recommended config below would give, beside what was asked
-        results[f"fused, ps={best}"] = predict(model, replace(cl, piece_shards=best), args.tokens, args.seq,
-                                               args.peak_tflops * 1e12)["fused"]
-    print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
-          f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
-    print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'pieces s':>8} {'host s':>7} {'MFU':>6} "
-          f"{'of achievable':>13}")
-    for schedule, r in results.items():
-        print(f"{schedule:>12} {r['step_s']:>8.3f} {r['exposed_s']:>14.3f} {r['pieces_s']:>8.3f} {r['host_s']:>7.3f} "
-              f"{r['mfu']:>6.1%} {r['of_achievable']:>13.1%}")
-    print("MFU: model FLOPs per second against --peak-tflops; of achievable: against --tflops (compute alone)")
-    for schedule, r in results.items():
-        if r.get("unplayed"):
-            print(f"not played: under {schedule}, {len(r['unplayed'])} decoder layers' groups below --min-fuse-numel "
-                  f"{args.min_fuse_numel} add up to an FSDP2 unit of their own in shard() (gathered per layer); the "
-                  f"planner shows them gathered at the step's head, so its {schedule} figures are not what runs")
-    print(f"pieces: what computing each GEMM in {args.ranks // args.piece_shards if args.piece_shards <= args.ranks else 1}"
-          f" pieces adds (fused and slicing, lockstep in {args.ranks}; --piece-shards {args.piece_shards}, --piece-fit "
-          f"{args.piece_fit})")
-    print(f"host: the host's time to issue the fused groups' ring steps and pieces (--host-fit {args.host_fit}); "
-          f"a step is at least that long")
-    print("fsdp2: the peer, stock FSDP2 as it runs on a GPU (a unit per decoder layer and the root, the next "
-          "layer gathered one ahead, reduce-scatters behind the backward; CommFuseConfig(schedule='fsdp2'))")
-    if best != args.piece_shards:
-        pieces = max(1, args.ranks // best)
-        print(f"fused, ps={best}: the fused schedule with piece_shards={best} (each GEMM "
-              f"{f'in {pieces} pieces' if pieces > 1 else 'whole, once its weight is gathered'}), the recommended "
-              f"one below; --piece-shards {best} plays it throughout")
-    rec = recommend(cl)
-    print(f"CommFuseConfig()'s defaults on this cluster: schedule={chosen!r}"
-          + (f", piece_shards={best}" if chosen == "fused" else "") + " (commfuse_dp/choose.py: fused only where "
-          "predicted at least 2% faster than fsdp2)")
-    print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}"
-          + (f", piece_shards={best})" if chosen == "fused" else ", schedule='fsdp2')"))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from commfuse_dp import plan
+from commfuse_dp import plan, plan_cli
 from commfuse_dp.benchmarks.bench import balanced_rate, paired_ratios, records_from
 from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
 from commfuse_dp.benchmarks.trace_waits import analyse as analyse_trace
@@ -79,19 +79,19 @@ def test_planner_recommendations_grow_with_latency():
 
 
 def test_plan_command(tmp_path, capsys):
-    assert plan.main(["--model", "gpt2", "--ranks", "4", "--link-gbps", "10"]) == 0
+    assert plan_cli.main(["--model", "gpt2", "--ranks", "4", "--link-gbps", "10"]) == 0
     out = capsys.readouterr().out
     assert "no_overlap" in out and "fused" in out and "recommended: CommFuseConfig(" in out
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                   "num_attention_heads": 4, "vocab_size": 100}))
-    assert plan.main(["--model", str(config), "--ranks", "2"]) == 0
+    assert plan_cli.main(["--model", str(config), "--ranks", "2"]) == 0
     with pytest.raises(SystemExit, match="neither a known shape"):
-        plan.main(["--model", "no-such-model"])
+        plan_cli.main(["--model", "no-such-model"])
     with pytest.raises(SystemExit):
-        plan.main(["--ranks", "0"])
+        plan_cli.main(["--ranks", "0"])
     with pytest.raises(SystemExit):
-        plan.main(["--tflops", "500", "--peak-tflops", "400"])  # achievable above the peak
+        plan_cli.main(["--tflops", "500", "--peak-tflops", "400"])  # achievable above the peak
     assert "above --peak-tflops" in capsys.readouterr().err
 
 
@@ -100,7 +100,7 @@ def test_plan_shows_fused_with_the_recommended_piece_shards(capsys):
     ``fused, ps=B`` row shows what it gives (a new user's trial saw fused behind ``unit_slicing`` at the default and
     no word that the recommended config below it is ahead), equal to the ``fused`` row of ``--piece-shards B``."""
     def rows(*argv):
-        assert plan.main(["--model", "llama3-8b", "--ranks", "8", *argv]) == 0
+        assert plan_cli.main(["--model", "llama3-8b", "--ranks", "8", *argv]) == 0
         out = capsys.readouterr().out
         table = {line[:12].strip(): float(line[12:].split()[0]) for line in out.splitlines()[2:]
                  if line[:12].strip() and line[12:].strip()[:1].isdigit()}
@@ -126,11 +126,11 @@ def test_planner_models_nodes(capsys):
     early, late = (plan.exchange_tail(units, node, 8, 12.5e9, at_landing=a) for a in (True, False))
     assert 0 < early < late
     assert plan.exchange_tail(units, node, 1, 12.5e9, at_landing=True) == 0.0
-    assert plan.main(["--model", "llama3-8b", "--nodes", "8", "--ranks", "64", "--link-gbps", "450"]) == 0
+    assert plan_cli.main(["--model", "llama3-8b", "--nodes", "8", "--ranks", "64", "--link-gbps", "450"]) == 0
     out = capsys.readouterr().out
     assert "8 nodes x 8 ranks" in out and "hsdp" in out and "torchtitan" in out
     with pytest.raises(SystemExit):
-        plan.main(["--nodes", "3", "--ranks", "8"])
+        plan_cli.main(["--nodes", "3", "--ranks", "8"])
 
 
 def test_planner_plays_the_elastic_lookahead():
@@ -170,16 +170,16 @@ def test_planner_plays_the_elastic_lookahead():
 def test_plan_sweep(capsys):
     # --piece-fit none: the table's shape (the pieces' model is test_plan_models_the_gemm_pieces'; with it the
     # sweep tries every piece_shards in every cell, minutes instead of seconds)
-    assert plan.main(["--model", "gpt2", "--sweep", "--piece-fit", "none", "--host-fit", "none"]) == 0
+    assert plan_cli.main(["--model", "gpt2", "--sweep", "--piece-fit", "none", "--host-fit", "none"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
-    assert len(rows) == len(plan.SWEEP_RANKS) * len(plan.SWEEP_LINKS_GBPS)
+    assert len(rows) == len(plan_cli.SWEEP_RANKS) * len(plan_cli.SWEEP_LINKS_GBPS)
     # the defaults run fused where it is predicted faster than the peer, else the peer: never slower than it
     assert "gpt2: the defaults fuse in" in out and "are slower than fsdp2 in 0;" in out
     cells = [c for row in rows for c in row.split()[2:]]
     assert all(c[-1] in "f=?" for c in cells) and any(c.endswith("f") for c in cells), cells
     # with the host's time per fused group: every step is at least that (the host bounds the small model's steps)
-    assert plan.main(["--model", "gpt2", "--sweep", "--piece-fit", "none", "--host-fit", "h200"]) == 0
+    assert plan_cli.main(["--model", "gpt2", "--sweep", "--piece-fit", "none", "--host-fit", "h200"]) == 0
     hosted = capsys.readouterr().out
     assert "the host needs 1.7 + 0.3 N ms per fused group per step" in hosted
     assert [line for line in hosted.splitlines() if line.split() and line.split()[0].isdigit()] != rows
@@ -340,14 +340,14 @@ def test_cuda_check_dry_run_on_cpu(tmp_path):
 
 def test_plan_models_the_gemm_pieces():
     """The fused and slicing schedules compute a layer's GEMMs in pieces (N / piece_shards), which a GPU runs slower
-    than one GEMM (benchmarks/cuda_check.py's gemm part, fitted in plays.H200_PIECE_FIT); stock FSDP2's shape does
+    than one GEMM (benchmarks/cuda_check.py's gemm part, fitted in costs.H200_PIECE_FIT); stock FSDP2's shape does
     not. On 8 ranks over NVLink the pieces cost more than the link exposes, and whole pieces remove that cost."""
     from dataclasses import replace
 
-    from commfuse_dp import plan, plays
+    from commfuse_dp import costs, plan
 
     model = plan.KNOWN_MODELS["llama3-8b"]
-    cl = plays.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, piece_fit=plays.H200_PIECE_FIT)
+    cl = costs.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, piece_fit=costs.H200_PIECE_FIT)
     thin = plan.predict(model, cl, 16384, 8192)
     whole = plan.predict(model, replace(cl, piece_shards=8), 16384, 8192)
     assert thin["fused"]["pieces_s"] > 0.05 * thin["fused"]["compute_s"]
@@ -366,10 +366,10 @@ def test_plan_adds_the_host_to_the_compute_on_one_cpu_thread():
     host's time; with the host ahead it is the longer of the two."""
     from dataclasses import replace
 
-    from commfuse_dp import plays
+    from commfuse_dp import costs
 
     model = plan.KNOWN_MODELS["bench"]
-    cl = plays.Cluster(2, 1e13, 0.0, 50e9, 4, 4, host_fit=(4e-3, 0.5e-3), host_on_compute=True)
+    cl = costs.Cluster(2, 1e13, 0.0, 50e9, 4, 4, host_fit=(4e-3, 0.5e-3), host_on_compute=True)
     off = plan.predict(model, replace(cl, host_fit=None), 512, 256)
     on = plan.predict(model, cl, 512, 256)
     host = (4 * 4 + 1) * (4e-3 + 2 * 0.5e-3)  # 4 groups per layer and the lm_head
@@ -389,7 +389,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
                          "2ranks-real-lockstep.json")
 
     def table(*extra):
-        assert plan.main(["--calibrate", bench, "--latency-us", "300", *extra]) == 0
+        assert plan_cli.main(["--calibrate", bench, "--latency-us", "300", *extra]) == 0
         rows = [line.split() for line in capsys.readouterr().out.splitlines()]
         return {(row[0], row[3]): float(row[4]) for row in rows if len(row) == 7 and row[0][0].isdigit()}
 
@@ -409,7 +409,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
     assert grew == {"fused", "slicing"}  # where compute bounds, it shows
     overhead.write_text(json.dumps({"model": "bench", "compute": "real", "extra_s": {"4": {"fused": 0.05}}}))
     with pytest.raises(SystemExit, match="--fake-worlds 2 --bench-model real"):
-        plan.main(["--calibrate", bench, "--overhead", str(overhead)])
+        plan_cli.main(["--calibrate", bench, "--overhead", str(overhead)])
     # An emulated run ("compute": "emulated at 0.01 TFLOP/s"): the host runs ahead of the device, and 50 ms is far
     # below its steps (about 5 s), so nothing changes.
     bench = bench.replace("2ranks-real-lockstep", "4ranks-emulated-lockstep")
@@ -419,15 +419,15 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
 
 def test_plan_models_the_host():
     """``--host-fit``: the host issues about 3 (N-1) ring steps and 2N pieces per fused group per step (measured with
-    benchmarks/step_overhead.py --fake-worlds: plays.H200_HOST_FIT), so a step is at least that long. Llama-3-8B on
+    benchmarks/step_overhead.py --fake-worlds: costs.H200_HOST_FIT), so a step is at least that long. Llama-3-8B on
     8 ranks over NVLink keeps the device the longer; at 64 ranks the host is, and grows with the ranks; off, nothing
     changes."""
     from dataclasses import replace
 
-    from commfuse_dp import plan, plays
+    from commfuse_dp import costs, plan
 
     model = plan.KNOWN_MODELS["llama3-8b"]
-    cl = plays.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, host_fit=plays.H200_HOST_FIT)
+    cl = costs.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, host_fit=costs.H200_HOST_FIT)
     off = plan.predict(model, replace(cl, host_fit=None), 8192, 4096)
     on = plan.predict(model, cl, 8192, 4096)
     groups = 32 * 4 + 1  # q/k/v, o, gate/up, down per layer, and the lm_head
@@ -439,10 +439,10 @@ def test_plan_models_the_host():
     for schedule in ("fused", "slicing", "lockstep"):
         assert wide[schedule]["step_s"] == wide[schedule]["host_s"] > wide["fsdp2"]["step_s"]
         assert wider[schedule]["step_s"] > wide[schedule]["step_s"]
-    out = subprocess.run([sys.executable, "-m", "commfuse_dp.plan", "--model", "llama3-8b", "--ranks", "64",
+    out = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--model", "llama3-8b", "--ranks", "64",
                           "--host-fit", "h200"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "host s" in out.stdout, out.stderr
-    bad = subprocess.run([sys.executable, "-m", "commfuse_dp.plan", "--host-fit", "fast"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--host-fit", "fast"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--host-fit 'fast'" in bad.stderr
 
@@ -480,27 +480,27 @@ print("RESULT " + json.dumps(out))
 
 
 def test_planner_fuses_what_shard_fuses(tmp_path):
-    """The planner plays the groups ``shard()`` fuses under ``min_fuse_numel`` (``plays.placed``), and knows where
-    a decoder layer's unfused groups keep an FSDP2 unit of their own (``plays.own_collectives``, which it does not
+    """The planner plays the groups ``shard()`` fuses under ``min_fuse_numel`` (``costs.placed``), and knows where
+    a decoder layer's unfused groups keep an FSDP2 unit of their own (``costs.own_collectives``, which it does not
     play): on a fake group of 2-32 ranks, a Llama whose groups fall below the threshold one after another as the
     ranks grow (o_proj first: fused alone at 4 ranks, only beside q/k/v under the elastic lookahead at 8; at 16
     slicing leaves three groups of a layer, enough for a unit of their own; nothing fused at 32)."""
-    from commfuse_dp import plays
+    from commfuse_dp import costs
 
     script = tmp_path / "placement.py"
     script.write_text(_PLACEMENT_SCRIPT)
-    units = plays.units_for(128, 352, 2, 4, 4, 512, tokens=128, seq=64)
+    units = costs.units_for(128, 352, 2, 4, 4, 512, tokens=128, seq=64)
     seen = {}
     for world in (2, 4, 8, 16, 32):
         proc = subprocess.run([sys.executable, str(script), str(world)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         ran = json.loads(proc.stdout.split("RESULT ", 1)[1])
-        cl = plays.Cluster(world, 1e9, 1e-5, 1e12, min_fuse_numel=4096)
+        cl = costs.Cluster(world, 1e9, 1e-5, 1e12, min_fuse_numel=4096)
         for name, elastic in (("fused", True), ("lockstep", False), ("slicing", False)):
-            played = plays.placed(units, cl, elastic)
+            played = costs.placed(units, cl, elastic)
             assert sorted(g for u in played for g in u.groups) == ran[name]["groups"], (world, name)
             assert sum(u.table is not None for u in played) == ran[name]["tables"], (world, name)
-            assert len(plays.own_collectives(played, cl)) == ran[name]["layer_units"], (world, name)
+            assert len(costs.own_collectives(played, cl)) == ran[name]["layer_units"], (world, name)
             seen[world, name] = len(ran[name]["groups"]), ran[name]["layer_units"]
     # the cases the test is for happened: all fused, o_proj riding only with the lookahead, nothing fused
     assert seen[2, "slicing"] == seen[4, "slicing"] == (9, 0) and seen[8, "fused"] == (9, 0)
@@ -512,8 +512,8 @@ def test_plan_says_what_it_does_not_play(capsys):
     """Where a decoder layer's linears are all below min_fuse_numel but add up to an FSDP2 unit of their own while
     the lm_head is fused (Llama-3-8B at 2048 ranks), the elastic play does not model that unit: the planner says so
     rather than predict it as if played (slicing and lockstep play such units: gathered per layer, blocking)."""
-    assert plan.main(["--model", "llama3-8b", "--ranks", "2048", "--piece-fit", "none"]) == 0
+    assert plan_cli.main(["--model", "llama3-8b", "--ranks", "2048", "--piece-fit", "none"]) == 0
     out = capsys.readouterr().out
     assert "not played: under fused, 32 decoder layers" in out and "under slicing" not in out
-    assert plan.main(["--model", "llama3-8b", "--ranks", "1024", "--piece-fit", "none"]) == 0
+    assert plan_cli.main(["--model", "llama3-8b", "--ranks", "1024", "--piece-fit", "none"]) == 0
     assert "not played" not in capsys.readouterr().out
