@@ -6,10 +6,10 @@
 
 It runs ``recipes/finetune_clm.py`` (``commfuse_dp.recipes.finetune_clm``) through ``torch.distributed.run`` with
 ``--nproc_per_node 2``: a small Llama-style decoder (tied embeddings, grouped-query attention) built from a config,
-fine-tuned with commfuse sharding (the Trainer and ``CommFuseCallback``) on the Python reference manual that ships
-with Python, tokenised by a BPE trained on it. Nothing is downloaded. It then prints the eval loss before and
-after, tokens/s, the exposed communication per step, where the model, the logs and the figures went, and the
-command that generates text from the saved model.
+fine-tuned with commfuse sharding (``CommFuseTrainer``, the Trainer with ``CommFuseCallback``) on the Python
+reference manual that ships with Python, tokenised by a BPE trained on it. Nothing is downloaded. It then prints
+the eval loss before and after, tokens/s, the exposed communication per step, where the model, the logs and the
+figures went, and the command that generates text from the saved model.
 """
 
 from __future__ import annotations

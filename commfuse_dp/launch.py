@@ -12,8 +12,8 @@ The config file is an ordinary accelerate config plus a ``commfuse:`` block of :
    ``CommFuseConfig.to_env()`` (the parent environment reaches accelerate's workers);
 4. starts each worker as ``python -m commfuse_dp.integrations.worker train.py ARGS`` instead of
    ``python train.py ARGS``. The bootstrap makes a plain ``accelerate.Accelerator()`` a ``CommFuseAccelerator`` and
-   gives every plain ``transformers.Trainer`` a ``CommFuseCallback``, then runs the script unchanged as
-   ``__main__`` (see ``commfuse_dp/integrations/bootstrap.py``).
+   ``transformers.Trainer`` (and so every Trainer class built on it) a ``CommFuseTrainer``, then runs the script
+   unchanged as ``__main__`` (see ``commfuse_dp/integrations/bootstrap.py``).
 
 Which launcher starts the workers (accelerate 1.15, ``accelerate/commands/launch.py``):
 

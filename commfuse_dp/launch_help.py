@@ -64,9 +64,9 @@ def help_text() -> str:
         "",
         "In the workers a plain `accelerate.Accelerator()` becomes "
         + "commfuse_dp.integrations.accelerate.CommFuseAccelerator",
-        "(prepare() shards the model and points the optimizer at the shards), and every plain `transformers.Trainer`",
-        "gets a CommFuseCallback (it shards the model before the Trainer prepares it). Nothing else in the script",
-        "changes.",
+        "(prepare() shards the model and points the optimizer at the shards), and `transformers.Trainer` becomes",
+        "commfuse_dp.integrations.transformers.CommFuseTrainer, so every Trainer (TRL's too) shards the model before",
+        "it prepares it and saves every rank's shards. Nothing else in the script changes.",
         "",
         "The config file (--config_file, else accelerate's default config if there is one) is an ordinary accelerate",
         "config plus a `commfuse:` block. The block is validated first: an unknown key or a bad value prints one",

@@ -18,18 +18,21 @@ runs the script. With it, before the script runs:
    (``accelerate.accelerator``). So ``from accelerate import Accelerator; Accelerator()`` in the script, run
    afterwards, builds a CommFuseAccelerator.
 3. When ``transformers.trainer`` is imported (now or later: an import hook on that one module, so that scripts
-   without a Trainer do not pay for importing it), ``CommFuseCallback`` (the class) is appended to
-   ``transformers.trainer.DEFAULT_CALLBACKS``, the list every ``Trainer.__init__`` starts its callbacks from
-   (transformers 5.23, ``Trainer.__init__``: ``default_callbacks = DEFAULT_CALLBACKS + ...``;
-   ``CallbackHandler.add_callback`` instantiates a class, so each Trainer gets its own ``CommFuseCallback()``,
-   which reads the ``COMMFUSE_*`` variables). That module's own ``Accelerator`` name is set back to accelerate's
-   original class: a Trainer is sharded by the callback, not by a CommFuseAccelerator as well.
+   without a Trainer do not pay for importing it), its ``Trainer`` becomes ``CommFuseTrainer``
+   (``commfuse_dp.integrations.transformers``: ``class CommFuseTrainer(CommFuseTrainerMixin, Trainer)``), on that
+   module and on the ``transformers`` package, before any other module can subclass it. So ``Trainer(...)`` in the
+   script, and every Trainer class defined afterwards on top of it (TRL's ``SFTTrainer``, ``DPOTrainer``, ...,
+   transformers' ``Seq2SeqTrainer``), is a ``CommFuseTrainer``: each one gets a ``CommFuseCallback()`` (which reads
+   the ``COMMFUSE_*`` variables) bound to it, or binds the one the script passed in ``callbacks=``, and saves and
+   loads every rank's shards -- the same path as a script that writes ``CommFuseTrainer`` itself. That module's
+   own ``Accelerator`` name is set back to accelerate's original class: a Trainer is sharded by the callback, not
+   by a CommFuseAccelerator as well.
 4. The script runs as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT.py ARGS``
    would set them; ``-m``: as ``python -m MODULE ARGS``).
 
-A script that passes its own ``CommFuseCallback`` to a Trainer gets a second one from the defaults; the one the script
-passed with a config wins and the default one does nothing (``CommFuseCallback._defer``; a warning when their configs
-differ).
+A script that passes its own ``CommFuseCallback(cfg)`` to a Trainer keeps it (its config is used, the launcher's
+``COMMFUSE_*`` variables are not); a script that already uses ``CommFuseTrainer`` or ``commfuse_trainer(...)`` gets
+the same class (the mixin is never applied twice).
 """
 
 from __future__ import annotations
@@ -69,10 +72,16 @@ def install_accelerator() -> type:
 
 
 def _patch_trainer_module(module) -> None:
-    from commfuse_dp.integrations.transformers import CommFuseCallback
+    from commfuse_dp.integrations.transformers import CommFuseTrainerMixin, commfuse_trainer
 
-    if CommFuseCallback not in module.DEFAULT_CALLBACKS:
-        module.DEFAULT_CALLBACKS.append(CommFuseCallback)
+    original = module.Trainer
+    if not issubclass(original, CommFuseTrainerMixin):
+        patched = commfuse_trainer(original, "CommFuseTrainer")
+        module.Trainer = patched
+        package = sys.modules.get("transformers")
+        # transformers' lazy package caches a name once looked up (importing the integration looks up Trainer)
+        if package is not None and vars(package).get("Trainer") is original:
+            package.Trainer = patched
     if _original_accelerator is not None and "Accelerator" in vars(module):
         module.Accelerator = _original_accelerator  # the Trainer keeps accelerate's Accelerator; the callback shards
 
@@ -122,7 +131,7 @@ def after_import(fullname: str, after) -> None:
 
 
 def install_trainer_callback() -> None:
-    """Step 3: every ``transformers.Trainer`` starts with a ``CommFuseCallback`` (see the module docstring)."""
+    """Step 3: ``transformers.Trainer`` becomes ``CommFuseTrainer`` (see the module docstring)."""
     after_import(_TRAINER_MODULE, _patch_trainer_module)
 
 

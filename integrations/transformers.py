@@ -1,28 +1,52 @@
-"""Hugging Face ``Trainer`` with CommFuse sharding: one callback.
+"""Hugging Face ``Trainer`` with CommFuse sharding: ``CommFuseTrainer``, or a Trainer class of your own made with
+:func:`commfuse_trainer`.
 
-    import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
     from commfuse_dp import CommFuseConfig
-    from commfuse_dp.integrations.transformers import CommFuseCallback
+    from commfuse_dp.integrations.transformers import CommFuseTrainer
 
-    trainer = Trainer(model=model, args=TrainingArguments(..., use_cpu=True),   # or a GPU run
-                      train_dataset=ds, callbacks=[CommFuseCallback(CommFuseConfig(...))])
+    trainer = CommFuseTrainer(model=model, args=TrainingArguments(..., use_cpu=True),   # or a GPU run
+                              train_dataset=ds, commfuse=CommFuseConfig(...))
     trainer.train()
+    trainer.save_model("out/model")          # on every rank: a consolidated Hugging Face folder
 
-Launch it with ``torchrun --nproc_per_node N script.py`` (or ``accelerate launch``). On CPU, ``use_cpu=True`` in the
-``TrainingArguments`` is enough: ``TrainingArguments`` then builds accelerate's state with ``cpu=True``
+``CommFuseTrainer`` takes the ``Trainer``'s own arguments, plus ``commfuse=`` (a :class:`CommFuseConfig`; without it,
+``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets). ``callbacks=[CommFuseCallback(cfg)]`` instead of
+``commfuse=cfg`` does the same. Any other ``Trainer`` class -- TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``,
+a subclass of your own -- gets the same with ``commfuse_trainer(SFTTrainer)(model=..., args=..., ...)`` (a subclass
+``class CommFuseSFTTrainer(CommFuseTrainerMixin, SFTTrainer)``, made once per class), or by subclassing
+``CommFuseTrainerMixin`` first yourself. ``commfuse-dp launch`` does this for every Trainer of an unchanged script
+(``integrations/bootstrap.py``): ``transformers.Trainer`` is ``CommFuseTrainer`` in its workers, so TRL's trainers
+and ``run_clm.py``, which subclass or use it, are sharded without a change.
+
+Launch the script with ``torchrun --nproc_per_node N script.py`` (or ``accelerate launch``). On CPU, ``use_cpu=True``
+in the ``TrainingArguments`` is enough: ``TrainingArguments`` then builds accelerate's state with ``cpu=True``
 (transformers/training_args.py, ``if self.use_cpu or ACCELERATE_USE_CPU``), and accelerate picks ``MULTI_CPU`` (gloo)
 because torchrun set ``LOCAL_RANK`` / ``WORLD_SIZE`` (accelerate/state.py, ``PartialState.__init__``).
 ``ACCELERATE_USE_CPU=true`` in the environment does the same without ``use_cpu``.
 
+``CommFuseCallback`` alone, on a plain ``Trainer(callbacks=[CommFuseCallback(cfg)])``: transformers hands its
+callbacks no reference to the Trainer, so the callback can shard the model and report its step figures but cannot
+change how that Trainer saves and loads checkpoints nor reach its Accelerator. It therefore refuses, on every rank
+at the end of ``Trainer.__init__``, ``TrainingArguments`` that need those -- ``save_strategy`` other than ``"no"``
+(the Trainer's default is ``"steps"``), ``resume_from_checkpoint``, ``bf16`` / ``fp16`` -- with a ``ValueError`` that
+says to write ``CommFuseTrainer(...)`` (or ``commfuse_trainer(SFTTrainer)(...)``) instead. Without them it runs,
+and warns (once, on the main process) that ``trainer.save_model()`` needs ``CommFuseTrainer`` too: a plain
+Trainer's ``save_model`` writes on rank 0 alone, which cannot gather a sharded model. With DeepSpeed the callback
+alone is all there is to it (below).
+
 How it works (transformers 5.23, accelerate 1.15):
 
-* Callbacks receive ``model`` (``Trainer.model``), ``optimizer``, ... as keyword arguments, never the Trainer or its
-  Accelerator (``CallbackHandler.call_event``). ``on_init_end`` runs at the end of ``Trainer.__init__``: the
+* ``CommFuseTrainerMixin.__init__`` hands the ``CommFuseCallback`` (the one passed in ``callbacks=``, or a new one
+  made of ``commfuse=``, inserted first among ``callbacks``) a reference to its Trainer, then runs the Trainer's
+  ``__init__``. Callbacks receive ``model`` (``Trainer.model``), ``optimizer``, ... as keyword arguments, never the
+  Trainer (``CallbackHandler.call_event``). ``on_init_end`` runs at the end of ``Trainer.__init__``: the
   Accelerator and the process group exist, the optimizer does not. There the callback shards the model in place
   with :func:`commfuse_dp.shard` and marks it ``model._is_accelerate_prepared = True``, so that
-  ``Accelerator.prepare_model`` hands it back untouched instead of wrapping it in DDP. ``Trainer.train`` then
-  builds its optimizer from the sharded (DTensor) parameters: the optimizer state is sharded too.
+  ``Accelerator.prepare_model`` hands it back untouched instead of wrapping it in DDP, and applies accelerate's
+  mixed precision from the model's own forward hooks (``prepare_sharded(trainer.accelerator, model)``).
+  ``Trainer.train`` then builds its optimizer from the sharded (DTensor) parameters: the optimizer state is
+  sharded too.
 * Gradient accumulation: for every micro-batch but the last of an accumulation window the Trainer enters
   ``accelerator.no_sync(model)``, which (not FSDP2, not DeepSpeed, distributed) uses ``getattr(model, "no_sync")``
   -- the sharded model's own ``no_sync()``. So gradients are accumulated locally and reduce-scattered once, on
@@ -46,13 +70,15 @@ How it works (transformers 5.23, accelerate 1.15):
   ``trainer.pop_callback(TensorBoardCallback); trainer.add_callback(TensorBoardCallback)``.
 
 * Checkpoints: the Trainer saves the model on rank 0 alone and the optimizer as one ``optimizer.pt`` of rank 0's
-  state, which for a sharded model would keep rank 0's shards only. A callback is handed no reference to its
-  Trainer, so at ``on_init_end`` the callback finds the Trainer whose ``__init__`` is calling it (up the call stack)
-  and replaces, on that one instance, the five methods that write and read checkpoints:
+  state, which for a sharded model would keep rank 0's shards only. The mixin overrides the five methods that
+  write and read checkpoints (its versions run instead of the Trainer's; when the model is not sharded by
+  commfuse -- DeepSpeed -- each calls the Trainer's own):
 
-  - ``_save`` (``save_model()`` and every checkpoint): every rank joins the gather of the full weights
-    (:func:`commfuse_dp.checkpoint.full_state_dict`, rank 0 only holds them, in CPU memory), then the Trainer's own
-    ``_save`` writes them on rank 0 with ``save_pretrained``: an ordinary consolidated Hugging Face folder.
+  - ``_save`` (``save_model()`` and every checkpoint): a ``PreTrainedModel`` is written by
+    :func:`commfuse_dp.checkpoint.save_pretrained`, every rank writing its own slices into the safetensors in
+    place: an ordinary consolidated Hugging Face folder. Anything else: every rank joins the gather of the full
+    weights (:func:`commfuse_dp.checkpoint.full_state_dict`, rank 0 only holds them, in CPU memory), then the
+    Trainer's own ``_save`` writes them on rank 0.
   - ``_save_optimizer_and_scheduler``: every rank writes its model and optimizer shards into
     ``checkpoint-N/commfuse`` (``torch.distributed.checkpoint``, keyed by parameter names; renamed into place once
     every rank has finished); the scheduler goes to ``scheduler.pt`` as before. RNG states (one file per rank),
@@ -62,49 +88,61 @@ How it works (transformers 5.23, accelerate 1.15):
   - ``_load_optimizer_and_scheduler``: the optimizer shards and the scheduler. A checkpoint holding a single
     ``optimizer.pt`` (written without commfuse) is refused rather than half-loaded.
 
-  And two more, wrapped rather than replaced (the instance's own versions run inside), so that a checkpoint is
-  atomic (see the comment above ``_require_complete`` for what transformers 5.23 does without them):
+  And two more, which call the Trainer's own inside, so that a checkpoint is atomic (see the comment above
+  ``_require_complete`` for what transformers 5.23 does without them):
 
   - ``_save_checkpoint``: ``checkpoint-N/commfuse_complete`` is written once every rank has written all of
-    ``checkpoint-N``, and older checkpoints are rotated away (``save_total_limit``) only then, among complete
-    ones. A rank killed mid-save leaves ``checkpoint-N`` without the marker and the previous checkpoint intact.
+    ``checkpoint-N``, and older checkpoints are rotated away only then, among complete ones. A rank killed
+    mid-save leaves ``checkpoint-N`` without the marker and the previous checkpoint intact.
   - ``train``: ``resume_from_checkpoint=True`` takes the last *complete* checkpoint of ``output_dir`` (an
     incomplete newer one is passed over with a warning); a checkpoint named explicitly without the marker is
     refused (``ValueError`` naming it and the last complete one).
 
+  Rotation (``save_total_limit``): transformers 5.23 has no method to override for it (``_save_checkpoint`` calls
+  ``trainer_utils.rotate_checkpoints`` with ``args.save_total_limit`` on rank 0, before the other ranks have
+  finished). So the mixin keeps the limit itself: it gives the Trainer a copy of the ``TrainingArguments`` with
+  ``save_total_limit=None`` (the caller's object is left as it is), and applies the limit after each complete
+  save, and at the end of ``train`` as the Trainer does for ``save_total_limit=1`` with a best model. The limit
+  asked for is ``trainer.commfuse_save_total_limit``.
+
   ``save_model()`` is collective like everything else here: call it on every rank (the Trainer's own checkpoints
-  do), not inside ``if trainer.is_world_process_zero()``. A subclass that overrides one of the five replaced
-  methods gets a warning: for this trainer, commfuse's version runs instead.
+  do), not inside ``if trainer.is_world_process_zero()``. A Trainer class that overrides one of the five replaced
+  methods and is given to :func:`commfuse_trainer` gets a warning: commfuse's version runs instead (a subclass of
+  ``CommFuseTrainer`` that overrides one and calls ``super()`` runs both).
 
 * DeepSpeed (``TrainingArguments(deepspeed=...)``): DeepSpeed shards the model, and the callback switches
   DeepSpeed's data-parallel collectives to the rings when training begins
-  (:func:`commfuse_dp.integrations.deepspeed.attach_to_trainer_callback`); saving and resuming stay DeepSpeed's own.
+  (:func:`commfuse_dp.integrations.deepspeed.attach_to_trainer_callback`); saving and resuming stay DeepSpeed's own,
+  so this works with ``CommFuseCallback`` on a plain ``Trainer`` as well as with ``CommFuseTrainer``.
 
 Refused: a run without an initialised ``torch.distributed``, and ``TrainingArguments`` that ask for FSDP (it would
 shard the model a second time).
+
+This module does not import ``transformers.trainer`` when it is imported: ``CommFuseTrainer`` is made on first
+use (``commfuse-dp launch`` imports this module while ``transformers.trainer`` is being imported).
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import inspect
 import logging
 import os
 import re
 import shutil
-import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, sort_checkpoints
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.config import CommFuseConfig, with_parallelism
 from commfuse_dp.integrations.accelerate import prepare_sharded
 from commfuse_dp.shard import shard
 
-__all__ = ["CommFuseCallback"]
+__all__ = ["CommFuseCallback", "CommFuseTrainer", "CommFuseTrainerMixin", "commfuse_trainer"]
 
 _STAT_KEYS = ("exposed_comm_s", "comm_s", "compute_s", "wall_s", "ring_steps")
 
@@ -115,94 +153,20 @@ SCHEDULER_NAME = "scheduler.pt"    # as the Trainer names it (transformers/train
 TRAINING_ARGS_NAME = "training_args.bin"
 OPTIMIZER_NAME = "optimizer.pt"
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_USE_INSTEAD = ("write CommFuseTrainer(...) instead of Trainer(...): `from commfuse_dp.integrations.transformers "
+                "import CommFuseTrainer`; it takes the Trainer's arguments and the CommFuseCallback in callbacks= "
+                "(or commfuse=CommFuseConfig(...) in its place). For TRL's or another Trainer class: "
+                "`commfuse_trainer(SFTTrainer)(...)` (from the same module). `commfuse-dp launch` does this for "
+                "every Trainer")
 
 
-def _find_trainer(callback: TrainerCallback) -> Trainer | None:
-    """The Trainer whose ``__init__`` is calling ``on_init_end`` on ``callback`` (found up the call stack: the
-    one place a callback can meet its Trainer; transformers passes callbacks no reference to it)."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Trainer) and \
-                    callback in getattr(getattr(candidate, "callback_handler", None), "callbacks", ()):
-                return candidate
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+def _transformers_trainer() -> type:
+    """transformers' own ``Trainer`` class (not the ``CommFuseTrainer`` that ``commfuse-dp launch`` puts in its
+    place under the same name)."""
+    import transformers.trainer
 
-
-# ---- the Trainer's checkpoint methods, for a commfuse-sharded model (bound to one Trainer instance) -----------
-
-def _save(self: Trainer, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-    # A PreTrainedModel: commfuse_dp.checkpoint.save_pretrained, every rank writing its own slices into the
-    # safetensors in place (no rank holds the full model), then the rest of Trainer._save on the writing rank
-    # (tokenizer, training_args.bin). Anything else (a state_dict passed in, a model without save_pretrained):
-    # every rank gathers (the full copy lands on rank 0, in CPU memory) and Trainer._save writes it.
-    output_dir = output_dir if output_dir is not None else self.args.output_dir
-    if state_dict is None and hasattr(self.model, "save_pretrained"):
-        ckpt.save_pretrained(self.model, output_dir, is_main_process=self.args.should_save)
-        if self.args.should_save:
-            tokenizer = self.processing_class
-            if tokenizer is None and self.data_collator is not None:
-                tokenizer = getattr(self.data_collator, "tokenizer", None)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        dist.barrier()
-        return
-    if state_dict is None:
-        state_dict = ckpt.full_state_dict(self.model)
-    Trainer._save(self, output_dir, state_dict=state_dict)
-    del state_dict
-    dist.barrier()
-
-
-def _save_optimizer_and_scheduler(self: Trainer, output_dir: str) -> None:
-    # Every rank writes its own model and optimizer shards (DCP); no optimizer.pt of rank 0's shard alone.
-    ckpt.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), [self.model], [(self.model, self.optimizer)])
-    if self.args.should_save and self.lr_scheduler is not None:
-        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-
-
-def _load_from_checkpoint(self: Trainer, resume_from_checkpoint: str, model=None) -> None:
-    _require_complete(resume_from_checkpoint)
-    folder = os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)
-    if ckpt.is_complete(folder):
-        ckpt.load_sharded(folder, [self.model])       # exact: the shards as they were, under the model's own names
-    else:                                             # a save_only_model checkpoint, or a consolidated folder
-        ckpt.load_pretrained_weights(self.model, resume_from_checkpoint)
-
-
-def _load_optimizer_and_scheduler(self: Trainer, checkpoint: str | None) -> None:
-    if checkpoint is None:
-        return
-    folder = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-    if not ckpt.is_complete(folder):
-        if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
-            raise ValueError(f"{checkpoint} holds a single {OPTIMIZER_NAME} written without commfuse (or by an "
-                             "older run); its optimizer state cannot be split into this run's shards. Resume it "
-                             "without CommFuseCallback, or start from its weights alone (a fresh run with "
-                             "model=from_pretrained(checkpoint))")
-        logger.warning("CommFuseCallback: %s has no optimizer state (saved with save_only_model=True?): the "
-                       "optimizer and scheduler start fresh", checkpoint)
-        return
-    ckpt.load_sharded(folder, [], [(self.model, self.optimizer)])
-    scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-    if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
-        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-
-
-def _load_best_model(self: Trainer) -> None:
-    logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
-    _load_from_checkpoint(self, self.state.best_model_checkpoint)
-
-
-_CHECKPOINT_METHODS = {"_save": _save, "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
-                       "_load_from_checkpoint": _load_from_checkpoint,
-                       "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
-                       "_load_best_model": _load_best_model}
+    current = transformers.trainer.Trainer
+    return vars(current).get("_commfuse_base", current) if issubclass(current, CommFuseTrainerMixin) else current
 
 
 # ---- atomic checkpoints: checkpoint-N counts only once every rank has written all of it --------------------
@@ -215,12 +179,12 @@ _CHECKPOINT_METHODS = {"_save": _save, "_save_optimizer_and_scheduler": _save_op
 # that resume_from_checkpoint=True picks (the Trainer then fails on a missing trainer_state.json, or resumes without
 # some rank's RNG state), and the previous checkpoint may already be deleted by then.
 #
-# The callback wraps two more methods of the same Trainer instance (the instance's own bound methods, so a
-# subclass's versions still run inside):
+# CommFuseTrainerMixin overrides two more methods, calling the Trainer's own inside:
 # - _save_checkpoint: the marker of checkpoint-N is removed first (re-saving a step overwrites in place), the
-#   Trainer saves with save_total_limit set to None for the duration of that call (its rotation skipped), every
-#   rank meets at a barrier, and only then does the saving process write checkpoint-N/commfuse_complete and
-#   rotate, counting complete checkpoints only and never deleting the one just written or the best one.
+#   Trainer saves (its rotation does nothing: the Trainer's copy of the arguments has save_total_limit=None, the
+#   mixin keeps the limit), every rank meets at a barrier, and only then does the saving process write
+#   checkpoint-N/commfuse_complete and rotate, counting complete checkpoints only and never deleting the one just
+#   written or the best one.
 # - train: resume_from_checkpoint=True resumes from the last *complete* checkpoint (passing over, with a warning,
 #   the ones a killed save left behind); a checkpoint named explicitly must be complete or is refused, as it is
 #   in _load_from_checkpoint.
@@ -230,18 +194,18 @@ def _require_complete(checkpoint: str) -> None:
         return
     checkpoint = os.fspath(checkpoint)
     if not os.path.isdir(checkpoint):
-        raise FileNotFoundError(f"CommFuseCallback: checkpoint {checkpoint} does not exist")
+        raise FileNotFoundError(f"CommFuseTrainer: checkpoint {checkpoint} does not exist")
     parent = os.path.dirname(os.path.abspath(checkpoint))
     last = ckpt.latest_complete(parent, PREFIX_CHECKPOINT_DIR)
     if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
-        why = (f"it holds a single {OPTIMIZER_NAME}: it was written without CommFuseCallback (or by an older "
+        why = (f"it holds a single {OPTIMIZER_NAME}: it was written without commfuse (or by an older "
                "version), and its optimizer state cannot be split into this run's shards")
     else:
-        why = ("it has no commfuse_complete marker, which CommFuseCallback writes once every rank has written its "
+        why = ("it has no commfuse_complete marker, which CommFuseTrainer writes once every rank has written its "
                "part: its save did not finish (a rank stopped while the Trainer was writing it), or it was "
-               "written without CommFuseCallback (then start a fresh run from its weights alone: "
+               "written without commfuse (then start a fresh run from its weights alone: "
                "Trainer(model=AutoModel....from_pretrained(checkpoint), ...))")
-    raise ValueError(f"CommFuseCallback: {checkpoint} is not a complete checkpoint: {why}. Resume from "
+    raise ValueError(f"CommFuseTrainer: {checkpoint} is not a complete checkpoint: {why}. Resume from "
                      + (f"the last complete one, {last}" if last else "another checkpoint (there is no complete one "
                         f"in {parent})")
                      + ", or pass resume_from_checkpoint=True, which takes the last complete checkpoint of "
@@ -251,13 +215,13 @@ def _require_complete(checkpoint: str) -> None:
 def _last_complete_checkpoint(output_dir: str) -> str:
     last = ckpt.latest_complete(output_dir, PREFIX_CHECKPOINT_DIR)
     if last is None:
-        raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): CommFuseCallback "
+        raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): CommFuseTrainer "
                          "resumes only from complete checkpoints (with a commfuse_complete marker)")
     newer = [name for name in sorted(os.listdir(output_dir))
              if _CHECKPOINT_RE.match(name) and os.path.isdir(os.path.join(output_dir, name))
              and int(_CHECKPOINT_RE.match(name).group(1)) > int(_CHECKPOINT_RE.match(os.path.basename(last)).group(1))]
     if newer:
-        logger.warning("CommFuseCallback: %s in %s %s incomplete (a save was interrupted); resuming from %s",
+        logger.warning("CommFuseTrainer: %s in %s %s incomplete (a save was interrupted); resuming from %s",
                        ", ".join(newer), output_dir, "is" if len(newer) == 1 else "are", last)
     return last
 
@@ -281,54 +245,275 @@ def _rotate_complete(run_dir: str, limit: int | None, best: str | None, newest: 
             remaining -= 1
 
 
-def _wrap_save_checkpoint(trainer: Trainer) -> None:
-    inner = trainer._save_checkpoint
 
-    def _save_checkpoint(model, trial):
-        run_dir = trainer._get_output_dir(trial=trial)
-        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-        should_save = trainer.args.should_save
+# ---- the Trainer mixin ----------------------------------------------------------------------------------------
+
+_REPLACED = ("_save", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+             "_load_best_model")
+_warned_overrides: set[tuple[type, str]] = set()
+
+
+class _Arguments:
+    """The arguments of the next ``__init__`` along the MRO, by name: a parameter of its own, or one that its
+    ``**kwargs`` would take (``def __init__(self, *args, **kwargs)`` subclasses)."""
+
+    def __init__(self, init, args: tuple, kwargs: dict) -> None:
+        self.signature = inspect.signature(init)
+        self.bound = self.signature.bind(*args, **kwargs)
+        self.var_kw = next((p.name for p in self.signature.parameters.values()
+                            if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def _named(self, name: str) -> bool:
+        p = self.signature.parameters.get(name)
+        return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+    def get(self, name: str) -> Any:
+        if self._named(name):
+            return self.bound.arguments.get(name)
+        return self.bound.arguments.get(self.var_kw, {}).get(name) if self.var_kw else None
+
+    def set(self, name: str, value: Any) -> None:
+        if self._named(name):
+            self.bound.arguments[name] = value
+        elif self.var_kw:
+            self.bound.arguments.setdefault(self.var_kw, {})[name] = value
+        else:
+            raise TypeError(f"CommFuseTrainerMixin: {self.signature} takes no {name}= argument; the mixin goes "
+                            "in front of a transformers.Trainer class, whose __init__ takes callbacks= and args=")
+
+
+class CommFuseTrainerMixin:
+    """Saves, loads and rotates the checkpoints of a model that its :class:`CommFuseCallback` sharded (see the
+    module docs). Put it first: ``class MyTrainer(CommFuseTrainerMixin, SFTTrainer)``, or
+    ``commfuse_trainer(SFTTrainer)``.
+
+    ``commfuse``: the :class:`CommFuseConfig` of a ``CommFuseCallback`` the mixin adds (first among ``callbacks``)
+    when ``callbacks`` holds none; ``None`` reads it from the ``COMMFUSE_*`` environment. A ``CommFuseCallback``
+    given in ``callbacks`` is used as it is (then ``commfuse=`` must not be given as well).
+    """
+
+    commfuse_save_total_limit: int | None = None   # save_total_limit as asked; the Trainer's copy says None
+
+    def __init__(self, *args: Any, commfuse: CommFuseConfig | None = None, **kwargs: Any) -> None:
+        if not isinstance(self, _transformers_trainer()):
+            raise TypeError(f"CommFuseTrainerMixin: {type(self).__name__} is not a transformers.Trainer; put the "
+                            "mixin in front of a Trainer class: class MyTrainer(CommFuseTrainerMixin, Trainer), "
+                            "or commfuse_trainer(MyTrainer)")
+        bound = _Arguments(super().__init__, args, kwargs)
+        callbacks = list(bound.get("callbacks") or [])
+        ours = []
+        for i, cb in enumerate(callbacks):
+            if isinstance(cb, type) and issubclass(cb, CommFuseCallback):
+                callbacks[i] = cb = cb()     # the Trainer would make it; made here so that it can be handed self
+            if isinstance(cb, CommFuseCallback):
+                ours.append(cb)
+        if ours and commfuse is not None:
+            raise ValueError(f"{type(self).__name__}: pass the CommFuseConfig once, either commfuse=... or "
+                             "callbacks=[CommFuseCallback(...)], not both")
+        if not ours:
+            ours = [CommFuseCallback(commfuse)]
+            callbacks.insert(0, ours[0])
+        for cb in ours:
+            cb.trainer = self   # the callback's on_init_end shards the model and prepares it with this Trainer
+        bound.set("callbacks", callbacks)
+
+        targs = bound.get("args")
+        limit = getattr(targs, "save_total_limit", None)
+        if limit is not None and not getattr(targs, "deepspeed", None):
+            # transformers 5.23 rotates inside _save_checkpoint, on rank 0, before every rank has finished: the
+            # Trainer gets a copy without the limit, and _save_checkpoint applies it once the checkpoint is
+            # complete. The caller's object is left as it is. (DeepSpeed saves its own way: its limit stays.)
+            targs = copy.copy(targs)
+            targs.save_total_limit = None
+            bound.set("args", targs)
+            self.commfuse_save_total_limit = limit
+        self._warn_bypassed_overrides()
+        super().__init__(*bound.bound.args, **bound.bound.kwargs)
+
+    def _warn_bypassed_overrides(self) -> None:
+        """A class after the mixin in the MRO that overrides one of the five replaced methods: its version does
+        not run (the mixin's does not call it)."""
+        mro = type(self).__mro__
+        base = _transformers_trainer()
+        after = mro[mro.index(CommFuseTrainerMixin) + 1:mro.index(base)] if base in mro else ()
+        for klass in after:
+            for name in _REPLACED:
+                if name in vars(klass) and (klass, name) not in _warned_overrides:
+                    _warned_overrides.add((klass, name))
+                    logger.warning("CommFuseTrainerMixin: %s overrides Trainer.%s; %s uses commfuse's sharded "
+                                   "version instead", klass.__name__, name, type(self).__name__)
+
+    def _commfuse_sharded(self) -> bool:
+        return ckpt.is_sharded(getattr(self, "model", None))
+
+    # ---- the five methods that write and read checkpoints --------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if not self._commfuse_sharded():
+            return super()._save(output_dir, state_dict=state_dict)
+        # A PreTrainedModel: commfuse_dp.checkpoint.save_pretrained, every rank writing its own slices into the
+        # safetensors in place (no rank holds the full model), then the rest of Trainer._save on the writing rank
+        # (tokenizer, training_args.bin). Anything else (a state_dict passed in, a model without save_pretrained):
+        # every rank gathers (the full copy lands on rank 0, in CPU memory) and Trainer._save writes it.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if state_dict is None and hasattr(self.model, "save_pretrained"):
+            ckpt.save_pretrained(self.model, output_dir, is_main_process=self.args.should_save)
+            if self.args.should_save:
+                tokenizer = self.processing_class
+                if tokenizer is None and self.data_collator is not None:
+                    tokenizer = getattr(self.data_collator, "tokenizer", None)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            dist.barrier()
+            return None
+        if state_dict is None:
+            state_dict = ckpt.full_state_dict(self.model)
+        super()._save(output_dir, state_dict=state_dict)
+        del state_dict
+        dist.barrier()
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._commfuse_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Every rank writes its own model and optimizer shards (DCP); no optimizer.pt of rank 0's shard alone.
+        ckpt.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), [self.model], [(self.model, self.optimizer)])
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._commfuse_sharded():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        _require_complete(resume_from_checkpoint)
+        folder = os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)
+        if ckpt.is_complete(folder):
+            ckpt.load_sharded(folder, [self.model])    # exact: the shards as they were, under the model's own names
+        else:                                          # a save_only_model checkpoint, or a consolidated folder
+            ckpt.load_pretrained_weights(self.model, resume_from_checkpoint)
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._commfuse_sharded():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return None
+        folder = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+        if not ckpt.is_complete(folder):
+            if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+                raise ValueError(f"{checkpoint} holds a single {OPTIMIZER_NAME} written without commfuse (or by an "
+                                 "older run); its optimizer state cannot be split into this run's shards. Resume it "
+                                 "without commfuse, or start from its weights alone (a fresh run with "
+                                 "model=from_pretrained(checkpoint))")
+            logger.warning("CommFuseTrainer: %s has no optimizer state (saved with save_only_model=True?): the "
+                           "optimizer and scheduler start fresh", checkpoint)
+            return None
+        ckpt.load_sharded(folder, [], [(self.model, self.optimizer)])
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        return None
+
+    def _load_best_model(self) -> None:
+        if not self._commfuse_sharded():
+            return super()._load_best_model()
+        logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint,
+                    self.state.best_metric)
+        CommFuseTrainerMixin._load_from_checkpoint(self, self.state.best_model_checkpoint)
+        return None
+
+    # ---- atomic checkpoints (see the comment above _require_complete) ---------------------------------------
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        limit = self.commfuse_save_total_limit
+        if not self._commfuse_sharded():
+            super()._save_checkpoint(model, trial)
+            if limit is not None and self.args.should_save:   # the Trainer's own rotation, which its copy skipped
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            return
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        should_save = self.args.should_save
         if should_save:
             ckpt.unmark_complete(output_dir)
         dist.barrier()
-        limit = trainer.args.save_total_limit
-        trainer.args.save_total_limit = None   # no rotation before every rank has finished this checkpoint
-        try:
-            inner(model, trial)
-        finally:
-            trainer.args.save_total_limit = limit
+        super()._save_checkpoint(model, trial)   # no rotation in there: this Trainer's save_total_limit is None
         dist.barrier()   # every rank has written its part (its rng_state_<rank>.pth is its last file)
         if should_save:
             ckpt.mark_complete(output_dir)
-            _rotate_complete(run_dir, limit, trainer.state.best_model_checkpoint, output_dir)
+            _rotate_complete(run_dir, limit, self.state.best_model_checkpoint, output_dir)
         dist.barrier()
 
-    trainer._save_checkpoint = _save_checkpoint
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, *args: Any, **kwargs: Any):
+        if self._commfuse_sharded():
+            if isinstance(resume_from_checkpoint, bool):
+                if resume_from_checkpoint:
+                    resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
+            elif resume_from_checkpoint is not None:
+                _require_complete(resume_from_checkpoint)
+        result = super().train(resume_from_checkpoint, trial, *args, **kwargs)
+        self._rotate_at_train_end(trial)
+        return result
+
+    def _rotate_at_train_end(self, trial) -> None:
+        """What Trainer.train does at its end for save_total_limit=1 with a best model (keep the best checkpoint
+        only), which this Trainer's copy of the arguments (save_total_limit=None) skipped."""
+        best = self.state.best_model_checkpoint
+        if self.commfuse_save_total_limit != 1 or best is None or not self.args.should_save:
+            return
+        for folder in sort_checkpoints(output_dir=self._get_output_dir(trial), best_model_checkpoint=best):
+            if not os.path.samefile(folder, best):
+                logger.info("Deleting older checkpoint [%s] due to save_total_limit=1", folder)
+                ckpt.unmark_complete(folder)
+                shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wrap_train(trainer: Trainer) -> None:
-    inner = trainer.train
-
-    @functools.wraps(inner)
-    def train(resume_from_checkpoint=None, *args, **kwargs):
-        if isinstance(resume_from_checkpoint, bool):
-            if resume_from_checkpoint:
-                resume_from_checkpoint = _last_complete_checkpoint(trainer.args.output_dir)
-        elif resume_from_checkpoint is not None:
-            _require_complete(resume_from_checkpoint)
-        return inner(resume_from_checkpoint, *args, **kwargs)
-
-    trainer.train = train
+_made: dict[type, type] = {}
 
 
-def _take_over_checkpoints(trainer: Trainer) -> None:
-    for name, method in _CHECKPOINT_METHODS.items():
-        if getattr(type(trainer), name) is not getattr(Trainer, name):
-            logger.warning("CommFuseCallback: %s overrides Trainer.%s; this trainer now uses commfuse's sharded "
-                           "version instead", type(trainer).__name__, name)
-        setattr(trainer, name, types.MethodType(method, trainer))
-    _wrap_save_checkpoint(trainer)
-    _wrap_train(trainer)
+def commfuse_trainer(trainer_class: type, name: str | None = None) -> type:
+    """``class CommFuse<Name>(CommFuseTrainerMixin, trainer_class)``, made once per class: e.g.
+    ``commfuse_trainer(SFTTrainer)(model=..., args=SFTConfig(...), train_dataset=...)``. A class that already has
+    the mixin (``CommFuseTrainer``, or any Trainer class under ``commfuse-dp launch``) is returned as it is."""
+    if not isinstance(trainer_class, type) or not issubclass(trainer_class, _transformers_trainer()):
+        raise TypeError(f"commfuse_trainer: {trainer_class!r} is not a transformers.Trainer class (give the class, "
+                        "e.g. commfuse_trainer(SFTTrainer), not an instance)")
+    if issubclass(trainer_class, CommFuseTrainerMixin):
+        return trainer_class
+    made = _made.get(trainer_class)
+    if made is None:
+        name = name or f"CommFuse{trainer_class.__name__}"
+        made = type(name, (CommFuseTrainerMixin, trainer_class),
+                    {"__module__": __name__, "__qualname__": name, "_commfuse_base": trainer_class,
+                     "__doc__": f"{trainer_class.__name__} with commfuse sharding (CommFuseTrainerMixin first)."})
+        _made[trainer_class] = made
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    # CommFuseTrainer is made on first use, so that importing this module does not import transformers.trainer.
+    if name == "CommFuseTrainer":
+        return commfuse_trainer(_transformers_trainer(), "CommFuseTrainer")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- the callback ---------------------------------------------------------------------------------------------
+
+def _needs_trainer(args) -> list[str]:
+    """What in ``args`` a callback cannot do without its Trainer."""
+    needs = []
+    strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
+    if strategy != "no":
+        needs.append(f"save_strategy={strategy!r} (checkpoints of every rank's shards; the Trainer's default is "
+                     "'steps')")
+    if getattr(args, "resume_from_checkpoint", None):
+        needs.append("resume_from_checkpoint")
+    for flag in ("bf16", "fp16"):
+        if getattr(args, flag, False):
+            needs.append(f"{flag}=True (the Trainer's autocast, applied through its Accelerator)")
+    return needs
 
 
 class CommFuseCallback(TrainerCallback):
@@ -336,19 +521,24 @@ class CommFuseCallback(TrainerCallback):
 
     ``cfg``: the :class:`CommFuseConfig`; ``None`` reads it from the ``COMMFUSE_*`` environment
     (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
+
+    ``trainer``: the Trainer this callback belongs to, set by :class:`CommFuseTrainerMixin` (``CommFuseTrainer``,
+    :func:`commfuse_trainer`) before the Trainer's ``__init__`` runs. ``None`` on a plain ``Trainer``: then the
+    callback refuses what needs the Trainer (see module docs).
     """
 
     def __init__(self, cfg: CommFuseConfig | None = None) -> None:
         self.explicit = cfg is not None
         self.cfg = cfg if cfg is not None else CommFuseConfig.from_env()
+        self.trainer = None   # set by CommFuseTrainerMixin.__init__
         self.inert = False    # another CommFuseCallback of the same Trainer does the work (see _defer)
         self.model = None
         self._window: dict[str, float] = {}   # the accumulation window running now, summed over micro-batches
         self._last_window: dict[str, float] | None = None   # the last finished optimizer step
 
-    def _defer(self, trainer: Trainer | None) -> bool:
-        """Two CommFuseCallbacks on one Trainer (``commfuse-dp launch`` adds one to every Trainer, and the script
-        passed its own): the one given a config explicitly wins, else the first; the other does nothing."""
+    def _defer(self, trainer) -> bool:
+        """Two CommFuseCallbacks on one Trainer (a script that passed two, or one from a config and one made by
+        hand): the one given a config explicitly wins, else the first; the other does nothing."""
         if trainer is None:
             return False
         callbacks = list(trainer.callback_handler.callbacks)
@@ -364,7 +554,8 @@ class CommFuseCallback(TrainerCallback):
         return False
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        if self._defer(_find_trainer(self)):
+        trainer = self.trainer
+        if self._defer(trainer):
             self.inert = True
             return control
         if model is None:
@@ -377,28 +568,28 @@ class CommFuseCallback(TrainerCallback):
             from commfuse_dp.integrations.deepspeed import attach_to_trainer_callback
 
             return attach_to_trainer_callback(self, args, model, control)
-        trainer = _find_trainer(self)
-        saves = getattr(args.save_strategy, "value", args.save_strategy) != "no"
-        if trainer is None and saves:
-            raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer's __init__, so the "
-                             "callback cannot make the Trainer save every rank's shards; pass the callback in "
-                             "Trainer(callbacks=[...]) or set save_strategy='no'")
+        if trainer is None:
+            needs = _needs_trainer(args)
+            if needs:   # the same arguments on every rank: every rank raises here
+                raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer with commfuse's "
+                                 "checkpoint methods (a plain transformers Trainer hands its callbacks no "
+                                 "reference to itself), and " + "; ".join(needs) + " need that Trainer. "
+                                 + _USE_INSTEAD[0].upper() + _USE_INSTEAD[1:])
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CommFuseCallback: torch.distributed is not initialised. Launch the script with "
                                "`torchrun --nproc_per_node N` (or `accelerate launch`); on CPU also pass "
                                "use_cpu=True to TrainingArguments (or set ACCELERATE_USE_CPU=true)")
+        if trainer is None and getattr(args, "process_index", 0) == 0:
+            logger.warning("CommFuseCallback on a plain Trainer: the model is sharded, but trainer.save_model() "
+                           "cannot save it (the Trainer writes on rank 0 alone). To save, %s; or call "
+                           "commfuse_dp.checkpoint.save_pretrained(trainer.model, folder) on every rank", _USE_INSTEAD)
         if getattr(model, "_commfuse_engine", None) is None:
             shard(model, self._with_parallelism(args))
         if trainer is not None:
-            _take_over_checkpoints(trainer)
             # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
             # untouched: apply it here, without the DDP wrap, from the model's own forward hooks (so that it holds
             # when TRL replaces model.forward after this callback ran).
             prepare_sharded(trainer.accelerator, model)
-        elif getattr(args, "bf16", False) or getattr(args, "fp16", False):
-            raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer's __init__, so the "
-                             "callback cannot apply the Trainer's bf16/fp16 autocast; pass the callback in "
-                             "Trainer(callbacks=[...])")
         # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).
         model._is_accelerate_prepared = True
         self.model = model

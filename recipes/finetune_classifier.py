@@ -4,7 +4,7 @@ One process (plain Trainer, no sharding):
 
     python recipes/finetune_classifier.py
 
-Two CPU ranks, the model sharded by commfuse_dp (CommFuseCallback):
+Two CPU ranks, the model sharded by commfuse_dp (CommFuseTrainer and its CommFuseCallback):
 
     torchrun --nproc_per_node 2 recipes/finetune_classifier.py --use_cpu
 
@@ -269,22 +269,24 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     report = common.RecipeReport()
     callbacks = [report]
+    trainer_class = Trainer
     if world_size > 1:
         from commfuse_dp import CommFuseConfig
-        from commfuse_dp.integrations.transformers import CommFuseCallback
+        from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
 
         callbacks.insert(0, CommFuseCallback(CommFuseConfig(schedule=script.schedule)))
-        log(f"{world_size} processes: Trainer + CommFuseCallback (schedule {script.schedule}), the model is "
-            "sharded over the ranks")
+        trainer_class = CommFuseTrainer   # the Trainer that saves every rank's shards (save_model below)
+        log(f"{world_size} processes: Trainer + CommFuseCallback (CommFuseTrainer, schedule {script.schedule}), "
+            "the model is sharded over the ranks")
     else:
         log("one process: plain Trainer, no sharding (launch with torchrun --nproc_per_node N to shard)")
     log(f"model {script.model} ({type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
         f"parameters, new head of {len(names)} labels); data {script.data}: {len(train_rows)} train, "
         f"{len(held_rows)} held out, labels {names}")
 
-    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=held_ds,
-                      data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
-                      compute_metrics=accuracy, callbacks=callbacks)
+    trainer = trainer_class(model=model, args=args, train_dataset=train_ds, eval_dataset=held_ds,
+                            data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
+                            compute_metrics=accuracy, callbacks=callbacks)
     # The model's forward takes **kwargs, so the Trainer (transformers 5.23, Trainer.compute_loss) passes it
     # num_items_in_batch and then multiplies the loss by the number of processes, and leaves out the division by
     # the accumulation steps, expecting a loss summed and divided by the global count. A sequence classification

@@ -1,4 +1,4 @@
-"""Causal-LM fine-tuning with commfuse_dp: the Hugging Face ``Trainer`` plus ``CommFuseCallback``.
+"""Causal-LM fine-tuning with commfuse_dp: the Hugging Face ``Trainer`` as ``CommFuseTrainer``.
 
     # The embedded default, 2 CPU processes (what `commfuse-dp demo` runs): a small Llama-style decoder built from a
     # config (tied embeddings, grouped-query attention) trained on the Python reference manual that ships with
@@ -233,14 +233,18 @@ def train_and_report(args, targs, model, tokenizer, train, evaluation, cfg, info
 
     report = common.RecipeReport(timeline_step=args.timeline_step)
     callbacks = [report]
+    trainer_class = Trainer
     if info["world_size"] > 1:
-        from commfuse_dp.integrations.transformers import CommFuseCallback
+        # CommFuseTrainer: the Trainer with its CommFuseCallback, which shards the model, and its checkpoint
+        # methods, which save and load every rank's shards (save_model below, --save_steps, --resume_from_checkpoint)
+        from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
 
         callbacks.insert(0, CommFuseCallback(cfg))
+        trainer_class = CommFuseTrainer
     else:
         print("one process: a plain Trainer run, nothing to shard (launch with torchrun --nproc_per_node N)")
-    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
-                      processing_class=tokenizer, callbacks=callbacks)
+    trainer = trainer_class(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
+                            processing_class=tokenizer, callbacks=callbacks)
     if dist.is_initialized():
         # every rank tokenised its own copy of the corpus: make sure they agree before training on it
         digest = hashlib.sha256(train.blocks.numpy().tobytes() + evaluation.blocks.numpy().tobytes()).hexdigest()

@@ -183,6 +183,8 @@ print(json.dumps({
     "accelerator_module": accelerate.accelerator.Accelerator.__name__,
     "trainer_accelerator": transformers.trainer.Accelerator.__name__,
     "default_callbacks": [c.__name__ for c in transformers.trainer.DEFAULT_CALLBACKS],
+    "trainer": transformers.trainer.Trainer.__name__, "package_trainer": transformers.Trainer.__name__,
+    "trainer_mro": [c.__name__ for c in transformers.trainer.Trainer.__mro__],
 }))
 """
 
@@ -204,15 +206,19 @@ def test_bootstrap_hooks_only_when_enabled(tmp_path):
     assert seen["name"] == "__main__" and seen["argv"] == [str(probe), "a", "--b"]
     assert seen["path0"] == str(tmp_path)
     assert seen["accelerator"] == seen["accelerator_module"] == "CommFuseAccelerator"
-    # the Trainer keeps accelerate's own Accelerator and gets the callback instead
+    # the Trainer keeps accelerate's own Accelerator and is sharded by its CommFuseCallback instead: the Trainer is
+    # CommFuseTrainer (which binds a CommFuseCallback to each instance), not a Trainer with a default callback
     assert seen["trainer_accelerator"] == "Accelerator"
-    assert seen["default_callbacks"] == ["DefaultFlowCallback", "CommFuseCallback"]
+    assert seen["default_callbacks"] == ["DefaultFlowCallback"]
+    assert seen["trainer"] == seen["package_trainer"] == "CommFuseTrainer"
+    assert seen["trainer_mro"][:3] == ["CommFuseTrainer", "CommFuseTrainerMixin", "Trainer"]
 
     off = _bootstrap(tmp_path, {}, str(probe))
     assert off.returncode == 0, off.stderr[-3000:]
     seen = json.loads(off.stdout.strip().splitlines()[-1])
     assert seen["accelerator"] == seen["trainer_accelerator"] == "Accelerator"
     assert seen["default_callbacks"] == ["DefaultFlowCallback"]
+    assert seen["trainer"] == seen["package_trainer"] == "Trainer"
 
 
 def test_bootstrap_runs_a_module_and_refuses_a_bad_environment(tmp_path):
@@ -222,7 +228,7 @@ def test_bootstrap_runs_a_module_and_refuses_a_bad_environment(tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     seen = json.loads(ran.stdout.strip().splitlines()[-1])
     assert seen["name"] == "__main__" and seen["argv"][1:] == ["x"] and seen["argv"][0].endswith("probe_mod.py")
-    assert seen["default_callbacks"][-1] == "CommFuseCallback"
+    assert seen["trainer"] == "CommFuseTrainer"
 
     bad = _bootstrap(tmp_path, {"COMMFUSE_ENABLE": "1", "COMMFUSE_TIMEOUT_S": "-1"}, str(tmp_path / "probe_mod.py"))
     assert bad.returncode == 2

@@ -242,3 +242,77 @@ def test_trainer_parallelism_config_becomes_replicate(sizes, replicate, error):
         return
     assert cb._with_parallelism(_args(parallelism_config=pc)).replicate == replicate
     assert cb._with_parallelism(_args()).replicate == 1  # no parallelism_config: the config as given
+
+
+# ---- CommFuseCallback on a plain Trainer, and the Trainer mixin (in-process, no process group) -----------------
+
+def _plain_args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], disable_tqdm=True, **kw)
+
+
+@pytest.mark.parametrize("kw, what", [({}, "save_strategy='steps'"),   # the Trainer's default save_strategy
+                                      ({"save_strategy": "epoch"}, "save_strategy='epoch'"),
+                                      ({"save_strategy": "no", "bf16": True}, "bf16=True")])
+def test_plain_trainer_with_the_callback_alone_says_what_to_write(tmp_path, kw, what):
+    """A plain transformers.Trainer hands its callbacks no reference to itself: with checkpoints (or bf16) the
+    callback cannot do its part, and says, before anything is sharded, to write CommFuseTrainer instead."""
+    from transformers import Trainer
+
+    from commfuse_dp import CommFuseConfig
+
+    model = hf_models.build("llama", seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError) as err:
+        Trainer(model=model, args=_plain_args(tmp_path, **kw), train_dataset=hf_models.Synthetic(4, seed=1),
+                callbacks=[_integration()(CommFuseConfig(schedule="fused"))])
+    message = str(err.value)
+    assert what in message and "not called by a Trainer" in message
+    assert "CommFuseTrainer(...) instead of Trainer(...)" in message
+    assert "from commfuse_dp.integrations.transformers import CommFuseTrainer" in message
+    assert "commfuse_trainer(SFTTrainer)" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "nothing sharded before the error"
+
+
+def test_commfuse_trainer_binds_its_callback_and_keeps_the_callers_arguments(tmp_path):
+    """CommFuseTrainer hands the callback passed in callbacks= (or one it makes) its Trainer before the Trainer's
+    __init__ runs; it keeps save_total_limit itself (its Trainer's copy of the arguments has none) and leaves the
+    caller's TrainingArguments unchanged. Here no process group exists, so on_init_end stops at that check."""
+    from commfuse_dp import CommFuseConfig
+    from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
+
+    args = _plain_args(tmp_path, save_strategy="steps", save_steps=2, save_total_limit=1)
+    cb = CommFuseCallback(CommFuseConfig(schedule="fused"))
+    seen = {}
+
+    class Probe(CommFuseTrainer):
+        def create_accelerator_and_postprocess(self):   # runs inside Trainer.__init__, before on_init_end
+            seen["bound"] = cb.trainer is self
+            seen["limit"] = (self.commfuse_save_total_limit, self.args.save_total_limit)
+            return super().create_accelerator_and_postprocess()
+
+    with pytest.raises(RuntimeError, match="torchrun"):
+        Probe(model=hf_models.build("llama", seed=0), args=args, train_dataset=hf_models.Synthetic(4, seed=1),
+              callbacks=[cb])
+    assert seen == {"bound": True, "limit": (1, None)}
+    assert args.save_total_limit == 1
+    with pytest.raises(ValueError, match="pass the CommFuseConfig once"):
+        CommFuseTrainer(model=hf_models.build("llama", seed=0), args=args, callbacks=[cb],
+                        commfuse=CommFuseConfig(schedule="fused"))
+
+
+def test_commfuse_trainer_for_any_trainer_class():
+    from transformers import Trainer
+
+    from commfuse_dp.integrations.transformers import CommFuseTrainer, CommFuseTrainerMixin, commfuse_trainer
+
+    SFTTrainer = pytest.importorskip("trl").SFTTrainer
+
+    assert commfuse_trainer(Trainer) is CommFuseTrainer
+    assert CommFuseTrainer.__mro__[1:3] == (CommFuseTrainerMixin, Trainer)
+    sft = commfuse_trainer(SFTTrainer)
+    assert sft.__name__ == "CommFuseSFTTrainer" and sft.__mro__[1:3] == (CommFuseTrainerMixin, SFTTrainer)
+    assert commfuse_trainer(SFTTrainer) is sft and commfuse_trainer(sft) is sft   # made once, never twice
+    with pytest.raises(TypeError, match="not a transformers.Trainer class"):
+        commfuse_trainer(object)

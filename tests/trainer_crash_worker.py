@@ -1,5 +1,5 @@
-"""One rank of a real ``transformers.Trainer`` run with CommFuseCallback, launched by tests/test_trainer_atomic.py
-through torchrun: checkpoints every 2 steps, ``save_total_limit=1``, 6 steps.
+"""One rank of a real ``transformers.Trainer`` run with commfuse (a ``CommFuseTrainer`` subclass), launched by
+tests/test_trainer_atomic.py through torchrun: checkpoints every 2 steps, ``save_total_limit=1``, 6 steps.
 
     torchrun --nproc_per_node 2 tests/trainer_crash_worker.py OUT_DIR {full|crash|resume}
 
@@ -26,16 +26,16 @@ import hf_models  # noqa: E402
 
 
 def main(out_dir: str, mode: str) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
 
     from commfuse_dp import CommFuseConfig
-    from commfuse_dp.integrations.transformers import CommFuseCallback
+    from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     run_dir = os.path.join(out_dir, "run-full" if mode == "full" else "run-crash")
 
-    class CrashingTrainer(Trainer):
+    class CrashingTrainer(CommFuseTrainer):
         def _save_rng_state(self, output_dir):
             if mode == "crash" and rank == 1 and self.state.global_step == 4:
                 deadline = time.monotonic() + 60

@@ -27,7 +27,7 @@ def main(out: str, mode: str, precision: str = "fp32") -> None:
 
     from commfuse_dp import CommFuseConfig
 
-    from commfuse_dp.integrations.transformers import CommFuseCallback
+    from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
 
     torch.set_num_threads(1)
     model = hf_models.build("llama", seed=0)
@@ -47,8 +47,9 @@ def main(out: str, mode: str, precision: str = "fp32") -> None:
     callbacks = [CommFuseCallback(CommFuseConfig(schedule=schedule, min_fuse_numel=0))] if mode != "ddp" else []
     # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 48 samples for 6 steps.
     # Eval: 11 samples over 2 ranks x 2 per device, so the last batch is short.
-    trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(48, seed=1),
-                      eval_dataset=hf_models.Synthetic(11, seed=2), callbacks=callbacks)
+    trainer_class = Trainer if mode == "ddp" else CommFuseTrainer   # CommFuseTrainer saves every rank's shards
+    trainer = trainer_class(model=model, args=args, train_dataset=hf_models.Synthetic(48, seed=1),
+                            eval_dataset=hf_models.Synthetic(11, seed=2), callbacks=callbacks)
     from torch.distributed.tensor import DTensor
 
     dtensor_params = [isinstance(p, DTensor) for p in trainer.model.parameters()]

@@ -6,7 +6,8 @@ MODE is ``{ddp|fused|slicing}-{fp32|bf16}[-lora]`` (``-lora``: TRL's ``peft_conf
 MLP projections; the tied table is frozen). Every mode trains a fresh tiny tied Llama (hidden 128, GQA) from the
 same seed on the same pre-tokenized data, in this one process group, one after another: DDP is what
 ``SFTTrainer`` does without commfuse (accelerate wraps the model in DistributedDataParallel on multi-process
-CPU); the others pass ``CommFuseCallback`` (every linear fused, ring embeddings on, the tied table fused in both).
+CPU); the others are ``commfuse_trainer(SFTTrainer)`` with a ``CommFuseCallback`` (every linear fused, ring
+embeddings on, the tied table fused in both).
 Rank 0 writes, per mode, the logged losses and grad norms and every parameter after training.
 """
 
@@ -37,7 +38,7 @@ def run(mode: str, tokenizer_dir: str) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     import commfuse_dp as cf
-    from commfuse_dp.integrations.transformers import CommFuseCallback
+    from commfuse_dp.integrations.transformers import CommFuseCallback, commfuse_trainer
 
     schedule, precision, *lora = mode.split("-")
     AcceleratorState._reset_state()  # each Trainer builds its Accelerator anew: another mixed precision is allowed
@@ -62,8 +63,9 @@ def run(mode: str, tokenizer_dir: str) -> dict:
         from peft import LoraConfig
 
         peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data(len(tokenizer)), processing_class=tokenizer,
-                         callbacks=callbacks, peft_config=peft)
+    trainer_class = SFTTrainer if schedule == "ddp" else commfuse_trainer(SFTTrainer)   # bf16: the Trainer's autocast
+    trainer = trainer_class(model=model, args=args, train_dataset=data(len(tokenizer)), processing_class=tokenizer,
+                            callbacks=callbacks, peft_config=peft)
     if schedule != "ddp" and not lora:
         assert type(model.lm_head).__name__ == "RingLinear", type(model.lm_head)
         assert type(model.model.embed_tokens).__name__ == "RingEmbedding"
