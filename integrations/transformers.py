@@ -89,7 +89,7 @@ How it works (transformers 5.23, accelerate 1.15):
     ``optimizer.pt`` (written without commfuse) is refused rather than half-loaded.
 
   And two more, which call the Trainer's own inside, so that a checkpoint is atomic (see the comment above
-  ``_require_complete`` for what transformers 5.23 does without them):
+  ``require_complete`` for what transformers 5.23 does without them):
 
   - ``_save_checkpoint``: ``checkpoint-N/commfuse_complete`` is written once every rank has written all of
     ``checkpoint-N``, and older checkpoints are rotated away only then, among complete ones. A rank killed
@@ -128,36 +128,27 @@ import copy
 import inspect
 import logging
 import os
-import re
 import shutil
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints, sort_checkpoints
 
 from commfuse_dp import checkpoint as ckpt
-from commfuse_dp.config import CommFuseConfig, with_parallelism
-from commfuse_dp.integrations.accelerate import prepare_sharded
-from commfuse_dp.shard import shard
+from commfuse_dp.config import CommFuseConfig
+
+from commfuse_dp.integrations.trainer_callback import CommFuseCallback
+from commfuse_dp.integrations.trainer_checkpoints import (OPTIMIZER_NAME, last_complete_checkpoint, require_complete,
+                                                          rotate_complete)
 
 __all__ = ["CommFuseCallback", "CommFuseTrainer", "CommFuseTrainerMixin", "commfuse_trainer"]
-
-_STAT_KEYS = ("exposed_comm_s", "comm_s", "compute_s", "wall_s", "ring_steps")
 
 logger = logging.getLogger("commfuse_dp")
 
 CHECKPOINT_SUBDIR = "commfuse"     # checkpoint-N/commfuse: every rank's model and optimizer shards (DCP)
 SCHEDULER_NAME = "scheduler.pt"    # as the Trainer names it (transformers/trainer.py)
 TRAINING_ARGS_NAME = "training_args.bin"
-OPTIMIZER_NAME = "optimizer.pt"
-_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-_USE_INSTEAD = ("write CommFuseTrainer(...) instead of Trainer(...): `from commfuse_dp.integrations.transformers "
-                "import CommFuseTrainer`; it takes the Trainer's arguments and the CommFuseCallback in callbacks= "
-                "(or commfuse=CommFuseConfig(...) in its place). For TRL's or another Trainer class: "
-                "`commfuse_trainer(SFTTrainer)(...)` (from the same module). `commfuse-dp launch` does this for "
-                "every Trainer")
 
 
 def _transformers_trainer() -> type:
@@ -167,83 +158,6 @@ def _transformers_trainer() -> type:
 
     current = transformers.trainer.Trainer
     return vars(current).get("_commfuse_base", current) if issubclass(current, CommFuseTrainerMixin) else current
-
-
-# ---- atomic checkpoints: checkpoint-N counts only once every rank has written all of it --------------------
-#
-# Trainer._save_checkpoint (transformers 5.23) writes straight into checkpoint-N (no temporary folder, no rename):
-# the weights, checkpoint-N/commfuse, scheduler.pt, one rng_state_<rank>.pth per rank, trainer_state.json last on
-# rank 0, and then rank 0 alone deletes older checkpoints (trainer_utils.rotate_checkpoints, save_total_limit),
-# without waiting for the other ranks. trainer_utils.get_last_checkpoint (resume_from_checkpoint=True) takes the
-# highest checkpoint-N folder whatever it holds. So a rank killed while checkpoint-N is written leaves a folder
-# that resume_from_checkpoint=True picks (the Trainer then fails on a missing trainer_state.json, or resumes without
-# some rank's RNG state), and the previous checkpoint may already be deleted by then.
-#
-# CommFuseTrainerMixin overrides two more methods, calling the Trainer's own inside:
-# - _save_checkpoint: the marker of checkpoint-N is removed first (re-saving a step overwrites in place), the
-#   Trainer saves (its rotation does nothing: the Trainer's copy of the arguments has save_total_limit=None, the
-#   mixin keeps the limit), every rank meets at a barrier, and only then does the saving process write
-#   checkpoint-N/commfuse_complete and rotate, counting complete checkpoints only and never deleting the one just
-#   written or the best one.
-# - train: resume_from_checkpoint=True resumes from the last *complete* checkpoint (passing over, with a warning,
-#   the ones a killed save left behind); a checkpoint named explicitly must be complete or is refused, as it is
-#   in _load_from_checkpoint.
-
-def _require_complete(checkpoint: str) -> None:
-    if ckpt.is_complete(checkpoint):
-        return
-    checkpoint = os.fspath(checkpoint)
-    if not os.path.isdir(checkpoint):
-        raise FileNotFoundError(f"CommFuseTrainer: checkpoint {checkpoint} does not exist")
-    parent = os.path.dirname(os.path.abspath(checkpoint))
-    last = ckpt.latest_complete(parent, PREFIX_CHECKPOINT_DIR)
-    if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
-        why = (f"it holds a single {OPTIMIZER_NAME}: it was written without commfuse (or by an older "
-               "version), and its optimizer state cannot be split into this run's shards")
-    else:
-        why = ("it has no commfuse_complete marker, which CommFuseTrainer writes once every rank has written its "
-               "part: its save did not finish (a rank stopped while the Trainer was writing it), or it was "
-               "written without commfuse (then start a fresh run from its weights alone: "
-               "Trainer(model=AutoModel....from_pretrained(checkpoint), ...))")
-    raise ValueError(f"CommFuseTrainer: {checkpoint} is not a complete checkpoint: {why}. Resume from "
-                     + (f"the last complete one, {last}" if last else "another checkpoint (there is no complete one "
-                        f"in {parent})")
-                     + ", or pass resume_from_checkpoint=True, which takes the last complete checkpoint of "
-                     "output_dir")
-
-
-def _last_complete_checkpoint(output_dir: str) -> str:
-    last = ckpt.latest_complete(output_dir, PREFIX_CHECKPOINT_DIR)
-    if last is None:
-        raise ValueError(f"No valid checkpoint found in output directory ({output_dir}): CommFuseTrainer "
-                         "resumes only from complete checkpoints (with a commfuse_complete marker)")
-    newer = [name for name in sorted(os.listdir(output_dir))
-             if _CHECKPOINT_RE.match(name) and os.path.isdir(os.path.join(output_dir, name))
-             and int(_CHECKPOINT_RE.match(name).group(1)) > int(_CHECKPOINT_RE.match(os.path.basename(last)).group(1))]
-    if newer:
-        logger.warning("CommFuseTrainer: %s in %s %s incomplete (a save was interrupted); resuming from %s",
-                       ", ".join(newer), output_dir, "is" if len(newer) == 1 else "are", last)
-    return last
-
-
-def _rotate_complete(run_dir: str, limit: int | None, best: str | None, newest: str) -> None:
-    """transformers' rotation (oldest first, by mtime as Trainer._save_checkpoint asks), among complete
-    checkpoints only; the one just written and the best one are kept. A checkpoint loses its marker before its
-    files go, so a deletion cut short never leaves a folder that looks complete."""
-    if limit is None or limit <= 0:
-        return
-    complete = [c for c in sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=True) if ckpt.is_complete(c)]
-    protected = {os.path.abspath(newest)} | ({os.path.abspath(best)} if best else set())
-    keep = max(limit, len(protected & {os.path.abspath(c) for c in complete}))
-    remaining = len(complete)
-    for folder in complete:
-        if remaining <= keep:
-            break
-        if os.path.abspath(folder) not in protected:
-            ckpt.unmark_complete(folder)
-            shutil.rmtree(folder, ignore_errors=True)
-            remaining -= 1
-
 
 
 # ---- the Trainer mixin ----------------------------------------------------------------------------------------
@@ -386,7 +300,7 @@ class CommFuseTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._commfuse_sharded():
             return super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        _require_complete(resume_from_checkpoint)
+        require_complete(resume_from_checkpoint)
         folder = os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)
         if ckpt.is_complete(folder):
             ckpt.load_sharded(folder, [self.model])    # exact: the shards as they were, under the model's own names
@@ -423,7 +337,7 @@ class CommFuseTrainerMixin:
         CommFuseTrainerMixin._load_from_checkpoint(self, self.state.best_model_checkpoint)
         return None
 
-    # ---- atomic checkpoints (see the comment above _require_complete) ---------------------------------------
+    # ---- atomic checkpoints (see the comment above require_complete) ---------------------------------------
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
@@ -443,16 +357,16 @@ class CommFuseTrainerMixin:
         dist.barrier()   # every rank has written its part (its rng_state_<rank>.pth is its last file)
         if should_save:
             ckpt.mark_complete(output_dir)
-            _rotate_complete(run_dir, limit, self.state.best_model_checkpoint, output_dir)
+            rotate_complete(run_dir, limit, self.state.best_model_checkpoint, output_dir)
         dist.barrier()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, *args: Any, **kwargs: Any):
         if self._commfuse_sharded():
             if isinstance(resume_from_checkpoint, bool):
                 if resume_from_checkpoint:
-                    resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
+                    resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             elif resume_from_checkpoint is not None:
-                _require_complete(resume_from_checkpoint)
+                require_complete(resume_from_checkpoint)
         result = super().train(resume_from_checkpoint, trial, *args, **kwargs)
         self._rotate_at_train_end(trial)
         return result
@@ -497,155 +411,3 @@ def __getattr__(name: str) -> Any:
     if name == "CommFuseTrainer":
         return commfuse_trainer(_transformers_trainer(), "CommFuseTrainer")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ---- the callback ---------------------------------------------------------------------------------------------
-
-def _needs_trainer(args) -> list[str]:
-    """What in ``args`` a callback cannot do without its Trainer."""
-    needs = []
-    strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
-    if strategy != "no":
-        needs.append(f"save_strategy={strategy!r} (checkpoints of every rank's shards; the Trainer's default is "
-                     "'steps')")
-    if getattr(args, "resume_from_checkpoint", None):
-        needs.append("resume_from_checkpoint")
-    for flag in ("bf16", "fp16"):
-        if getattr(args, flag, False):
-            needs.append(f"{flag}=True (the Trainer's autocast, applied through its Accelerator)")
-    return needs
-
-
-class CommFuseCallback(TrainerCallback):
-    """Shards ``Trainer.model`` with :func:`commfuse_dp.shard` before the Trainer prepares it (see module docs).
-
-    ``cfg``: the :class:`CommFuseConfig`; ``None`` reads it from the ``COMMFUSE_*`` environment
-    (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
-
-    ``trainer``: the Trainer this callback belongs to, set by :class:`CommFuseTrainerMixin` (``CommFuseTrainer``,
-    :func:`commfuse_trainer`) before the Trainer's ``__init__`` runs. ``None`` on a plain ``Trainer``: then the
-    callback refuses what needs the Trainer (see module docs).
-    """
-
-    def __init__(self, cfg: CommFuseConfig | None = None) -> None:
-        self.explicit = cfg is not None
-        self.cfg = cfg if cfg is not None else CommFuseConfig.from_env()
-        self.trainer = None   # set by CommFuseTrainerMixin.__init__
-        self.inert = False    # another CommFuseCallback of the same Trainer does the work (see _defer)
-        self.model = None
-        self._window: dict[str, float] = {}   # the accumulation window running now, summed over micro-batches
-        self._last_window: dict[str, float] | None = None   # the last finished optimizer step
-
-    def _defer(self, trainer) -> bool:
-        """Two CommFuseCallbacks on one Trainer (a script that passed two, or one from a config and one made by
-        hand): the one given a config explicitly wins, else the first; the other does nothing."""
-        if trainer is None:
-            return False
-        callbacks = list(trainer.callback_handler.callbacks)
-        mine = callbacks.index(self)
-        for i, other in enumerate(callbacks):
-            if not isinstance(other, CommFuseCallback) or other is self:
-                continue
-            if (other.explicit and not self.explicit) or (other.explicit == self.explicit and i < mine):
-                if other.cfg != self.cfg:
-                    logger.warning("CommFuseCallback: this Trainer has two CommFuseCallbacks with different configs; "
-                                   "the one %s is used", "passed to the Trainer" if other.explicit else "listed first")
-                return True
-        return False
-
-    def on_init_end(self, args, state, control, model=None, **kwargs):
-        trainer = self.trainer
-        if self._defer(trainer):
-            self.inert = True
-            return control
-        if model is None:
-            raise ValueError("CommFuseCallback: the Trainer has no model to shard; pass model=... to Trainer "
-                             "(model_init= is not supported with CommFuseCallback)")
-        if getattr(args, "fsdp", None):
-            raise ValueError("CommFuseCallback shards the model itself: remove `fsdp` / `fsdp_config` from the "
-                             "TrainingArguments, or drop CommFuseCallback to use accelerate's FSDP")
-        if getattr(args, "deepspeed", None):  # DeepSpeed shards; its collectives go to the rings at on_train_begin
-            from commfuse_dp.integrations.deepspeed import attach_to_trainer_callback
-
-            return attach_to_trainer_callback(self, args, model, control)
-        if trainer is None:
-            needs = _needs_trainer(args)
-            if needs:   # the same arguments on every rank: every rank raises here
-                raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer with commfuse's "
-                                 "checkpoint methods (a plain transformers Trainer hands its callbacks no "
-                                 "reference to itself), and " + "; ".join(needs) + " need that Trainer. "
-                                 + _USE_INSTEAD[0].upper() + _USE_INSTEAD[1:])
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("CommFuseCallback: torch.distributed is not initialised. Launch the script with "
-                               "`torchrun --nproc_per_node N` (or `accelerate launch`); on CPU also pass "
-                               "use_cpu=True to TrainingArguments (or set ACCELERATE_USE_CPU=true)")
-        if trainer is None and getattr(args, "process_index", 0) == 0:
-            logger.warning("CommFuseCallback on a plain Trainer: the model is sharded, but trainer.save_model() "
-                           "cannot save it (the Trainer writes on rank 0 alone). To save, %s; or call "
-                           "commfuse_dp.checkpoint.save_pretrained(trainer.model, folder) on every rank", _USE_INSTEAD)
-        if getattr(model, "_commfuse_engine", None) is None:
-            shard(model, self._with_parallelism(args))
-        if trainer is not None:
-            # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
-            # untouched: apply it here, without the DDP wrap, from the model's own forward hooks (so that it holds
-            # when TRL replaces model.forward after this callback ran).
-            prepare_sharded(trainer.accelerator, model)
-        # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).
-        model._is_accelerate_prepared = True
-        self.model = model
-        return control
-
-    def _with_parallelism(self, args) -> CommFuseConfig:
-        """The config, with HSDP from ``TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R,
-        dp_shard_size=S))`` as ``replicate=R`` (accelerate builds its own mesh of it but, without FSDP, shards
-        nothing). Only the user's own field is read: the Accelerator's copy, when none was given, says
-        ``dp_replicate_size = world`` (its DDP default)."""
-        pc = getattr(args, "parallelism_config", None)
-        if pc is None:
-            return self.cfg
-        sizes = {k: getattr(pc, k, None) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
-                                                   "sp_size")}
-        return with_parallelism(self.cfg, sizes, "CommFuseCallback: TrainingArguments.parallelism_config",
-                                "the callback's CommFuseConfig")
-
-    def _add_micro_batch(self, model) -> None:
-        engine = getattr(model if model is not None else self.model, "_commfuse_engine", None)
-        if engine is None or not engine.stats.enabled:
-            return
-        stats = engine.stats.current().as_dict()   # the micro-batch whose backward just finished
-        for key in _STAT_KEYS:
-            self._window[key] = self._window.get(key, 0) + stats[key]
-        self._window["skipped_steps"] = stats["skipped_steps"]  # a running count (nonfinite_grads="skip"): not summed
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.inert:
-            return control
-        self._window = {}
-        return control
-
-    def on_substep_end(self, args, state, control, model=None, **kwargs):
-        if self.inert:
-            return control
-        self._add_micro_batch(model)
-        return control
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.inert:
-            return control
-        self._add_micro_batch(model)
-        if self._window:
-            self._last_window, self._window = self._window, {}
-        return control
-
-    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-        if self.inert:
-            return control
-        if logs is None or "loss" not in logs or self._last_window is None:
-            return control
-        figures = {f"commfuse/{key}": self._last_window[key] for key in (*_STAT_KEYS, "skipped_steps")}
-        logs.update(figures)
-        # Trainer.log stored {**logs, "step": global_step} in log_history just before calling on_log.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step \
-                and state.log_history[-1].get("loss") == logs["loss"]:
-            state.log_history[-1].update(figures)
-        return control

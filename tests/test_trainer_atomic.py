@@ -118,7 +118,7 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
     from transformers.trainer_utils import rotate_checkpoints
 
     from commfuse_dp import checkpoint as ck
-    from commfuse_dp.integrations.transformers import _rotate_complete
+    from commfuse_dp.integrations.trainer_checkpoints import rotate_complete
 
     plain, ours = tmp_path / "plain", tmp_path / "ours"
     for root in (plain, ours):
@@ -126,7 +126,7 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
         _folders(root, complete=[2, 4], partial=[8])
     rotate_checkpoints(str(plain), save_total_limit=1, use_mtime=True)
     assert sorted(os.listdir(plain)) == ["checkpoint-8"]
-    _rotate_complete(str(ours), 1, None, str(ours / "checkpoint-4"))
+    rotate_complete(str(ours), 1, None, str(ours / "checkpoint-4"))
     assert sorted(os.listdir(ours)) == ["checkpoint-4", "checkpoint-8"]
     assert ck.latest_complete(ours) == str(ours / "checkpoint-4")
     assert ck.latest_complete(tmp_path / "missing") is None

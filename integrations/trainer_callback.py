@@ -1,0 +1,172 @@
+"""``CommFuseCallback``: shards ``Trainer.model`` at the end of the Trainer's ``__init__`` and adds the step figures
+to its logs (``integrations/transformers.py`` describes the Trainer integration as a whole)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from commfuse_dp.config import CommFuseConfig, with_parallelism
+from commfuse_dp.integrations.accelerate import prepare_sharded
+from commfuse_dp.shard import shard
+
+logger = logging.getLogger("commfuse_dp")
+
+_STAT_KEYS = ("exposed_comm_s", "comm_s", "compute_s", "wall_s", "ring_steps")
+_USE_INSTEAD = ("write CommFuseTrainer(...) instead of Trainer(...): `from commfuse_dp.integrations.transformers "
+                "import CommFuseTrainer`; it takes the Trainer's arguments and the CommFuseCallback in callbacks= "
+                "(or commfuse=CommFuseConfig(...) in its place). For TRL's or another Trainer class: "
+                "`commfuse_trainer(SFTTrainer)(...)` (from the same module). `commfuse-dp launch` does this for "
+                "every Trainer")
+
+
+def _needs_trainer(args) -> list[str]:
+    """What in ``args`` a callback cannot do without its Trainer."""
+    needs = []
+    strategy = getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no"))
+    if strategy != "no":
+        needs.append(f"save_strategy={strategy!r} (checkpoints of every rank's shards; the Trainer's default is "
+                     "'steps')")
+    if getattr(args, "resume_from_checkpoint", None):
+        needs.append("resume_from_checkpoint")
+    for flag in ("bf16", "fp16"):
+        if getattr(args, flag, False):
+            needs.append(f"{flag}=True (the Trainer's autocast, applied through its Accelerator)")
+    return needs
+
+
+class CommFuseCallback(TrainerCallback):
+    """Shards ``Trainer.model`` with :func:`commfuse_dp.shard` before the Trainer prepares it (see module docs).
+
+    ``cfg``: the :class:`CommFuseConfig`; ``None`` reads it from the ``COMMFUSE_*`` environment
+    (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
+
+    ``trainer``: the Trainer this callback belongs to, set by :class:`CommFuseTrainerMixin` (``CommFuseTrainer``,
+    :func:`commfuse_trainer`) before the Trainer's ``__init__`` runs. ``None`` on a plain ``Trainer``: then the
+    callback refuses what needs the Trainer (see module docs).
+    """
+
+    def __init__(self, cfg: CommFuseConfig | None = None) -> None:
+        self.explicit = cfg is not None
+        self.cfg = cfg if cfg is not None else CommFuseConfig.from_env()
+        self.trainer = None   # set by CommFuseTrainerMixin.__init__
+        self.inert = False    # another CommFuseCallback of the same Trainer does the work (see _defer)
+        self.model = None
+        self._window: dict[str, float] = {}   # the accumulation window running now, summed over micro-batches
+        self._last_window: dict[str, float] | None = None   # the last finished optimizer step
+
+    def _defer(self, trainer) -> bool:
+        """Two CommFuseCallbacks on one Trainer (a script that passed two, or one from a config and one made by
+        hand): the one given a config explicitly wins, else the first; the other does nothing."""
+        if trainer is None:
+            return False
+        callbacks = list(trainer.callback_handler.callbacks)
+        mine = callbacks.index(self)
+        for i, other in enumerate(callbacks):
+            if not isinstance(other, CommFuseCallback) or other is self:
+                continue
+            if (other.explicit and not self.explicit) or (other.explicit == self.explicit and i < mine):
+                if other.cfg != self.cfg:
+                    logger.warning("CommFuseCallback: this Trainer has two CommFuseCallbacks with different configs; "
+                                   "the one %s is used", "passed to the Trainer" if other.explicit else "listed first")
+                return True
+        return False
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        trainer = self.trainer
+        if self._defer(trainer):
+            self.inert = True
+            return control
+        if model is None:
+            raise ValueError("CommFuseCallback: the Trainer has no model to shard; pass model=... to Trainer "
+                             "(model_init= is not supported with CommFuseCallback)")
+        if getattr(args, "fsdp", None):
+            raise ValueError("CommFuseCallback shards the model itself: remove `fsdp` / `fsdp_config` from the "
+                             "TrainingArguments, or drop CommFuseCallback to use accelerate's FSDP")
+        if getattr(args, "deepspeed", None):  # DeepSpeed shards; its collectives go to the rings at on_train_begin
+            from commfuse_dp.integrations.deepspeed import attach_to_trainer_callback
+
+            return attach_to_trainer_callback(self, args, model, control)
+        if trainer is None:
+            needs = _needs_trainer(args)
+            if needs:   # the same arguments on every rank: every rank raises here
+                raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer with commfuse's "
+                                 "checkpoint methods (a plain transformers Trainer hands its callbacks no "
+                                 "reference to itself), and " + "; ".join(needs) + " need that Trainer. "
+                                 + _USE_INSTEAD[0].upper() + _USE_INSTEAD[1:])
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("CommFuseCallback: torch.distributed is not initialised. Launch the script with "
+                               "`torchrun --nproc_per_node N` (or `accelerate launch`); on CPU also pass "
+                               "use_cpu=True to TrainingArguments (or set ACCELERATE_USE_CPU=true)")
+        if trainer is None and getattr(args, "process_index", 0) == 0:
+            logger.warning("CommFuseCallback on a plain Trainer: the model is sharded, but trainer.save_model() "
+                           "cannot save it (the Trainer writes on rank 0 alone). To save, %s; or call "
+                           "commfuse_dp.checkpoint.save_pretrained(trainer.model, folder) on every rank", _USE_INSTEAD)
+        if getattr(model, "_commfuse_engine", None) is None:
+            shard(model, self._with_parallelism(args))
+        if trainer is not None:
+            # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
+            # untouched: apply it here, without the DDP wrap, from the model's own forward hooks (so that it holds
+            # when TRL replaces model.forward after this callback ran).
+            prepare_sharded(trainer.accelerator, model)
+        # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).
+        model._is_accelerate_prepared = True
+        self.model = model
+        return control
+
+    def _with_parallelism(self, args) -> CommFuseConfig:
+        """The config, with HSDP from ``TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R,
+        dp_shard_size=S))`` as ``replicate=R`` (accelerate builds its own mesh of it but, without FSDP, shards
+        nothing). Only the user's own field is read: the Accelerator's copy, when none was given, says
+        ``dp_replicate_size = world`` (its DDP default)."""
+        pc = getattr(args, "parallelism_config", None)
+        if pc is None:
+            return self.cfg
+        sizes = {k: getattr(pc, k, None) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+                                                   "sp_size")}
+        return with_parallelism(self.cfg, sizes, "CommFuseCallback: TrainingArguments.parallelism_config",
+                                "the callback's CommFuseConfig")
+
+    def _add_micro_batch(self, model) -> None:
+        engine = getattr(model if model is not None else self.model, "_commfuse_engine", None)
+        if engine is None or not engine.stats.enabled:
+            return
+        stats = engine.stats.current().as_dict()   # the micro-batch whose backward just finished
+        for key in _STAT_KEYS:
+            self._window[key] = self._window.get(key, 0) + stats[key]
+        self._window["skipped_steps"] = stats["skipped_steps"]  # a running count (nonfinite_grads="skip"): not summed
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.inert:
+            return control
+        self._window = {}
+        return control
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        if self.inert:
+            return control
+        self._add_micro_batch(model)
+        return control
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.inert:
+            return control
+        self._add_micro_batch(model)
+        if self._window:
+            self._last_window, self._window = self._window, {}
+        return control
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if self.inert:
+            return control
+        if logs is None or "loss" not in logs or self._last_window is None:
+            return control
+        figures = {f"commfuse/{key}": self._last_window[key] for key in (*_STAT_KEYS, "skipped_steps")}
+        logs.update(figures)
+        # Trainer.log stored {**logs, "step": global_step} in log_history just before calling on_log.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step \
+                and state.log_history[-1].get("loss") == logs["loss"]:
+            state.log_history[-1].update(figures)
+        return control
