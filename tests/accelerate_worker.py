@@ -1,12 +1,13 @@
 """One rank of an accelerate training loop, launched by tests/test_accelerate.py through torchrun.
 
-    torchrun --nproc_per_node 2 tests/accelerate_worker.py OUT_DIR {commfuse|ddp|resume} KIND
+    torchrun --nproc_per_node 2 tests/accelerate_worker.py OUT_DIR commfuse,ddp,resume KIND
 
 commfuse: CommFuseAccelerator; the optimizer is built on the full parameters BEFORE prepare (prepare re-points
 it); 6 optimizer steps of 2 accumulated micro-batches with clipping and a linear LR schedule; save_state after
 step 3; a consolidated save_pretrained at the end. ddp: the same loop with a plain Accelerator(cpu=True) (DDP).
 resume: a fresh CommFuseAccelerator run that load_state()s the step-3 checkpoint, skips the batches already
-consumed and runs steps 4..6. Rank 0 writes OUT_DIR/MODE.json.
+consumed and runs steps 4..6. The modes run one after another in the same processes, each with an Accelerator of
+its own. Rank 0 writes OUT_DIR/MODE.json.
 """
 
 import json
@@ -23,7 +24,13 @@ import hf_models  # noqa: E402
 STEPS, ACCUM, SAVE_AFTER = 6, 2, 3
 
 
-def main(out_dir: str, mode: str, kind: str) -> None:
+def main(out_dir: str, modes: str, kind: str) -> None:
+    for mode in modes.split(","):
+        acc = run(out_dir, mode, kind)
+    acc.end_training()
+
+
+def run(out_dir: str, mode: str, kind: str):
     from accelerate import Accelerator
     from torch.distributed.tensor import DTensor
 
@@ -93,7 +100,7 @@ def main(out_dir: str, mode: str, kind: str) -> None:
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
             json.dump(result, f)
     drain_gloo_workers()   # the plain Accelerator's DDP group too (commfuse_dp/ring/topology.py)
-    acc.end_training()
+    return acc
 
 
 if __name__ == "__main__":

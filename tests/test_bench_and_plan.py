@@ -459,23 +459,26 @@ def test_optimizer_overhead_script_runs():
 
 _PLACEMENT_SCRIPT = r"""
 import json, sys
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 import commfuse_dp as cf
 from commfuse_dp.benchmarks.step_overhead import fake_rank0
 
-world = int(sys.argv[1])
-fake_rank0(world)  # rank 0 of a fake group: nothing moves, shard() decides as on a real one
 cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
-out = {}
-for name, options in (("fused", {}), ("lockstep", {"lookahead_mb": 0}), ("slicing", {"schedule": "slicing"})):
-    model = cf.shard(LlamaForCausalLM(cfg), cf.CommFuseConfig(**{"schedule": "fused", "min_fuse_numel": 4096,
-                                                                 **options}))
-    report = cf.describe(model)
-    out[name] = {"groups": sorted(sum(s[0] * s[1] for s in g.weight_shapes) for g in report.fused_groups),
-                 "tables": len(report.ring_embeddings),
-                 "layer_units": sum(".layers." in u.module for u in report.fsdp_units)}
-print("RESULT " + json.dumps(out))
+every = {}
+for world in map(int, sys.argv[1].split(",")):
+    fake_rank0(world)  # rank 0 of a fake group: nothing moves, shard() decides as on a real one
+    out = every[world] = {}
+    for name, options in (("fused", {}), ("lockstep", {"lookahead_mb": 0}), ("slicing", {"schedule": "slicing"})):
+        model = cf.shard(LlamaForCausalLM(cfg), cf.CommFuseConfig(**{"schedule": "fused", "min_fuse_numel": 4096,
+                                                                     **options}))
+        report = cf.describe(model)
+        out[name] = {"groups": sorted(sum(s[0] * s[1] for s in g.weight_shapes) for g in report.fused_groups),
+                     "tables": len(report.ring_embeddings),
+                     "layer_units": sum(".layers." in u.module for u in report.fsdp_units)}
+    dist.destroy_process_group()
+print("RESULT " + json.dumps(every))
 """
 
 
@@ -491,10 +494,13 @@ def test_planner_fuses_what_shard_fuses(tmp_path):
     script.write_text(_PLACEMENT_SCRIPT)
     units = costs.units_for(128, 352, 2, 4, 4, 512, tokens=128, seq=64)
     seen = {}
-    for world in (2, 4, 8, 16, 32):
-        proc = subprocess.run([sys.executable, str(script), str(world)], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        ran = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    worlds = (2, 4, 8, 16, 32)  # one process, a fake group of each size in turn
+    proc = subprocess.run([sys.executable, str(script), ",".join(map(str, worlds))], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    every = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    for world in worlds:
+        ran = every[str(world)]
         cl = costs.Cluster(world, 1e9, 1e-5, 1e12, min_fuse_numel=4096)
         for name, elastic in (("fused", True), ("lockstep", False), ("slicing", False)):
             played = costs.placed(units, cl, elastic)

@@ -71,7 +71,7 @@ def _fault_worker(rank, world_size, fault, victim, direct_kb):
     if rank == victim:
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(3 * TIMEOUT_S)  # stall: alive, but never answers
+        time.sleep(2 * TIMEOUT_S)  # stall: alive, but never answers, until after the survivors must have raised
         os._exit(0)
     start = time.monotonic()
     try:

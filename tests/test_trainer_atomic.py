@@ -41,15 +41,14 @@ def _launch(out_dir, mode: str) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("atomic")
     result = {"dir": out}
-    for mode in ("full", "crash"):
-        result[mode + "_proc"] = _launch(out, mode)
+    result["crash_proc"] = _launch(out, "crash")
     crash = out / "run-crash"
     # what the crash left, before the resumed run changes it
     result["after_crash"] = {name: sorted(os.listdir(crash / name)) for name in os.listdir(crash)}
     from transformers.trainer_utils import get_last_checkpoint
 
     result["transformers_pick"] = os.path.basename(get_last_checkpoint(str(crash)))
-    result["resume_proc"] = _launch(out, "resume")
+    result["full_proc"] = result["resume_proc"] = _launch(out, "full,resume")  # one launch, one after the other
     for mode in ("full", "resume"):
         proc = result[mode + "_proc"]
         assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

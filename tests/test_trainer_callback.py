@@ -1,9 +1,10 @@
-"""CommFuseCallback in a real ``transformers.Trainer``: three torchrun launches (2 CPU ranks, gloo) of
-tests/trainer_worker.py on a Llama-style decoder -- one sharded by the callback (checkpoints every 3 steps,
-save_model at the end), one plain (the Trainer wraps the model in DDP), and one sharded run resumed from the first
-one's step-3 checkpoint -- with the same seeds and data. Per-step losses, gradient norms and eval_loss must agree
-with DDP; the resumed run's steps 4..6 must equal the uninterrupted run's (same arithmetic, state read back bit for
-bit); the saved model must reload with from_pretrained in this (fresh, single) process with equal logits.
+"""CommFuseCallback in a real ``transformers.Trainer``: one torchrun launch (2 CPU ranks, gloo) of
+tests/trainer_worker.py on a Llama-style decoder running, one after another, a run sharded by the callback
+(checkpoints every 3 steps, save_model at the end), a plain one (the Trainer wraps the model in DDP), a sharded run
+resumed from the first one's step-3 checkpoint, one on the peer's schedule, then the first two in bf16, with the
+same seeds and data. Per-step losses, gradient norms and eval_loss must agree with DDP; the resumed run's steps 4..6
+must equal the uninterrupted run's (same arithmetic, state read back bit for bit); the saved model must reload with
+from_pretrained in this (fresh, single) process with equal logits.
 
 Tolerance: on this setup the two runs differ by at most ~1e-7 relative (loss, eval_loss; ~3e-7 for grad_norm),
 i.e. one or two fp32 ulps from the ring reduce-scatter summing in ring order rather than DDP's all-reduce order.
@@ -32,23 +33,27 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "trainer_worker.py")
 
 
-def _launch(tmp_path, mode: str, precision: str = "fp32") -> dict:
-    out = tmp_path / f"{mode}-{precision}.json"
+def _launch(tmp_path, modes: tuple[str, ...]) -> dict:
+    """One torchrun launch running ``modes`` (MODE or MODE:PRECISION) one after another: {MODE-PRECISION: what its
+    rank 0 wrote}."""
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                      WORKER, str(out), mode, precision]
+                      WORKER, str(tmp_path), ",".join(modes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ACCELERATE_USE_CPU", None)  # use_cpu=True in the TrainingArguments is what the worker relies on
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, f"{modes} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    names = [m if ":" in m else m + ":fp32" for m in modes]
+    return {n.replace(":", "-"): json.loads((tmp_path / f"{n.replace(':', '-')}.json").read_text()) for n in names}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("trainer")
-    result = {mode: _launch(tmp_path, mode) for mode in ("commfuse", "ddp", "resume", "peer")}
+    every = _launch(tmp_path, ("commfuse", "ddp", "resume", "peer", "commfuse:bf16", "ddp:bf16"))
+    result = {mode: every[f"{mode}-fp32"] for mode in ("commfuse", "ddp", "resume", "peer")}
+    result["bf16"] = {mode: every[f"{mode}-bf16"] for mode in ("commfuse", "ddp")}
     result["dir"] = tmp_path
     return result
 
@@ -116,9 +121,8 @@ def test_logs_carry_commfuse_figures(runs):
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("trainer-bf16")
-    return {mode: _launch(tmp_path, mode, "bf16") for mode in ("commfuse", "ddp")}
+def bf16_runs(runs):
+    return runs["bf16"]  # the same launch, after the fp32 modes
 
 
 def test_bf16_autocast_applies_to_the_sharded_model(runs, bf16_runs):

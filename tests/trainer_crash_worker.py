@@ -1,7 +1,7 @@
 """One rank of a real ``transformers.Trainer`` run with commfuse (a ``CommFuseTrainer`` subclass), launched by
 tests/test_trainer_atomic.py through torchrun: checkpoints every 2 steps, ``save_total_limit=1``, 6 steps.
 
-    torchrun --nproc_per_node 2 tests/trainer_crash_worker.py OUT_DIR {full|crash|resume}
+    torchrun --nproc_per_node 2 tests/trainer_crash_worker.py OUT_DIR {full|crash|resume}[,...]
 
 full:   the uninterrupted run (output OUT_DIR/run-full), per-step losses in OUT_DIR/full.json.
 crash:  the same run (output OUT_DIR/run-crash), but rank 1 dies (os._exit) while checkpoint-4 is written: in the
@@ -9,6 +9,7 @@ crash:  the same run (output OUT_DIR/run-crash), but rank 1 dies (os._exit) whil
         plain Trainer writes before it deletes older checkpoints -- and before rank 1's own rng_state_1.pth.
 resume: a fresh run on OUT_DIR/run-crash: first resume_from_checkpoint=<checkpoint-4> (must be refused: the message
         is recorded), then resume_from_checkpoint=True; losses in OUT_DIR/resume.json.
+Several modes run one after another in the same processes, each with a Trainer of its own.
 """
 
 import json
@@ -25,7 +26,15 @@ sys.path[:0] = [HERE, ROOT]
 import hf_models  # noqa: E402
 
 
-def main(out_dir: str, mode: str) -> None:
+def main(out_dir: str, modes: str) -> None:
+    for mode in modes.split(","):
+        run(out_dir, mode)
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    drain_gloo_workers()
+
+
+def run(out_dir: str, mode: str) -> None:
     from transformers import TrainerCallback, TrainingArguments
 
     from commfuse_dp import CommFuseConfig
@@ -77,9 +86,6 @@ def main(out_dir: str, mode: str) -> None:
                       checkpoints=sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-")))
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
             json.dump(result, f, indent=1)
-    from commfuse_dp.ring.topology import drain_gloo_workers
-
-    drain_gloo_workers()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """One rank of a real ``transformers.Trainer`` run, launched by tests/test_trainer_callback.py through torchrun.
 
-    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_JSON {commfuse|ddp|resume} [fp32|bf16]
+    torchrun --nproc_per_node 2 tests/trainer_worker.py OUT_DIR commfuse,ddp,resume,peer,commfuse:bf16,ddp:bf16
 
-Same seeds and data in every mode; rank 0 writes the per-step losses, eval_loss and what the model looked like.
+The modes run one after another in the same processes (one launch, one process group), each with a Trainer of its
+own. Same seeds and data in every mode; rank 0 writes OUT_DIR/MODE-PRECISION.json: the per-step losses, eval_loss
+and what the model looked like.
 commfuse also saves a checkpoint every 3 steps and, at the end, trainer.save_model() into run-commfuse/final plus
 the logits of a fixed batch; resume is a fresh commfuse Trainer resumed from run-commfuse/checkpoint-3.
 """
@@ -22,7 +24,17 @@ sys.path[:0] = [HERE, ROOT]
 import hf_models  # noqa: E402
 
 
-def main(out: str, mode: str, precision: str = "fp32") -> None:
+def main(out_dir: str, modes: str) -> None:
+    for item in modes.split(","):  # MODE or MODE:PRECISION (fp32 by default)
+        mode, _, precision = item.partition(":")
+        precision = precision or "fp32"
+        run(os.path.join(out_dir, f"{mode}-{precision}.json"), mode, precision)
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    drain_gloo_workers()   # before the Trainer's groups are freed (commfuse_dp/ring/topology.py)
+
+
+def run(out: str, mode: str, precision: str) -> None:
     from transformers import Trainer, TrainingArguments
 
     from commfuse_dp import CommFuseConfig
@@ -92,10 +104,7 @@ def main(out: str, mode: str, precision: str = "fp32") -> None:
                 "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
                 "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes, **extra,
             }, f, indent=1)
-    from commfuse_dp.ring.topology import drain_gloo_workers
-
-    drain_gloo_workers()   # before the Trainer's groups are freed (commfuse_dp/ring/topology.py)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])
