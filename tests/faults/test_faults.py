@@ -24,7 +24,7 @@ import fault_worker
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "fault_worker.py")
-RING_TIMEOUT_S = 6.0
+RING_TIMEOUT_S = 4.0
 # A survivor must notice a dead or silent peer within the ring timeout; this slack covers the scheduling of two
 # ranks (and the launcher) on two shared cores.
 SLACK_S = 8.0
