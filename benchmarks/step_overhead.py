@@ -156,8 +156,9 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
         model = LlamaForCausalLM(cfg).to(device)
         # ring embeddings and the non-finite check exchange counts and flags, which a fake group never delivers
         options = dict(min_fuse_numel=min_fuse_numel, ring_embeddings=False, nonfinite_grads="off")
-        models[schedule] = cf.shard(model, cf.CommFuseConfig(lookahead_mb=0, **options) if schedule == "lockstep"
-                                    else cf.CommFuseConfig(schedule=schedule, **options))
+        config = (cf.CommFuseConfig(schedule="fused", lookahead_mb=0, **options) if schedule == "lockstep"
+                  else cf.CommFuseConfig(schedule=schedule, **options))
+        models[schedule] = cf.shard(model, config)
         for _ in range(2):  # the first records the layer order, the second runs the lookahead
             step(models[schedule])
         counts[schedule] = {}
