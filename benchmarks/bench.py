@@ -41,7 +41,9 @@ import tempfile
 import time
 
 from .cluster import EmulatedCluster
-from .worker import EXTRA_VARIANTS, MMAP_ENV, MODEL_DEFAULTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
+from .bench_model import MODEL_DEFAULTS
+from .memory import MMAP_ENV
+from .worker import EXTRA_VARIANTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
 
 CPU_NOTES = {
     "defaults": "CommFuseConfig() told the link and the tokens: its \"auto\" schedule chose {chosen}",
@@ -66,7 +68,7 @@ def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *
              timeline: str | None = None) -> dict:
     """One set of ranks at ``rate``: every variant, interleaved. Returns the worker's result (rank 0's JSON).
     ``memory``: instead of timing, measure each variant's peak memory (a run of its own, with large allocations
-    mapped so that the resident size follows the live tensors; see ``worker.peak_step_bytes``)."""
+    mapped so that the resident size follows the live tensors; see ``memory.peak_step_bytes``)."""
     cluster.set_rate(rate)
     with tempfile.TemporaryDirectory(prefix="commfuse-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -358,7 +360,7 @@ def balanced_rate(reference: float, compute: float, comm: float, comm_at_double:
 
 
 def _write_timeline(timelines: dict, out_dir: str, rate: float, world: int) -> None:
-    from commfuse_dp.stats import write_chrome_trace
+    from commfuse_dp.timeline import write_chrome_trace
 
     from .plots import timeline_png
 

@@ -42,6 +42,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
+try:
+    from .cuda_gemm import device_of, hold_freed_buffers, part_gemm, seconds_per_call  # noqa: F401 (--one gemm)
+except ImportError:  # run as a script: python benchmarks/cuda_check.py
+    from cuda_gemm import device_of, hold_freed_buffers, part_gemm, seconds_per_call  # noqa: F401
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.environ.get("CUDA_CHECK_PACKAGE") or os.path.dirname(HERE),  # the package
                 os.path.join(os.path.dirname(HERE), "tests")]  # hf_models
@@ -49,13 +54,6 @@ PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer", "host"
 # CUDA_CHECK_SYNC_ERRORS=1: a synchronisation inside a step raises (with TORCH_SHOW_CPP_STACKTRACES=1, its C++ stack)
 SYNC_MODE = "error" if os.environ.get("CUDA_CHECK_SYNC_ERRORS") else "warn"
 TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240, "host": 180}
-
-
-def _device(args) -> torch.device:
-    if args.device:
-        device = torch.device(args.device)
-        return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _init_world(device: torch.device, fake_world: int = 0) -> None:
@@ -106,7 +104,7 @@ def part_linear(args) -> dict:
     from commfuse_dp.ring import get_ring
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = _device(args)
+    device = device_of(args)
     _init_world(device)
     engine = Engine(get_ring(), init_device_mesh(device.type, (1,)), CommFuseConfig())
     steps = step_state(engine)
@@ -212,7 +210,7 @@ def part_shard(args) -> dict:
     import commfuse_dp as cf
     import hf_models
 
-    device = _device(args)
+    device = device_of(args)
     _init_world(device)
     result = {}
     for kind, schedule, autocast in _cases(args.quick):
@@ -247,11 +245,11 @@ def part_fake(args) -> dict:
     import commfuse_dp as cf
     import hf_models
 
-    device = _device(args)
+    device = device_of(args)
     world = args.fake_world
     _init_fake_world(device, world)
     if os.environ.get("CUDA_CHECK_HOLD_PARTS"):
-        _hold_freed_buffers()
+        hold_freed_buffers()
     result = {}
     for schedule in ("fused", "lockstep", "slicing", "hsdp-fused"):
         replicate = 2 if schedule.startswith("hsdp") else 1  # HSDP: 2 copies of world/2 ranks
@@ -276,25 +274,6 @@ def part_fake(args) -> dict:
     return result
 
 
-def _timed(fn, device: torch.device, reps: int) -> float:
-    """Seconds per call of ``fn`` after two untimed calls (CUDA events on a GPU)."""
-    for _ in range(2):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
-
-
 def part_pieces(args) -> dict:
     """The library's own fused layers on 8 ranks of a fake process group (no bytes move, so a step is compute and
     host work), Llama-3-8B layer shapes (2 layers), bf16, 2 x 4096 tokens: forward + backward time for each
@@ -302,7 +281,7 @@ def part_pieces(args) -> dict:
     import commfuse_dp as cf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    device = _device(args)
+    device = device_of(args)
     world = 8
     _init_fake_world(device, world)
     if args.quick:
@@ -322,7 +301,7 @@ def part_pieces(args) -> dict:
             model.zero_grad(set_to_none=True)
 
         # two untimed steps: the first records the order, the second runs the lookahead
-        seconds = _timed(step, device, reps)
+        seconds = seconds_per_call(step, device, reps)
         t0 = time.perf_counter()
         step()
         host = time.perf_counter() - t0
@@ -358,7 +337,7 @@ def part_host(args) -> dict:
     import commfuse_dp as cf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    device = _device(args)
+    device = device_of(args)
     world = 8
     _init_fake_world(device, world)
     cfg = LlamaConfig(**TINY_LLAMA)
@@ -405,103 +384,6 @@ def part_host(args) -> dict:
         "top_own_ms_per_step": {f"{os.path.basename(f)}:{line}({name})": round(v[2] / steps * 1e3, 3)
                                 for (f, line, name), v in top}}
     return result
-
-
-def _hold_freed_buffers() -> None:
-    """Keep each async reduce-scatter's input (slicing) and each gradient ring handed to the replicate ring's stream
-    (HSDP fused) alive until the end of the backward instead of freeing it at once under ``record_stream``. The CUDA sanitizer keys accesses by data pointer and forgets only a freed block's base
-    pointer, not the views at offsets inside it, so a block reused after ``record_stream`` allowed it reads as a race
-    (its report says "Trace for tensor allocation not found"). If the sanitizer is clean with this, what it
-    reported without it was that reuse."""
-    from commfuse_dp.runtime.slicing import SlicingScheduler
-
-    held: list = []
-    scatter, end = SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward
-
-    def reduce_scatter(self, state, parts, *rest):
-        held.append(parts)
-        return scatter(self, state, parts, *rest)
-
-    def end_backward(self):
-        end(self)
-        held.clear()
-
-    SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward = reduce_scatter, end_backward
-
-    from commfuse_dp.runtime.replicas import Replicas
-
-    after_event, exchange = Replicas.after_event, Replicas.exchange
-
-    def held_after_event(self, finish, event, buffers):
-        held.append(buffers)
-        return after_event(self, finish, event, buffers)
-
-    def held_exchange(self, accumulate):
-        exchange(self, accumulate)
-        held.clear()
-
-    Replicas.after_event, Replicas.exchange = held_after_event, held_exchange
-
-
-def part_gemm(args) -> dict:
-    """Whole GEMM against N pieces, as the fused linear computes it, forward and backward."""
-    device = _device(args)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokens = 256 if args.quick else args.tokens
-    scale = 16 if args.quick else 1
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-              "lm_head": (128256, 4096)}
-    pieces = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16)
-    reps = 2 if args.quick else 10
-
-    def timed(fn) -> float:
-        return _timed(fn, device, reps)
-
-    out = {"tokens": tokens, "dtype": str(dtype), "pieces": {}}
-    for name, (fan_out, fan_in) in shapes.items():
-        fan_out, fan_in = fan_out // scale, fan_in // scale
-        x = torch.randn(tokens, fan_in, device=device, dtype=dtype)
-        w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
-        dy = torch.randn(tokens, fan_out, device=device, dtype=dtype)
-        y, dx, dw = torch.empty_like(dy), torch.empty_like(x), torch.empty_like(w)
-        row = {}
-        for n in pieces:
-            rows = fan_out // n
-            cuts = [(k * rows, (k + 1) * rows) for k in range(n)]
-
-            def forward():
-                for lo, hi in cuts:
-                    torch.mm(x, w[lo:hi].t(), out=y[:, lo:hi])
-
-            def backward():
-                dx.zero_()
-                for lo, hi in cuts:
-                    dx.addmm_(dy[:, lo:hi], w[lo:hi])
-                    torch.mm(dy[:, lo:hi].t(), x, out=dw[lo:hi])
-
-            def backward_dx():
-                dx.zero_()
-                for lo, hi in cuts:
-                    dx.addmm_(dy[:, lo:hi], w[lo:hi])
-
-            def backward_dw():
-                for lo, hi in cuts:
-                    torch.mm(dy[:, lo:hi].t(), x, out=dw[lo:hi])
-
-            f, b = timed(forward), timed(backward)
-            flops = 2 * tokens * fan_in * fan_out
-            # the backward's two halves on their own: dx summed over n products of K = out/n (the thin ones), dW
-            # shard by shard (K = tokens)
-            row[n] = {"forward_s": f, "backward_s": b, "forward_tflops": flops / f / 1e12,
-                      "backward_tflops": 2 * flops / b / 1e12, "backward_dx_s": timed(backward_dx),
-                      "backward_dw_s": timed(backward_dw)}
-        wc = torch.empty_like(w)
-        row["weight_copy_s"] = timed(lambda: wc.copy_(w))  # gathering a group's rows into one block
-        for n in pieces:
-            row[n]["slowdown_vs_whole"] = (row[n]["forward_s"] + row[n]["backward_s"]) / (
-                row[1]["forward_s"] + row[1]["backward_s"])
-        out["pieces"][f"{name} {fan_out}x{fan_in}"] = row
-    return out
 
 
 def _run_part(part: str, args, deadline: float, env: dict | None = None, quick: bool = False) -> dict:

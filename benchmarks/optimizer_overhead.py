@@ -30,14 +30,14 @@ def measure(world: int, steps: int, impl: str = "foreach") -> tuple[int, float, 
     from transformers import LlamaForCausalLM
 
     import commfuse_dp as cf
-    from commfuse_dp.benchmarks import worker
+    from commfuse_dp.benchmarks import bench_model, worker
     from commfuse_dp.benchmarks.step_overhead import fake_rank0
 
     fake_rank0(world)
     try:
-        shape = worker.default_shape()
+        shape = bench_model.default_shape()
         torch.manual_seed(0)
-        model = cf.shard(LlamaForCausalLM(worker.model_config(shape)),
+        model = cf.shard(LlamaForCausalLM(bench_model.model_config(shape)),
                          cf.CommFuseConfig(min_fuse_numel=shape.min_fuse_numel, ring_embeddings=False))
         params = list(model.parameters())
         plain = [_local(p).detach().clone().requires_grad_() for p in params]

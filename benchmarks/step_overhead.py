@@ -128,11 +128,11 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
     ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
     accelerator, min_fuse_numel = contextlib.nullcontext, 0
     if bench_model:
-        from commfuse_dp.benchmarks import worker
+        from commfuse_dp.benchmarks import bench_model as bench_shapes
         from commfuse_dp.benchmarks.emulated import EmulatedAccelerator
 
-        shape = worker.default_shape()
-        cfg, ids = worker.model_config(shape), worker.make_batch(shape, 0)["input_ids"]
+        shape = bench_shapes.default_shape()
+        cfg, ids = bench_shapes.model_config(shape), bench_shapes.make_batch(shape, 0)["input_ids"]
         min_fuse_numel = shape.min_fuse_numel
         if bench_model == "emulated":
             accelerator = functools.partial(EmulatedAccelerator, 1e6, host_ahead=True)  # GEMMs: no CPU, no time

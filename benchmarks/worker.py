@@ -70,6 +70,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from .bench_model import MODEL_DEFAULTS, build_model, make_batch
+from .memory import MMAP_ENV, peak_step_bytes, resident_bytes
+
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
 VARIANTS = ("defaults", "fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only",
             "comm_only")
@@ -81,40 +84,6 @@ TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --tim
 
 
 # The bench's default model and batch (its --hidden ... --min-fuse-numel)
-MODEL_DEFAULTS = (("hidden", 512), ("intermediate", 1408), ("layers", 4), ("heads", 8), ("kv-heads", 0),
-                  ("vocab", 4096), ("seq", 256), ("batch", 2), ("min-fuse-numel", 1 << 16))
-
-
-def default_shape():
-    """The bench's default model and batch (``MODEL_DEFAULTS``) as the arguments ``model_config`` and ``make_batch``
-    read."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**{name.replace("-", "_"): value for name, value in MODEL_DEFAULTS})
-
-
-def model_config(args):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads or args.heads, max_position_embeddings=args.seq,
-                       tie_word_embeddings=False)
-
-
-def build_model(args):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(model_config(args))
-
-
-def make_batch(args, rank):
-    gen = torch.Generator().manual_seed(1234 + rank)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    return {"input_ids": ids, "labels": ids}
-
-
 class Runner:
     """A variant: ``step()`` runs one training step on the fixed batch."""
 
@@ -247,7 +216,7 @@ class Runner:
         fulls = [torch.zeros(self.world * s.numel()) for s in shards]
         # The embedding moves what shard()'s ring embedding moves: the token ids and then, each way, the rows of
         # its tokens that other ranks own (ids spread evenly: T/N rows with each peer, in one direct round), where
-        # those are fewer than the table ring's (N-1) shards (plays.Unit.exchange); else the table forward and its
+        # those are fewer than the table ring's (N-1) shards (costs.Unit.exchange); else the table forward and its
         # gradient backward.
         tokens, chunk = self.args.batch * self.args.seq, -(-embed.shape[0] // self.world)
         rows = tokens * (self.world - 1) // self.world <= (self.world - 1) * chunk
@@ -362,63 +331,6 @@ class _CollectorClock:
         return total
 
 
-MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def peak_step_bytes(fn) -> int:
-    """Peak resident memory of this process while ``fn`` runs, above what it held just before.
-
-    Needs the allocator settings of ``MMAP_ENV`` at process start (``--memory`` runs are started with them): every
-    allocation of 64 KiB or more is then its own mapping and goes back to the system when freed, on whichever thread
-    frees it, so the resident size follows the live tensors. (The profiler's per-op allocation events miss frees
-    made on gloo's threads, and overstated the schedules that keep ring steps in flight.) Sampled every 0.2 ms."""
-    import gc
-    import threading
-
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * page
-
-    gc.collect()
-    base = resident()
-    peak, done = [base], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], resident())
-            done.wait(0.0002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], resident()) - base
-
-
-def resident_bytes(runner: Runner) -> int:
-    """Bytes this rank holds for the variant between steps: parameter shards and optimizer state."""
-    if runner.model is None:
-        return 0
-    seen, total = set(), 0
-    for p in runner.model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if local.data_ptr() not in seen:
-            seen.add(local.data_ptr())
-            total += local.numel() * local.element_size()
-    opt = getattr(runner.opt, "optimizer", runner.opt)
-    for state in getattr(opt, "state", {}).values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                local = v.to_local() if hasattr(v, "to_local") else v
-                total += local.numel() * local.element_size()
-    return total
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -503,7 +415,7 @@ def main(argv=None) -> int:
             memory[name] = resident_bytes(runner) + peak_step_bytes(runner.step)
     timelines = {}
     if args.timeline:
-        from commfuse_dp.stats import record_timeline
+        from commfuse_dp.timeline import record_timeline
 
         for name in TIMELINE_VARIANTS:
             if name in runners:

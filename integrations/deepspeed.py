@@ -88,21 +88,17 @@ NCCL path, which has not run on a GPU yet.
 from __future__ import annotations
 
 import difflib
-import math
 import threading
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from datetime import timedelta
+from dataclasses import fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from commfuse_dp.config import CommFuseConfig
-from commfuse_dp.ring.collectives import ring_all_gather, ring_reduce_scatter
-from commfuse_dp.ring.topology import (  # noqa: F401  (EXIT_DRAIN_S re-exported)
-    EXIT_DRAIN_S, drain_gloo_workers, get_ring, register_exit_drain)
+from commfuse_dp.ring.topology import drain_gloo_workers, register_exit_drain
+from commfuse_dp.integrations.deepspeed_backend import RingBackend, RingStats, group_name
 
 __all__ = ["RING_FIELDS", "RingCollectives", "RingStats", "attach_to_trainer_callback", "config_from_deepspeed",
            "drain_gloo_workers", "enable_ring_collectives", "shutdown"]
@@ -155,22 +151,6 @@ def _ring_config(cfg: CommFuseConfig | Mapping[str, Any] | None) -> CommFuseConf
 
 # ---- what a run reports ----------------------------------------------------------------------------------------
 
-@dataclass
-class RingStats:
-    """What went through the rings since :func:`enable_ring_collectives`, per DeepSpeed collective.
-
-    ``calls[op]`` and ``numel[op]`` (elements: the all-gather's output, the reduce-scatter's input, the
-    all-reduced tensor) for ``op`` in ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``,
-    ``reduce``; ``passed["op: reason"]``: calls on a data-parallel group that were left to DeepSpeed's backend."""
-
-    calls: Counter = field(default_factory=Counter)
-    numel: Counter = field(default_factory=Counter)
-    passed: Counter = field(default_factory=Counter)
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {"calls": dict(self.calls), "numel": dict(self.numel), "passed": dict(self.passed)}
-
-
 class RingCollectives:
     """The handle :func:`enable_ring_collectives` returns: ``stats``, ``config``, ``group_ranks`` (the ranks of each
     data-parallel process group routed to the rings), ``disable()`` (DeepSpeed's previous backend again); also a
@@ -183,7 +163,7 @@ class RingCollectives:
         self.group_ranks = [dist.get_process_group_ranks(g) for g in groups]
         self.source = source  # where the config came from, for messages
         self.stats = RingStats()
-        self._backend: _RingBackend | None = None
+        self._backend: RingBackend | None = None
 
     @property
     def enabled(self) -> bool:
@@ -197,9 +177,9 @@ class RingCollectives:
             if self._backend is None:
                 return
             if ds_comm.cdb is not self._backend:
-                raise RuntimeError(f"RingCollectives.disable: deepspeed.comm.comm.cdb was replaced since the rings were "
-                                   f"enabled (it is now {type(ds_comm.cdb).__name__}); disable whatever replaced it "
-                                   f"first, in reverse order")
+                raise RuntimeError(f"RingCollectives.disable: deepspeed.comm.comm.cdb was replaced since the rings "
+                                   f"were enabled (it is now {type(ds_comm.cdb).__name__}); disable whatever replaced "
+                                   f"it first, in reverse order")
             ds_comm.cdb = self._backend._inner
             self._backend = None
 
@@ -213,169 +193,6 @@ class RingCollectives:
         state = "enabled" if self.enabled else "disabled"
         return (f"RingCollectives({state}, bucket_mb={self.config.bucket_mb:g}, direct_kb={self.config.direct_kb:g}, "
                 f"timeout_s={self.config.timeout_s:g}, groups={self.group_ranks}, calls={dict(self.stats.calls)})")
-
-
-# ---- the backend wrapper ----------------------------------------------------------------------------------------
-
-class _DoneWork(dist.Work):
-    """The handle of an ``async_op`` call that already completed (CUDA: ordered on the current stream)."""
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _ThenWork(dist.Work):
-    """Waits for ``works`` in order, then runs ``after`` (the copy of a padded all-reduce back into the tensor)."""
-
-    def __init__(self, works: list, after) -> None:
-        super().__init__()
-        self._works, self._after, self._done = works, after, False
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if not self._done:
-            for work in self._works:
-                if work is not None:
-                    work.wait()
-            if self._after is not None:
-                self._after()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or all(w is None or w.is_completed() for w in self._works)
-
-
-def _op_name(op: Any) -> str:
-    """``"sum"``, ``"avg"`` or another name, for torch's ``ReduceOp`` and DeepSpeed's own ``ReduceOp`` enum."""
-    if op == dist.ReduceOp.SUM:
-        return "sum"
-    if op == dist.ReduceOp.AVG:
-        return "avg"
-    name = getattr(op, "name", None)  # deepspeed.comm.reduce_op.ReduceOp (an Enum)
-    return name.lower() if isinstance(name, str) else repr(op)
-
-
-class _RingBackend:
-    """Stands in for ``deepspeed.comm.comm.cdb``: the four routed collectives on a data-parallel group run on the
-    rings; every other attribute is the previous backend's."""
-
-    def __init__(self, inner: Any, handle: RingCollectives, groups: tuple[dist.ProcessGroup, ...]) -> None:
-        self._inner = inner
-        self._handle = handle
-        self._names = {_group_name(g) for g in groups}
-
-    def __getattr__(self, name: str) -> Any:  # only for names this class does not define
-        return getattr(self._inner, name)
-
-    # -- routing --
-
-    def _routed(self, op: str, group: Any, tensors: tuple[torch.Tensor, ...],
-                reduce_op: Any = None) -> dist.ProcessGroup | None:
-        """The process group to run ``op`` on through the rings, or ``None`` to leave it to DeepSpeed."""
-        pg = dist.group.WORLD if group is None else group
-        if not isinstance(pg, dist.ProcessGroup) or _group_name(pg) not in self._names:
-            return None  # not a data-parallel group: untouched, not counted
-        reason = None
-        if reduce_op is not None and _op_name(reduce_op) not in ("sum", "avg"):
-            reason = f"op {_op_name(reduce_op)}"
-        elif reduce_op is not None and _op_name(reduce_op) == "avg" and not tensors[0].dtype.is_floating_point:
-            reason = "avg of integers"
-        elif dist.get_world_size(pg) <= 1:
-            reason = "group of one rank"
-        elif not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors):
-            reason = "non-contiguous tensor"
-        else:
-            device = tensors[0].device.type
-            backend = str(dist.get_backend(pg))
-            if device == "cpu" and "gloo" not in backend:
-                reason = f"cpu tensor on a {backend} group"
-            elif device == "cuda" and "nccl" not in backend:
-                reason = f"cuda tensor on a {backend} group"
-            elif device not in ("cpu", "cuda"):
-                reason = f"{device} tensor"
-        if reason is not None:
-            self._handle.stats.passed[f"{op}: {reason}"] += 1
-            return None
-        return pg
-
-    def _count(self, op: str, numel: int) -> None:
-        self._handle.stats.calls[op] += 1
-        self._handle.stats.numel[op] += numel
-
-    # -- the routed collectives (signatures of deepspeed.comm.torch.TorchBackend) --
-
-    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
-        pg = self._routed("all_gather_into_tensor", group, (output_tensor, input_tensor))
-        if pg is None:
-            return self._inner.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        cfg = self._handle.config
-        work = ring_all_gather(output_tensor, input_tensor, pg, async_op=async_op, **cfg.ring_kwargs)
-        self._count("all_gather_into_tensor", output_tensor.numel())
-        return _async_result(work, async_op)
-
-    def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        pg = self._routed("reduce_scatter_tensor", group, (output_tensor, input_tensor), op)
-        if pg is None:
-            return self._inner.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                                     async_op=async_op)
-        cfg = self._handle.config
-        work = ring_reduce_scatter(output_tensor, input_tensor, pg, _op_name(op), async_op=async_op,
-                                   **cfg.ring_kwargs)
-        self._count("reduce_scatter_tensor", input_tensor.numel())
-        return _async_result(work, async_op)
-
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        pg = self._routed("all_reduce", group, (tensor,), op)
-        if pg is None:
-            return self._inner.all_reduce(tensor, op, group, async_op)
-        work = self._ring_all_reduce(tensor, op, pg, async_op)
-        self._count("all_reduce", tensor.numel())
-        return work
-
-    def reduce(self, tensor, dst, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        pg = self._routed("reduce", group, (tensor,), op)
-        if pg is None:
-            return self._inner.reduce(tensor, dst, op=op, group=group, async_op=async_op)
-        work = self._ring_all_reduce(tensor, op, pg, async_op)  # the owner `dst` reads it; the others get it too
-        self._count("reduce", tensor.numel())
-        return work
-
-    def _ring_all_reduce(self, tensor: torch.Tensor, op: Any, pg: dist.ProcessGroup, async_op: bool):
-        """Ring reduce-scatter, then ring all-gather, in place in one flat buffer of ``N * ceil(numel / N)``."""
-        cfg = self._handle.config
-        ring = get_ring(pg, op="all_reduce")
-        flat = tensor.view(-1)
-        shard = math.ceil(flat.numel() / ring.size)
-        if flat.numel() == shard * ring.size:
-            buf = flat
-        else:
-            buf = flat.new_zeros(shard * ring.size)
-            buf[:flat.numel()].copy_(flat)
-        own = buf[ring.rank * shard:(ring.rank + 1) * shard]
-        works = [ring_reduce_scatter(own, buf, pg, _op_name(op), async_op=async_op, **cfg.ring_kwargs),
-                 ring_all_gather(buf, own, pg, async_op=async_op, **cfg.ring_kwargs)]
-
-        def copy_back() -> None:
-            if buf is not flat:
-                flat.copy_(buf[:flat.numel()])
-
-        if not async_op:
-            copy_back()
-            return None
-        return _ThenWork(works, copy_back)
-
-
-def _async_result(work: dist.Work | None, async_op: bool) -> dist.Work | None:
-    if not async_op:
-        return None
-    return work if work is not None else _DoneWork()
-
-
-def _group_name(pg: dist.ProcessGroup) -> str:
-    return getattr(pg, "group_name", None) or str(id(pg))
 
 
 # ---- which groups are data-parallel ---------------------------------------------------------------------------
@@ -403,7 +220,7 @@ def _dp_groups(module: torch.nn.Module | None, optimizer: Any, engine: Any = Non
     out: dict[str, dist.ProcessGroup] = {}
     for g in found:
         if isinstance(g, dist.ProcessGroup):
-            out.setdefault(_group_name(g), g)
+            out.setdefault(group_name(g), g)
     return tuple(out.values())
 
 
@@ -498,10 +315,10 @@ def _install(config: CommFuseConfig, groups: tuple[dist.ProcessGroup, ...], sour
     handle = RingCollectives(config, groups, source)
     with _lock:
         current = ds_comm.cdb
-        if isinstance(current, _RingBackend):
+        if isinstance(current, RingBackend):
             raise ValueError(f"enable_ring_collectives: DeepSpeed's collectives already run on the rings "
                              f"({current._handle!r}); call .disable() on that handle first")
-        handle._backend = _RingBackend(current, handle, groups)
+        handle._backend = RingBackend(current, handle, groups)
         ds_comm.cdb = handle._backend
         register_exit_drain()
     return handle

@@ -80,7 +80,7 @@ class RecipeReport(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 == self.timeline_step and self._recording is None:
-            from commfuse_dp.stats import record_timeline
+            from commfuse_dp.timeline import record_timeline
 
             self._recording = record_timeline()
             self._events = self._recording.__enter__()
@@ -135,7 +135,7 @@ def write_figures(output_dir: str, log_history: list[dict], timeline: list[list[
     plt.close(fig)
     if timeline and any(timeline):
         from commfuse_dp.benchmarks.plots import timeline_png
-        from commfuse_dp.stats import write_chrome_trace
+        from commfuse_dp.timeline import write_chrome_trace
 
         paths["timeline_png"] = os.path.join(output_dir, "timeline.png")
         timeline_png({"commfuse": timeline}, paths["timeline_png"], title)

@@ -102,7 +102,7 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
 
     import commfuse_dp as cf
     from commfuse_dp.ring.topology import drain_gloo_workers
-    from commfuse_dp.stats import record_timeline
+    from commfuse_dp.timeline import record_timeline
 
     torch.manual_seed(args.seed)
     accelerator = _accelerator(args, cfg)

@@ -67,7 +67,7 @@ class RingEmbeddingFn(torch.autograd.Function):
     def forward(ctx, ids: torch.Tensor, state: EmbeddingState, weight: torch.Tensor, owner=None) -> torch.Tensor:
         ctx.owner = owner
         engine = state.engine
-        cdt = engine.compute_dtype(weight.dtype)
+        compute_dtype = engine.compute_dtype(weight.dtype)
         flat = ids.reshape(-1).to(torch.int64)
         with record_function("commfuse::embedding_forward"):
             # The only host read of the step here (a CUDA host synchronisation): every rank's token count sizes the
@@ -85,15 +85,16 @@ class RingEmbeddingFn(torch.autograd.Function):
                                  f"{state.num_embeddings} embedding rows")
             most = int(counts[:, 0].max())
             ctx.state = state
-            ctx.rows_mode = rows_cheaper(state, counts[:, 2:], most, torch.empty((), dtype=cdt).element_size())
+            itemsize = torch.empty((), dtype=compute_dtype).element_size()
+            ctx.rows_mode = rows_cheaper(state, counts[:, 2:], most, itemsize)
             if ctx.rows_mode:
                 padded = flat.new_full((most,), -1)
                 padded[:flat.numel()] = flat
                 ids_all = _gather(state, padded, "embedding ids")
                 ctx.held = held = _Held(state, ids_all, counts[:, 2:])
-                out = _rows_forward(state, weight, held, cdt)
+                out = _rows_forward(state, weight, held, compute_dtype)
             else:
-                out = _table_forward(state, weight, flat, cdt)
+                out = _table_forward(state, weight, flat, compute_dtype)
                 ctx.save_for_backward(flat)
         ctx.weight_dtype = weight.dtype
         return out[:flat.numel()].view(*ids.shape, weight.shape[1])
@@ -107,14 +108,14 @@ class RingEmbeddingFn(torch.autograd.Function):
         if engine.replicas is not None:  # the end of this backward sends its gradient across the copies
             state.steps.backward_begins()
         hidden = grad_out.shape[-1]
-        rdt = engine.reduce_dtype(engine.compute_dtype(ctx.weight_dtype))
+        reduce_dtype = engine.reduce_dtype(engine.compute_dtype(ctx.weight_dtype))
         pre, post = engine.divide_factors()
-        dy = grad_out.reshape(-1, hidden).to(rdt)
+        dy = grad_out.reshape(-1, hidden).to(reduce_dtype)
         with record_function("commfuse::embedding_backward"):
             if ctx.rows_mode:
                 grad = _rows_backward(state, ctx.held, dy, pre)
             else:
-                grad = _table_backward(state, ctx.saved_tensors[0], dy, rdt, pre)
+                grad = _table_backward(state, ctx.saved_tensors[0], dy, reduce_dtype, pre)
         if post != 1.0:
             grad.div_(post)
         grad = grad.to(ctx.weight_dtype)
@@ -164,14 +165,14 @@ class _Held:
         return self.ids_all[p].index_select(0, self.order[p, start:start + count]) - self.lo
 
 
-def _rows_forward(state: EmbeddingState, weight: torch.Tensor, held: _Held, cdt: torch.dtype) -> torch.Tensor:
+def _rows_forward(state: EmbeddingState, weight: torch.Tensor, held: _Held, compute_dtype: torch.dtype) -> torch.Tensor:
     ring = state.engine.ring
     mine, theirs = held.mine[0], held.theirs[0]
 
     def rows_for(p: int) -> torch.Tensor:  # the rows this rank owns of rank p's tokens
-        return weight.index_select(0, held.local_ids(p)).to(cdt)
+        return weight.index_select(0, held.local_ids(p)).to(compute_dtype)
 
-    out = weight.new_empty(sum(mine), weight.shape[1], dtype=cdt)
+    out = weight.new_empty(sum(mine), weight.shape[1], dtype=compute_dtype)
     sends = {p: rows_for(p) for p in ring.peers if theirs[p]}
     recvs = {p: out.new_empty(mine[p], out.shape[1]) for p in ring.peers if mine[p]}
     step = _swap(state, sends, recvs, "embedding forward", then=_prefetch_layers(state))
@@ -205,10 +206,10 @@ def _rows_backward(state: EmbeddingState, held: _Held, dy: torch.Tensor, pre: fl
     return grad
 
 
-def _table_forward(state: EmbeddingState, weight: torch.Tensor, flat: torch.Tensor, cdt: torch.dtype):
+def _table_forward(state: EmbeddingState, weight: torch.Tensor, flat: torch.Tensor, compute_dtype: torch.dtype):
     engine = state.engine
     world, rank = engine.ring.size, engine.ring.rank
-    table = weight.new_empty(world, state.chunk, weight.shape[1], dtype=cdt)
+    table = weight.new_empty(world, state.chunk, weight.shape[1], dtype=compute_dtype)
     table[rank, :state.rows].copy_(weight)
     table[rank, state.rows:].zero_()
     _gather_into(state, table, "embedding forward", then=_prefetch_layers(state))
@@ -216,7 +217,7 @@ def _table_forward(state: EmbeddingState, weight: torch.Tensor, flat: torch.Tens
     return F.embedding(flat, full, state.padding_idx)
 
 
-def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor, rdt: torch.dtype,
+def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor, reduce_dtype: torch.dtype,
                     pre: float) -> torch.Tensor:
     world = state.engine.ring.size
     dense = dy.new_zeros(world * state.chunk, dy.shape[1])
@@ -232,7 +233,7 @@ def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor,
     def take(t: int, part: torch.Tensor) -> None:
         part.copy_(dense[t])
 
-    return _reduce(state, dense.shape[1:], rdt, dy.device, take, "embedding backward")[:state.rows]
+    return _reduce(state, dense.shape[1:], reduce_dtype, dy.device, take, "embedding backward")[:state.rows]
 
 
 def _prefetch_layers(state: EmbeddingState) -> Callable[[], None]:

@@ -34,9 +34,15 @@ partials only. Elastic (the default on 2 ranks or more): the weight ring of a la
 requests what goes beside piece k and returns what to wait for at its end. With ``piece_shards`` = G > 1 and a
 whole gathered buffer, the forward's outputs and the backward's dx are computed G landed shards at a time
 (``ShardRuns``: fewer, wider GEMMs); the steps requested and waited stay those of the loop. The reduction order is
-fixed by the ring and by G, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the same ring
-steps in one flat buffer (``layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps
-each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
+fixed by the ring and by G, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the
+same ring steps in one flat buffer (``runtime/layout.py``). When gradient sync is off (accumulation micro-batches),
+the backward keeps each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the
+next synced backward.
+
+Words, here and in the runtime: a *step* is a training step (one forward of the sharded root, and its backward); a
+*ring step* (a hop) is one exchange with the neighbours, k in the loops above; a *piece* is the GEMM work beside
+it; ``compute_dtype`` is what the pieces compute in, ``reduce_dtype`` what the gradient ring carries; a *ring
+operation* (``RingOp``) is one layer's ring of N-1 or N ring steps in one phase.
 """
 
 from __future__ import annotations
@@ -56,12 +62,12 @@ from ..runtime.layout import GroupLayout, Member
 class Call(NamedTuple):
     """How one call of a fused group computes (decided in ``modules._apply``, outside the autograd Function)."""
 
-    cdt: torch.dtype  # compute dtype: autocast's when autocast is on, else ``param_dtype`` or the params' own
-    rdt: torch.dtype  # dtype of the gradient ring (``reduce_dtype``; under autocast the params' own, as AMP does)
+    compute_dtype: torch.dtype  # compute dtype: autocast's when autocast is on, else ``param_dtype`` or the params' own
+    reduce_dtype: torch.dtype  # of the gradient ring (the config's; under autocast the params' own, as AMP does)
     grad_nodes: tuple  # the parameters' AccumulateGrad nodes (None where a parameter needs no grad)
 
 
-PARAMS_AT = 3  # FusedRingLinearFn.apply(x, state, call, *params): where the parameters begin
+FIRST_PARAM = 3  # FusedRingLinearFn.apply(x, state, call, *params): where the parameters begin
 
 
 class FusedRingLinearFn(torch.autograd.Function):
@@ -70,13 +76,13 @@ class FusedRingLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, state: FusedGroupState, call: Call, *params: torch.Tensor):
-        x2, outs, outs2 = prepare_forward(state, x, call.cdt)
+        x2, outs, outs2 = prepare_forward(state, x, call.compute_dtype)
         # A forward recomputed inside the backward (activation checkpointing) is no part of the layer order.
         recompute = torch._C._current_graph_task_id() != -1
         if not recompute:
             state.steps.schedule.entered(state, x.requires_grad)
         with record_function("commfuse::fused_forward"):
-            ctx.full = forward_ring(state, params, call.cdt, x2, outs2, recompute=recompute)
+            ctx.full = forward_ring(state, params, call.compute_dtype, x2, outs2, recompute=recompute)
         return finish_forward(ctx, state, call, x, x2, params, outs)
 
     @staticmethod
@@ -86,20 +92,21 @@ class FusedRingLinearFn(torch.autograd.Function):
         state.steps.backward_begins()
         with record_function("commfuse::fused_backward"):
             dx, grads = backward_ring(state, x2, params, grad_outs, ctx.needs_input_grad[0],
-                                      ctx.needs_input_grad[PARAMS_AT:], ctx.call, ctx.full)
+                                      ctx.needs_input_grad[FIRST_PARAM:], ctx.call, ctx.full)
         ctx.full = None
         if dx is not None:
             dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
         return (dx, None, None, *grads)
 
 
-def prepare_forward(state: FusedGroupState, x: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, list, list]:
+def prepare_forward(state: FusedGroupState, x: torch.Tensor,
+                    compute_dtype: torch.dtype) -> tuple[torch.Tensor, list, list]:
     """The input as a contiguous ``(tokens, in)`` matrix in the compute dtype, one empty output per member in the
     input's leading shape (what the Function returns: not views, so that callers may write into them in place, as
     into nn.Linear's), and the same outputs as ``(tokens, out)`` matrices (what the pieces write)."""
     layout = state.layout
     x2 = x.reshape(-1, layout.in_features)
-    x2 = x2.to(cdt) if x2.dtype != cdt else x2
+    x2 = x2.to(compute_dtype) if x2.dtype != compute_dtype else x2
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
     lead = tuple(x.shape[:-1])
     outs = [x2.new_empty(*lead, m.out_features) for m in layout.members]
@@ -132,7 +139,7 @@ def accumulates(state: FusedGroupState, call: Call) -> bool:
         return False
 
 
-def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
+def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
                  op: str = "forward", recompute: bool = False) -> WeightRing | None:
     """Run the forward ring over this rank's packed shards, writing every member's output columns. Returns the
     ring, every shard gathered (``held``), when the group keeps them for its backward
@@ -141,7 +148,7 @@ def forward_ring(state: FusedGroupState, params, cdt: torch.dtype, x2: torch.Ten
     engine, sched = state.engine, state.steps.schedule
     world = engine.ring.size
     keep = world > 1 and op == "forward" and not recompute and sched.keeps_weight(state)
-    weights = sched.weights(state, params, cdt, op, keep, recompute)
+    weights = sched.weights(state, params, compute_dtype, op, keep, recompute)
     runs = ShardRuns(engine, weights)
     for k in range(world):
         step = piece_steps(engine, k, weights, None)
@@ -268,8 +275,9 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     """``full``: the forward's ring that kept every weight shard; then no weight shard travels."""
     engine, layout, sched = state.engine, state.layout, state.steps.schedule
     ring, world = engine.ring, engine.ring.size
-    cdt = x2.dtype
-    dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, layout.members)]
+    compute_dtype = x2.dtype
+    dys = [None if g is None else g.reshape(-1, m.out_features).to(compute_dtype)
+           for g, m in zip(grad_outs, layout.members)]
     train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j)) for j, dy in enumerate(dys)]
     sync = engine.requires_grad_sync
     sched.backward_begins(state)
@@ -278,14 +286,14 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if full is not None:
             weights = WeightRing(engine, None, full.slots, own=full.own)
         else:
-            weights = sched.weights(state, params, cdt, "backward")
+            weights = sched.weights(state, params, compute_dtype, "backward")
     grads = None
     if any(train):
         # Every element of the gradient buffers is written before it is sent, except padding rows (out_features
         # not a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
         # uninitialised travels the ring.
         zeroed = any(m.out_features % world for m in layout.members) or not all(train)
-        grads = sched.grads(state, layout.numel, call.rdt, x2.device, zeroed, sync, weights)
+        grads = sched.grads(state, layout.numel, call.reduce_dtype, x2.device, zeroed, sync, weights)
     pending = state.take_unsynced() if grads is not None and sync else None  # partials kept by no-sync backwards
     pre, post = engine.divide_factors() if sync else (1.0, 1.0)
     later = sched.defer_last_reduce and grads is not None and grads.racc is not None and accumulates(state, call)
@@ -307,7 +315,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if need_dx and runs.size == 1:
             s = ring.shard_held(k)
             held = weights.held(k)
-            held = held if held.dtype == cdt else held.to(cdt)
+            held = held if held.dtype == compute_dtype else held.to(compute_dtype)
             for m, dy in zip(layout.members, dys):
                 lo, hi = m.rows(s)
                 if dy is not None and hi > lo:

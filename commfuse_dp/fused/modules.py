@@ -81,14 +81,14 @@ def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if torch.is_autocast_enabled(device):
         # As nn.Linear under autocast: compute in autocast's dtype and return it; the gradients travel and sum in
         # the parameters' own dtype unless reduce_dtype says otherwise (AMP's fp32 master gradients).
-        cdt = torch.get_autocast_dtype(device)
-        call = Call(cdt, engine.config.reduce_dtype or params[0].dtype, grad_nodes)
-        schedule.dtype_hint = cdt
+        compute_dtype = torch.get_autocast_dtype(device)
+        call = Call(compute_dtype, engine.config.reduce_dtype or params[0].dtype, grad_nodes)
+        schedule.dtype_hint = compute_dtype
         with torch.autocast(device, enabled=False):
             return fn.apply(x, state, call, *params)
-    cdt = engine.compute_dtype(params[0].dtype)
+    compute_dtype = engine.compute_dtype(params[0].dtype)
     schedule.dtype_hint = None
-    return fn.apply(x, state, Call(cdt, engine.reduce_dtype(cdt), grad_nodes), *params)
+    return fn.apply(x, state, Call(compute_dtype, engine.reduce_dtype(compute_dtype), grad_nodes), *params)
 
 
 @torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly

@@ -77,12 +77,12 @@ class GatheredRead(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, read: ParamRead) -> torch.Tensor:
         engine = read.engine
         ctx.read, ctx.dtype = read, local.dtype
-        cdt = engine.compute_dtype(local.dtype)
+        compute_dtype = engine.compute_dtype(local.dtype)
         rows = local.movedim(read.dim, 0)
         world, rank = engine.ring.size, engine.ring.rank
         size = read.param.shape[read.dim]
         chunk = -(-size // world)  # torch.chunk's rows per shard
-        slots = rows.new_empty(world, chunk, *rows.shape[1:], dtype=cdt)
+        slots = rows.new_empty(world, chunk, *rows.shape[1:], dtype=compute_dtype)
         slots[rank, :rows.shape[0]].copy_(rows)
         slots[rank, rows.shape[0]:].zero_()
         if world > 1:
@@ -98,10 +98,10 @@ class GatheredRead(torch.autograd.Function):
         world, rank = engine.ring.size, engine.ring.rank
         size = read.param.shape[read.dim]
         chunk = -(-size // world)
-        rdt = engine.reduce_dtype(engine.compute_dtype(ctx.dtype))
+        reduce_dtype = engine.reduce_dtype(engine.compute_dtype(ctx.dtype))
         pre, post = engine.divide_factors()
         rows = grad.movedim(read.dim, 0)
-        dense = rows.new_zeros(world * chunk, *rows.shape[1:], dtype=rdt)
+        dense = rows.new_zeros(world * chunk, *rows.shape[1:], dtype=reduce_dtype)
         dense[:size].copy_(rows)
         if pre != 1.0:
             dense.div_(pre)
@@ -111,7 +111,7 @@ class GatheredRead(torch.autograd.Function):
                 def take(t: int, part: torch.Tensor) -> None:
                     part.copy_(dense[t])
 
-                mine = exchange.reduce(read, dense.shape[1:], rdt, grad.device, take, "weight read grad")
+                mine = exchange.reduce(read, dense.shape[1:], reduce_dtype, grad.device, take, "weight read grad")
             else:
                 mine = dense[0]
         local_rows = max(0, min(chunk, size - rank * chunk))

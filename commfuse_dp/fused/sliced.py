@@ -22,7 +22,7 @@ from torch.autograd.profiler import record_function
 
 from ..ring import transport
 from ..runtime.group import FusedGroupState
-from .linear import (PARAMS_AT, Call, InputGrad, _dx_run, _forward_run, _grad_piece, accumulates, finish_forward,
+from .linear import (FIRST_PARAM, Call, InputGrad, _dx_run, _forward_run, _grad_piece, accumulates, finish_forward,
                      prepare_forward, unpack_grads)
 
 
@@ -38,9 +38,9 @@ class SlicedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, state: FusedGroupState, call: Call, *params: torch.Tensor):
         layout, engine = state.layout, state.engine
-        x2, outs, outs2 = prepare_forward(state, x, call.cdt)
+        x2, outs, outs2 = prepare_forward(state, x, call.compute_dtype)
         with record_function("commfuse::sliced_forward"):
-            flat = state.steps.schedule.gather(state, list(params), call.cdt, "forward",
+            flat = state.steps.schedule.gather(state, list(params), call.compute_dtype, "forward",
                                                backward_gathers=x.requires_grad)
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "forward", 0)
@@ -56,14 +56,15 @@ class SlicedLinearFn(torch.autograd.Function):
         state = ctx.state
         state.steps.backward_begins()
         layout, engine, sched = state.layout, state.engine, state.steps.schedule
-        world, cdt = engine.ring.size, x2.dtype
+        world, compute_dtype = engine.ring.size, x2.dtype
         members = layout.members
-        dys = [None if g is None else g.reshape(-1, m.out_features).to(cdt) for g, m in zip(grad_outs, members)]
-        needs = ctx.needs_input_grad[PARAMS_AT:]
+        dys = [None if g is None else g.reshape(-1, m.out_features).to(compute_dtype)
+               for g, m in zip(grad_outs, members)]
+        needs = ctx.needs_input_grad[FIRST_PARAM:]
         train = tuple(dy is not None and any(needs[i] for i in state.param_index(j)) for j, dy in enumerate(dys))
         dx, grads = None, [None] * len(params)
         with record_function("commfuse::sliced_backward"):
-            flat = sched.gather(state, params, cdt, "backward") if ctx.needs_input_grad[0] else None
+            flat = sched.gather(state, params, compute_dtype, "backward") if ctx.needs_input_grad[0] else None
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "backward", 0)
             if flat is not None:
@@ -72,7 +73,7 @@ class SlicedLinearFn(torch.autograd.Function):
                     _dx_run(layout, flat, low, high, dys, dx)
                 dx = dx.result()
             if any(train):
-                parts = x2.new_zeros(world, layout.numel, dtype=ctx.call.rdt)
+                parts = x2.new_zeros(world, layout.numel, dtype=ctx.call.reduce_dtype)
                 for t in range(world):
                     _grad_piece(layout, parts[t], dys, list(train), x2, t)
                 if not engine.requires_grad_sync:

@@ -14,10 +14,10 @@ first after a ``reset()``, run without looking ahead). Two ways to use it, one l
 - *Elastic* (``lookahead_mb`` > 0, default ``"auto"``). When a layer begins, the whole all-gather rings of the
   layers that follow it are chosen, in order, as long as their gathered weights fit in the budget; their steps
   are requested beside the layer's pieces, spread over them (``pace``), so they queue between its own gradient
-  steps; the link runs them while compute works, so it idles less where compute has no ring step beside it. A layer's weight
-  ring gathers into an ``(N, numel)`` buffer; piece k still starts as soon as shard k has landed, so the first
-  layer's head stays fused. Gradient partials go into an ``(N, numel)`` buffer each and are requested beside the
-  next piece, but not waited for: they lag behind the all-gathers queued before them and land during later
+  steps; the link runs them while compute works, so it idles less where compute has no ring step beside it. A
+  layer's weight ring gathers into an ``(N, numel)`` buffer; piece k still starts as soon as shard k has landed, so
+  the first layer's head stays fused. Gradient partials go into an ``(N, numel)`` buffer each and are requested
+  beside the next piece, but not waited for: they lag behind the all-gathers queued before them and land during later
   compute (``Landing``, completed on the compute thread at piece boundaries and, at the latest, when the
   backward ends). So the step still ends with one exposed hop at most, as in lockstep. A unit's weight rings
   share their steps (``Bundle``: one ring's latency per unit) in the backward, and in the forward where
@@ -146,13 +146,13 @@ class FusedSchedule:
 
     # -- one layer call's rings ------------------------------------------------------------------------------
 
-    def weights(self, state: FusedGroupState, params, cdt: torch.dtype, phase: str, keep: bool = False,
+    def weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
                 recompute: bool = False) -> WeightRing:
         """The weight ring of one forward or backward of ``state``: the one requested ahead, or a new one. In
         elastic mode, the coming layers' rings are requested next (``_look_ahead``)."""
         ring = self._ahead.pop((id(state), phase), None) if not recompute else None
         if ring is None:
-            ring = self.new_weights(state, params, cdt, phase, keep)
+            ring = self.new_weights(state, params, compute_dtype, phase, keep)
             if self.elastic and not recompute:
                 ring.request()
         elif self.elastic and ring.unrequested:  # chosen ahead, not all requested yet: its pieces need them now
@@ -165,22 +165,23 @@ class FusedSchedule:
             self._following(state, phase, self._request_whole)
         return ring
 
-    def new_weights(self, state: FusedGroupState, params, cdt: torch.dtype, phase: str, keep: bool) -> WeightRing:
+    def new_weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str,
+                    keep: bool) -> WeightRing:
         layout, ring = state.layout, self.engine.ring
         op = self.steps.ring_op(state.op, phase) if ring.size > 1 else None
         if keep or (self.elastic and ring.size > 1):
             device = params[0].device
             pooled = not keep and device.type == "cpu"
-            slots = self._pool.take((ring.size, layout.numel), cdt, device) if pooled else None
+            slots = self._pool.take((ring.size, layout.numel), compute_dtype, device) if pooled else None
             if slots is None:
-                slots = torch.empty(ring.size, layout.numel, dtype=cdt, device=device)
-            own = state.own_packed(params, cdt)  # the params are views of it: nothing to pack (adopt_packed)
+                slots = torch.empty(ring.size, layout.numel, dtype=compute_dtype, device=device)
+            own = state.own_packed(params, compute_dtype)  # the params are views of it: nothing to pack (adopt_packed)
             if own is None:
-                layout.pack(state.pairs(params), cdt, out=slots[ring.rank])
+                layout.pack(state.pairs(params), compute_dtype, out=slots[ring.rank])
             weights = WeightRing(self.engine, op, slots, own=own)
             weights.pooled = pooled
             return weights
-        buf = layout.pack(state.pairs(params), cdt)
+        buf = layout.pack(state.pairs(params), compute_dtype)
         return WeightRing(self.engine, op, None, (buf, torch.empty_like(buf) if ring.size > 1 else None))
 
     def release(self, ring: WeightRing) -> None:
@@ -190,7 +191,7 @@ class FusedSchedule:
             ring.pooled = False
             self._pool.give(ring.slots)
 
-    def grads(self, state: FusedGroupState, numel: int, rdt: torch.dtype, device: torch.device, zeroed: bool,
+    def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None) -> GradRing:
         """The gradient ring of one backward of ``state``; it shares the ring op of ``weights`` (the same
         backward's weight ring) when that travels, as one ring operation of the layer."""
@@ -198,7 +199,7 @@ class FusedSchedule:
         if communicates and self.engine.ring.size > 1:
             op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.op,
                                                                                                       "backward")
-        return GradRing(self.engine, op, numel, rdt, device, zeroed, communicates, self.elastic)
+        return GradRing(self.engine, op, numel, reduce_dtype, device, zeroed, communicates, self.elastic)
 
     def pace(self, state: FusedGroupState, phase: str, pieces_left: int) -> None:
         """Elastic, beside each fused piece: request the next steps of the rings chosen ahead (weight bundles, and

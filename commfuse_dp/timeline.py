@@ -1,0 +1,82 @@
+"""One step's timeline: when each ring step and compute piece ran, per thread (``record_timeline``), and a Chrome /
+Perfetto trace of several ranks' (``write_chrome_trace``). The recipes and the bench draw and save it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .ring.transport import observe_ring
+
+
+@dataclass
+class Timeline:
+    """Intervals of one rank: ``{"lane", "op", "step", "t0", "t1"}``, seconds from ``origin`` (a
+    ``perf_counter()`` time, the start of the recording). Lanes (``LANES``): ``compute`` (the host's compute
+    pieces), ``ring`` (ring steps the main thread waited for, fused), ``ring-thread`` (the ring thread's work: the
+    link's steps and async collectives), ``ring-thread-2`` (a second ring's thread: HSDP's replicate group),
+    ``device`` (an emulated accelerator's busy time, added by the bench), ``waited`` (the main thread blocked on a
+    ring step: from its wait's start to its end; on CUDA the host does not block, so the lane stays empty)."""
+
+    events: list[dict] = field(default_factory=list)
+    origin: float = field(default_factory=time.perf_counter)
+    LANES = ("compute", "device", "ring", "ring-thread", "ring-thread-2", "waited")
+
+    def chrome_trace(self, rank: int = 0) -> list[dict]:
+        lanes = {lane: tid for tid, lane in enumerate(self.LANES)}
+        trace = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
+                 for lane, tid in lanes.items()]
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for e in self.events:
+            trace.append({"name": f"{e['op']} {e['step']}", "ph": "X", "pid": rank, "tid": lanes[e["lane"]],
+                          "ts": e["t0"] * 1e6, "dur": max(e["t1"] - e["t0"], 0.0) * 1e6, "cat": e["lane"]})
+        return trace
+
+
+@contextlib.contextmanager
+def record_timeline() -> Iterator[Timeline]:
+    """Record the ring steps and compute pieces of everything run inside (cost: a clock read per event)."""
+    timeline = Timeline()
+    origin, main = timeline.origin, threading.get_ident()
+    thread_lanes: dict[int, str] = {}  # ring threads by first appearance: a second one is HSDP's replicate ring
+    open_steps: dict[tuple[int, str, int], float] = {}
+    open_compute: dict[tuple[str, int], float] = {}
+    open_waits: dict[tuple[str, int], float] = {}
+
+    def on_event(event: str, op: str, step: int) -> None:
+        now, thread = time.perf_counter() - origin, threading.get_ident()
+        if event in ("start", "issued"):  # issued/landed: a step the link worked (on its thread)
+            open_steps[(thread, op, step)] = now
+        elif event == "wait" and thread == main:
+            open_waits[(op, step)] = now
+        elif event in ("done", "landed"):
+            w0 = open_waits.pop((op, step), None) if thread == main else None
+            if w0 is not None:
+                timeline.events.append({"lane": "waited", "op": op, "step": step, "t0": w0, "t1": now})
+            t0 = open_steps.pop((thread, op, step), None)
+            if t0 is not None:
+                lane = "ring" if thread == main else thread_lanes.setdefault(
+                    thread, "ring-thread" if not thread_lanes else f"ring-thread-{len(thread_lanes) + 1}")
+                timeline.events.append({"lane": lane, "op": op, "step": step, "t0": t0, "t1": now})
+        elif event == "compute_begin":
+            open_compute[(op, step)] = now
+        elif event == "compute":
+            t0 = open_compute.pop((op, step), None)
+            if t0 is not None:
+                timeline.events.append({"lane": "compute", "op": op, "step": step, "t0": t0, "t1": now})
+
+    with observe_ring(on_event):
+        yield timeline
+
+
+def write_chrome_trace(path: str, per_rank: list[list[dict]]) -> None:
+    """One Chrome / Perfetto trace file (open it in ui.perfetto.dev or chrome://tracing) for all ranks."""
+    trace = []
+    for rank, events in enumerate(per_rank):
+        trace += Timeline(events).chrome_trace(rank)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
