@@ -42,7 +42,7 @@ import time
 
 from .cluster import EmulatedCluster
 from .bench_model import MODEL_DEFAULTS
-from .memory import MMAP_ENV
+from .probes import MMAP_ENV
 from .worker import EXTRA_VARIANTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
 
 CPU_NOTES = {
@@ -68,7 +68,7 @@ def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *
              timeline: str | None = None) -> dict:
     """One set of ranks at ``rate``: every variant, interleaved. Returns the worker's result (rank 0's JSON).
     ``memory``: instead of timing, measure each variant's peak memory (a run of its own, with large allocations
-    mapped so that the resident size follows the live tensors; see ``memory.peak_step_bytes``)."""
+    mapped so that the resident size follows the live tensors; see ``probes.peak_step_bytes``)."""
     cluster.set_rate(rate)
     with tempfile.TemporaryDirectory(prefix="commfuse-bench-") as tmp:
         out = os.path.join(tmp, "result.json")

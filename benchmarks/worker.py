@@ -12,43 +12,22 @@ Compute: real (default; the CPU computes) or ``--compute emulated --tflops X`` (
 and attention kernel waits its FLOPs at X TFLOP/s instead of using the CPU, and returns zeros; for timing schedules at
 more ranks than cores, not for training).
 
-Variants:
-- ``defaults``: ``commfuse_dp.shard`` with ``CommFuseConfig()``'s defaults, told what a user can tell it: the link
-  (``link_gbps``: the rate of the run) and the tokens of a rank's step (``tokens_per_rank``). Its ``"auto"`` schedule
-  is fused or the peer's (``commfuse_dp/choose.py``); the result says which (``chosen``).
-- ``fused``, ``slicing``: ``commfuse_dp.shard`` with that schedule.
-- ``fsdp2_overlap``: the peer. Stock ``fully_shard`` per decoder layer and root, run as FSDP2 runs on a GPU, on
-  the same rings and links (``use_ring_collectives(model, overlap=True)``): the next unit's all-gather issued
-  asynchronously one unit ahead in forward (``set_modules_to_forward_prefetch``) and backward (FSDP2's backward
-  prefetch, asynchronous with ``_set_unshard_async_op(True)``), the reduce-scatters behind the backward's compute,
-  waited for at its end.
-- ``fsdp2``: stock ``fully_shard`` per decoder layer and root, its own gloo collectives. On CPU, FSDP2 runs them
-  synchronously on the main thread (no overlap at all): a CPU artefact that weakens this baseline.
-- ``deepspeed_zero3``: a DeepSpeed ZeRO-3 engine (gloo, torch AdamW as client optimizer). Its collectives are
-  asynchronous gloo ops; prefetch and overlap are DeepSpeed's own.
-- ``ddp``: ``DistributedDataParallel`` (gloo all-reduce buckets during backward).
-- ``compute_only``: the unsharded model, same per-rank batch, no communication (the compute bound): forward and
-  backward of the whole model, the optimizer step on this rank's 1/N of every parameter, as a sharded rank does.
-- ``fused_noprefetch`` (only when asked for): ``fused`` without the cross-layer ring prefetch.
-- ``fused_lockstep`` (only when asked for): ``fused`` with ``lookahead_mb=0``, each layer's ring steps beside its
-  own pieces (the schedule before the elastic lookahead).
-- ``fused_bundles`` (only when asked for): ``fused`` with ``forward_bundles=True``: a unit's forward rings share
-  their steps, as the backward's (what ``"auto"`` chooses for many layers on many ranks, not for the bench's 4).
-- ``fused_ring`` (only when asked for): ``fused`` with ``direct_kb=0``: every bucketed collective goes round the
-  ring, also the tiny ones (the root unit's norms, the ring embedding's token ids) that otherwise take one direct
-  round.
-- ``concurrent`` (only when asked for): ``compute_only`` on the main thread and ``comm_only`` on another thread at
-  the same time, with no dependency between them. The best any overlap can do on this machine, where the
-  communication's CPU work (gloo threads, the kernel's TCP and shaping) shares the rank's one core with compute.
-- ``hsdp_fused``, ``hsdp_slicing`` (``--nodes K``): ``shard()`` with ``CommFuseConfig(replicate=K)``: each node
-  a copy of the model sharded over its ranks, gradients averaged across the nodes (HSDP); ``fused`` stays the
-  flat ring over every rank of every node.
-- ``fsdp2_hsdp`` (``--nodes K``): stock ``fully_shard`` on a 2-D mesh (K copies x ranks per node) per decoder
-  layer and root, with ``use_ring_collectives`` (FSDP2's own all-reduce across the copies, on gloo).
-- ``comm_only``: the bytes ``shard()`` moves in one step, through the rings, no compute (the communication bound):
-  all-gather forward, all-gather backward and reduce-scatter backward of every decoder layer and of the final norm
-  and lm_head, layer by layer; the embedding as the ring embedding moves it (token rows, one direct round each
-  way, or the table forward and its gradient backward).
+Variants (``bench --help`` and docs/performance.md say more):
+- ``defaults``: ``shard`` with ``CommFuseConfig()`` told the link (``link_gbps``) and a rank's tokens
+  (``tokens_per_rank``); its ``"auto"`` schedule is fused or the peer's, and the result says which (``chosen``).
+- ``fused``, ``slicing``: ``shard`` with that schedule; ``fused_noprefetch``, ``fused_lockstep`` (``lookahead_mb=0``),
+  ``fused_bundles`` (``forward_bundles=True``), ``fused_ring`` (``direct_kb=0``): variants of it, when asked for.
+- ``fsdp2_overlap``, the peer: stock ``fully_shard`` per decoder layer and root on the same rings, run as FSDP2
+  runs on a GPU (``use_ring_collectives(model, overlap=True)``: gathers one unit ahead, asynchronous, in forward
+  and backward; reduce-scatters behind the backward's compute, waited for at its end).
+- ``fsdp2``: stock ``fully_shard`` with its own gloo collectives, synchronous on CPU (a CPU artefact).
+- ``deepspeed_zero3``: a DeepSpeed ZeRO-3 engine (gloo, torch AdamW); ``ddp``: ``DistributedDataParallel``.
+- ``compute_only``: the unsharded model, same batch, no communication, the optimizer on 1/N of the parameters (the
+  compute bound); ``comm_only``: the bytes ``shard()`` moves in a step through the rings, no compute (the
+  communication bound); ``concurrent`` (when asked for): both at once on two threads, the best any overlap can do
+  on this machine.
+- ``hsdp_fused``, ``hsdp_slicing``, ``fsdp2_hsdp`` (``--nodes K``): K copies of the model sharded over each node's
+  ranks, gradients averaged across them; ``fsdp2_hsdp`` is stock ``fully_shard`` on the 2-D mesh.
 
 ``compute_only`` and ``comm_only`` also time their forward part (``forward_s``: the forward, and the embedding's
 exchange with the forward all-gathers), for the bench's *gather floor* (``bench.records_from``).
@@ -58,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
@@ -71,14 +49,14 @@ import torch
 import torch.distributed as dist
 
 from .bench_model import MODEL_DEFAULTS, build_model, make_batch
-from .memory import MMAP_ENV, peak_step_bytes, resident_bytes
+from .probes import MMAP_ENV, CollectorClock, peak_step_bytes, resident_bytes
 
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
 VARIANTS = ("defaults", "fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only",
             "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
-EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing",
-                  "fsdp2_hsdp")
+EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused",
+                  "hsdp_slicing", "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
@@ -313,24 +291,6 @@ class Runner:
         self.opt_s = time.perf_counter() - began
 
 
-class _CollectorClock:
-    """Seconds Python's garbage collector ran in this process since the last ``take()`` (``gc.callbacks``)."""
-
-    def __init__(self) -> None:
-        self.total, self._began = 0.0, 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._began
-
-    def take(self) -> float:
-        total, self.total = self.total, 0.0
-        return total
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -379,7 +339,7 @@ def main(argv=None) -> int:
     # and minor page faults (first touches of freshly allocated memory). Under --compute emulated the GEMMs sleep,
     # so CPU seconds are the host work of the schedule itself.
     host: dict[str, list[tuple[float, int, float]]] = {name: [] for name in names}
-    collector = _CollectorClock()  # and the seconds Python's garbage collector ran (every thread)
+    collector = CollectorClock()  # and the seconds Python's garbage collector ran (every thread)
     for _ in range(args.warmup):
         for runner in runners.values():
             runner.step()

@@ -1,10 +1,12 @@
-"""What a bench rank holds in memory: the peak of a step above what it held before (``peak_step_bytes``, under the
-allocator settings of ``MMAP_ENV``), and the parameter shards and optimizer state between steps
-(``resident_bytes``)."""
+"""What a bench rank measures besides step time: the peak memory of a step above what it held before
+(``peak_step_bytes``, under the allocator settings of ``MMAP_ENV``), the parameter shards and optimizer state it
+holds between steps (``resident_bytes``), and the seconds Python's garbage collector ran (``CollectorClock``)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 
 import torch
 
@@ -63,3 +65,21 @@ def resident_bytes(runner) -> int:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 total += local.numel() * local.element_size()
     return total
+
+
+class CollectorClock:
+    """Seconds Python's garbage collector ran in this process since the last ``take()`` (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.total, self._began = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._began
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
