@@ -131,8 +131,8 @@ def _untagged_divergent_worker(rank, world_size, schedule):
 @pytest.mark.parametrize("schedule", ["fused", "slicing"])
 def test_ranks_that_diverge_without_tags_raise_one_step_later(schedule):
     """Without message tags (NCCL has none) ranks running different fused layers of one shape pair their bytes
-    silently; the fingerprint of each step's ring steps, compared across ranks, makes every rank raise before its
-    next step's first ring step, naming the first request that differs and what each rank issued there."""
+    silently; the fingerprint of each step's ring steps, compared across ranks, makes every rank raise in the next
+    step (when its backward ends), naming the first request that differs and what each rank issued there."""
     results = run_ranks(_untagged_divergent_worker, 2, (schedule,), timeout=60, env={"COMMFUSE_RING_TAGS": "0"})
     for info in results:
         assert info["type"] == "RuntimeError", info

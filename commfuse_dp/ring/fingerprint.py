@@ -16,10 +16,12 @@ A few integer operations a request; a collective's label is hashed once per call
 
 When a step's backward ends (or, for a forward-only step, when the next one begins), its fingerprint and its
 negation go into one asynchronous ``MAX`` all-reduce over the ring's group: equal on every rank exactly when the
-largest equals the smallest. The result is read when the next step begins (on CUDA, at the first such point where
-it has arrived): the optimizer step ran in between, so the host does not wait, and a divergence raises before the
-next step's first ring step, on every rank alike (they all read the same reduced pair). The ranks then gather
-their request lists once, and the error names the first request that differs and what each rank issued there.
+largest equals the smallest. The result is read when the next step's backward ends (after forward-only steps,
+when the step after next begins): a whole step later, so it has arrived and the host does not wait, and no new
+point where the ranks meet is added. Which result is read where depends on the program's order alone, so every
+rank reads the same one at the same point and a divergence raises on every rank alike, at most one step late. The
+ranks then gather their request lists once, and the error names the first request that differs and what each rank
+issued there.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class StepFingerprint:
         self.ring, self.timeout_s = ring, 1800.0
         self.value = 0
         self.requests: list[tuple] = []  # (op, k, steps, numel) of the running step
-        self._checking: list[tuple[int, list[tuple], torch.Tensor, object]] = []  # step, requests, pair, work
+        self._checking: list[tuple] = []  # (step, requests, the reduced pair, waits until it has arrived)
         self.step = -1
 
     def add(self, op, k: int, steps: int, numel: int) -> None:
@@ -65,37 +67,46 @@ class StepFingerprint:
         """A step begins: read the pending check (the previous step's, started when its backward ended), start the
         check of a previous step that had no backward, and begin folding this one."""
         self.timeout_s = timeout_s
-        self.check()
+        self.check(keep=1)
         self.close()
         self.step, self.value, self.requests = step, 0, []
 
     def end_backward(self) -> None:
-        """The step's backward ended: read the previous step's check, start this one's."""
-        self.check()
+        """The step's backward ended: read the previous step's check (a step ago: arrived unless a peer is gone),
+        start this one's."""
+        self.check(keep=0)
         self.close()
 
     def close(self) -> None:
         """Start comparing the running step's fingerprint across the ranks (asynchronously)."""
         if self.step < 0 or self.ring.size == 1:
             return
-        pair = torch.tensor([self.value, -self.value], dtype=torch.int64, device=self._device())
+        device = self._device()
+        pair = torch.tensor([self.value, -self.value], dtype=torch.int64, device=device)
         work = dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.ring.group, async_op=True)
-        self._checking.append((self.step, self.requests, pair, work))
+        if device.type == "cuda":  # into pinned host memory behind the all-reduce; read when its event has passed
+            work.wait()  # orders the current stream after it; the host goes on
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host.copy_(pair, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._checking.append((self.step, self.requests, host, event.synchronize))
+        else:
+            self._checking.append((self.step, self.requests, pair,
+                                   lambda: work.wait(timeout=timedelta(seconds=self.timeout_s))))
         self.step = -1
 
     def drop(self) -> None:
         """After a step that raised: its requests are not compared (the ranks may have stopped at different ones)."""
         self.value, self.requests, self.step = 0, [], -1
 
-    def check(self) -> None:
-        """Read the pending checks that arrived (on CPU: all of them); raise on every rank if the ranks' fingerprints
-        of a step differ."""
-        while self._checking:
-            step, requests, pair, work = self._checking[0]
-            if pair.is_cuda and not work.is_completed():
-                return  # read at the next chance, never blocking the host on the device
-            self._checking.pop(0)
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+    def check(self, keep: int) -> None:
+        """Read the pending checks but the newest ``keep``, waiting for them if need be (they were started a step or
+        more ago), and raise if the ranks' fingerprints of a step differ. Which checks are read depends on the
+        program's order alone, so every rank reads the same ones at the same point and raises there alike."""
+        while len(self._checking) > keep:
+            step, requests, pair, arrived = self._checking.pop(0)
+            arrived()  # a step or more ago: at once, unless a peer is gone
             high, low = pair.tolist()
             if high != -low:
                 self._checking.clear()
