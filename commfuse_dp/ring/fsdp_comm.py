@@ -48,6 +48,8 @@ _SHARD_OWNER = "commfuse_dp.shard()"
 
 
 class _RingComm:
+    """What FSDP2's collective hooks share: the config, the step recorder, and the unit named in errors."""
+
     def __init__(self, config: CommFuseConfig | None = None, recorder: StatsRecorder | None = None,
                  label: str | None = None) -> None:
         self.config = config if config is not None else CommFuseConfig()

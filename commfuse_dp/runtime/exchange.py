@@ -20,6 +20,9 @@ from .layer_rings import GradRing, WeightRing, piece_steps
 
 
 class RingOwner(Protocol):
+    """What an exchange needs of its owner (a fused group's or ring embedding's state): the engine, the step
+    state that names its ring operations, and its owner index there."""
+
     engine: Engine
     steps: object  # StepState
     op: int

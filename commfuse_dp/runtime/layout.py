@@ -20,6 +20,8 @@ import torch
 
 
 class Member(NamedTuple):
+    """One linear of a fused group: its shape, padded rows per rank and where it sits in the flat buffer."""
+
     out_features: int
     in_features: int
     chunk: int  # padded rows per rank
@@ -51,6 +53,8 @@ class Member(NamedTuple):
 
 
 class GroupLayout(NamedTuple):
+    """The flat per-rank buffer of a fused group: its members in order, its size, the ranks and the input width."""
+
     members: tuple[Member, ...]
     numel: int
     world: int

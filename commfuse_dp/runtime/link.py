@@ -88,6 +88,9 @@ class Pending:
 
 
 class Link:
+    """The link scheduler of one ring (module docstring): ``step`` requests one ring step, worked in request
+    order; every request is folded into the ring's fingerprint (``ring/fingerprint.py``)."""
+
     def __init__(self, ring: Ring, timeout_s: float, stats: StatsRecorder) -> None:
         self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
 

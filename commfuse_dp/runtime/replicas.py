@@ -38,6 +38,9 @@ from ..ring.topology import get_ring
 
 
 class Replicas:
+    """HSDP's replica exchange (module docstring): each fused parameter's gradient shard summed over the
+    replicate group, the copies of the model, while the backward goes on; ``exchange`` puts them in place."""
+
     def __init__(self, group: dist.ProcessGroup, ring_kwargs: dict[str, float]) -> None:
         self.group, self.ring_kwargs = group, ring_kwargs
         self.ring = get_ring(group, op="shard (replicate group)")

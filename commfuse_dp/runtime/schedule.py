@@ -44,6 +44,9 @@ from .step import StepState
 
 
 class FusedSchedule:
+    """The fused schedule, elastic or lockstep (the Note above): which ring steps are requested beside each piece,
+    which layers' rings are requested ahead, and when the lagging gradient rings land."""
+
     def __init__(self, engine: Engine, steps: StepState) -> None:
         self.engine, self.steps = engine, steps
         config = engine.config

@@ -18,12 +18,16 @@ from .step import StepState
 
 
 class Gathered(NamedTuple):
+    """A group's all-gather in flight: its work, the ``(N, numel)`` buffer it fills, when it started."""
+
     work: dist.Work | None
     flat: torch.Tensor  # (N, numel): every rank's packed shards
     started: float
 
 
 class Reducing(NamedTuple):
+    """A group's reduce-scatter in flight, with what its landing needs (the state, dtypes, trained members)."""
+
     work: dist.Work | None
     shard: torch.Tensor  # (numel,): this rank's summed gradient shards
     state: FusedGroupState
@@ -33,6 +37,9 @@ class Reducing(NamedTuple):
 
 
 class SlicingScheduler:
+    """The slicing schedule's communication: each group gathered whole one layer ahead on the ring thread, its
+    gradient reduce-scattered behind it and put in place when the backward ends."""
+
     def __init__(self, engine: Engine, steps: StepState) -> None:
         self.engine, self.steps = engine, steps
         self.dtype_hint: torch.dtype | None = None  # compute dtype under autocast, for the prefetched gathers
