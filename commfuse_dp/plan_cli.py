@@ -13,7 +13,7 @@ import argparse
 import json
 from dataclasses import replace
 
-from . import costs
+from . import costs, plan
 from .config import MIN_FUSE_NUMEL
 from .costs import Cluster, units_for
 from .plan import (ALIASES, KNOWN_MODELS, TORCHTITAN_8B, decide, predict, predict_nodes, recommend, simulate,
@@ -220,8 +220,9 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
 
 def main(argv: list[str] | None = None) -> int:
     first, _, rest = __doc__.partition("\n\n")  # the help shows each once, without the docstring's markup
+    model = plan.__doc__.partition("\n\n")[2].replace("The command line is ``plan_cli.py``.\n\n", "")
     parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=first.replace("``", ""),
-                                     epilog=rest.replace("``", ""),
+                                     epilog=(rest + "\n" + model).replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-7b", help=f"known shape ({', '.join(KNOWN_MODELS)}) or an HF "
                                                             f"config.json path")
@@ -255,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 1)")
     parser.add_argument("--host-fit", default="h200",
                         help="the host's time per fused group per step, a + b * ranks seconds (fused and slicing "
-                             "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'none' "
-                             "(default: not modelled), 'h200' (1.7 ms + 0.30 ms x ranks, measured on an H200's host "
-                             "with benchmarks/step_overhead.py --fake-worlds) or 'A,B' in seconds (that script "
+                             "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'h200' "
+                             "(default: 1.7 ms + 0.30 ms x ranks, measured on an H200's host with "
+                             "benchmarks/step_overhead.py --fake-worlds), 'none' (not modelled) or 'A,B' in seconds (that script "
                              "prints this machine's)")
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
     parser.add_argument("--overhead", metavar="JSON",

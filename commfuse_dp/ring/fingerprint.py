@@ -26,12 +26,11 @@ issued there.
 
 from __future__ import annotations
 
+import zlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-import zlib
 
 _MASK = (1 << 63) - 1
 _PRIME = 0x100000001B3
