@@ -39,10 +39,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 
 from . import lockstep
-from .checks import check_not_deepspeed, check_ranks_agree
+from .checks import check_not_sharded_elsewhere, check_ranks_agree
 from .choose import resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
@@ -90,13 +89,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     requested = device
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
-    check_not_deepspeed(model)  # ZeRO-3 / a DeepSpeed engine shards it already (checks.py)
-    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-            isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("shard: this model is sharded already (FSDP2 fully_shard, or transformers' from_pretrained("
-                         "..., distributed_config=DistributedConfig(...))); shard() needs the unsharded model. Load "
-                         "or build it without sharding and call shard(model), or keep that sharding and call "
-                         "commfuse_dp.integrations.fsdp.use_ring_collectives(model) to run its collectives on rings")
+    check_not_sharded_elsewhere(model)  # DeepSpeed or FSDP2 shards it already (checks.py)
     device = _single_device(model)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
