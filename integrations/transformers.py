@@ -42,7 +42,7 @@ How it works (transformers 5.23, accelerate 1.15):
   ``__init__``. Callbacks receive ``model`` (``Trainer.model``), ``optimizer``, ... as keyword arguments, never the
   Trainer (``CallbackHandler.call_event``). ``on_init_end`` runs at the end of ``Trainer.__init__``: the
   Accelerator and the process group exist, the optimizer does not. There the callback shards the model in place
-  with :func:`commfuse_dp.shard` and marks it ``model._is_accelerate_prepared = True``, so that
+  with :func:`commfuse_dp.shard` (through :func:`commfuse_dp.integrations.attach.attach`) and marks it ``model._is_accelerate_prepared = True``, so that
   ``Accelerator.prepare_model`` hands it back untouched instead of wrapping it in DDP, and applies accelerate's
   mixed precision from the model's own forward hooks (``prepare_sharded(trainer.accelerator, model)``).
   ``Trainer.train`` then builds its optimizer from the sharded (DTensor) parameters: the optimizer state is
