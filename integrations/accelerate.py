@@ -24,10 +24,10 @@ What differs from ``Accelerator`` (accelerate 1.15):
 
 * ``prepare`` / ``prepare_model`` shard each model in place with :func:`commfuse_dp.shard` (after moving it to
   ``accelerator.device``; both through :func:`commfuse_dp.integrations.attach.attach`, the path every integration
-  takes, which refuses a model another library shards already) instead of wrapping it in DDP; mixed precision (autocast) and ``torch.compile`` settings
-  are applied as accelerate applies them. An optimizer passed to the same ``prepare`` call that was built on the
-  full parameters is re-pointed at the sharded ones, by parameter name (as accelerate does for FSDP2); its state
-  -- built at the first ``step`` -- is then sharded too.
+  takes, which refuses a model another library shards already) instead of wrapping it in DDP; mixed precision
+  (autocast) and ``torch.compile`` settings are applied as accelerate applies them. An optimizer passed to the same
+  ``prepare`` call that was built on the full parameters is re-pointed at the sharded ones, by parameter name (as
+  accelerate does for FSDP2); its state -- built at the first ``step`` -- is then sharded too.
 * ``save_state`` / ``load_state``: the sharded models and their optimizers go to ``<dir>/commfuse`` through
   ``torch.distributed.checkpoint``, every rank writing its own shards (never rank 0's alone); schedulers, RNG
   states, the data loaders' positions, the step and custom objects go through accelerate's own code.

@@ -41,8 +41,8 @@ class CommFuseCallback(TrainerCallback):
     """Shards ``Trainer.model`` (:func:`commfuse_dp.integrations.attach.attach`) before the Trainer prepares it (see
     module docs).
 
-    ``cfg``: the :class:`CommFuseConfig`; ``None`` reads it from the ``COMMFUSE_*`` environment
-    (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
+    ``cfg``: the :class:`CommFuseConfig` (or a dict of its fields); ``None`` reads it from the ``COMMFUSE_*``
+    environment (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
 
     ``trainer``: the Trainer this callback belongs to, set by :class:`CommFuseTrainerMixin` (``CommFuseTrainer``,
     :func:`commfuse_trainer`) before the Trainer's ``__init__`` runs. ``None`` on a plain ``Trainer``: then the
