@@ -30,6 +30,8 @@ def _collectives_worker(rank, world_size):
         work.wait()
         small = torch.empty(world_size * 3)
         ring_all_gather(small, torch.full((3,), float(rank)), stats=stats)  # at 3 ranks: one direct round
+        empty = ring_all_gather(torch.empty(0), torch.empty(0), async_op=True, stats=stats)  # no ring step
+        assert isinstance(empty, dist.Work) and empty.is_completed() and empty.wait()
     requests = list(ring.fingerprint.requests)
     value = ring.fingerprint.value
     ring.fingerprint.drop()

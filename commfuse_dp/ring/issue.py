@@ -164,7 +164,11 @@ def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int],
         if device.type != "cuda":
             wait_until(device_ready())
         run()
-        return None
+        if not async_op or (ring.size == 1 and device.type != "cuda"):
+            return None
+        landed = Pending(OFF, kind, 0, count=0)  # a Work as before, with nothing to wait for
+        landed.waited = True
+        return RingWork(landed)
     ring.fingerprint.add_collective(kind, tag, label, sizes)
     last = len(sizes) - 1
     if transport._OBSERVERS:
