@@ -1,7 +1,7 @@
 """One ring step: start the sends to ``next`` and the receives from ``prev``, then wait for them.
 
-This is the whole transport interface the collectives and the fused layers use:
-``handle = start_step(ring, sends, recvs, ...)`` and ``handle.wait()``.
+This is the whole transport interface: ``handle = start_step(ring, sends, recvs, ...)`` and ``handle.wait()``,
+called for every ring step of the fused layers and the collectives by ``issue`` in ``ring/issue.py`` alone.
 
 Backends:
 - CPU + gloo: ``ProcessGroup.send/recv`` (the direct calls cost ~35% less host time per step than
@@ -32,12 +32,13 @@ _OBSERVERS: list[Observer] = []
 
 @contextlib.contextmanager
 def observe_ring(callback: Observer) -> Iterator[None]:
-    """Call ``callback(event, op, step)`` for every ring step's ``"start"``, ``"wait"`` (the wait begins) and
-    ``"done"`` (it ended), and for the fused layers' compute pieces, ``"compute_begin"`` and ``"compute"`` (the
-    piece ended), reported through ``notify``. Called on the thread doing the work. A step requested on the link
-    scheduler (``commfuse_dp/runtime/link.py``) reports ``"start"`` when it is requested and ``"wait"``/``"done"`` when
-    compute waits for it, on the compute thread, and ``"issued"``/``"landed"`` from the link's thread when the
-    link works it. For schedule tests and timelines."""
+    """Call ``callback(event, op, step)`` for every ring step, and for the fused layers' compute pieces,
+    ``"compute_begin"`` and ``"compute"`` (the piece ended), reported through ``notify``. A ring step
+    (``ring/issue.py``) reports ``"start"`` when it is requested, on the thread requesting it (a collective's steps
+    all at once when it is called; ``op``: the fused ring's phase, or ``all_gather`` / ``reduce_scatter``);
+    ``"issued"`` and ``"landed"`` around its issue and its bytes' arrival on the thread that works it (CPU: the
+    ring's thread, or the caller of a synchronous collective); ``"wait"`` and ``"done"`` around compute's wait for
+    it (a collective's: once, with its last step's index). For schedule tests and timelines."""
     _OBSERVERS.append(callback)
     try:
         yield
@@ -75,8 +76,8 @@ class StepHandle:
 
     def wait(self, observed: bool = True) -> None:
         """CPU: block until the step's bytes have landed (or raise by the deadline). CUDA: order the current
-        stream after the step, without blocking the host. ``observed``: report it to ``observe_ring`` (the link
-        scheduler reports its steps itself, on the compute side)."""
+        stream after the step, without blocking the host. ``observed``: report it to ``observe_ring``
+        (``ring/issue.py`` reports the steps it issues itself: requested, issued, waited for)."""
         observed = observed and bool(_OBSERVERS)
         if observed:
             notify("wait", self.op, self.step)
