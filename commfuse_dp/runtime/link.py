@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-
 import torch
 
 from ..ring import transport
 from ..ring.topology import Ring
+from ..ring.worker import Job
 from ..stats import StatsRecorder
 
 
@@ -40,7 +39,7 @@ class Pending:
 
     __slots__ = ("link", "future", "event", "device", "op", "k", "requested", "waited")
 
-    def __init__(self, link: Link, op: str, k: int, future: Future | None = None,
+    def __init__(self, link: Link, op: str, k: int, future: Job | None = None,
                  event: torch.cuda.Event | None = None, device: int | None = None) -> None:
         self.link, self.future, self.event, self.op, self.k = link, future, event, op, k
         self.device = device  # CUDA: the device index whose current stream waits for ``event``
