@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from ..stats import StatsRecorder
 from . import transport
 from .topology import Ring, device_ready, wait_until
+from .worker import Job
 
 OFF = StatsRecorder(enabled=False)  # for collectives whose caller keeps no step statistics
 
@@ -44,7 +44,7 @@ class Pending:
 
     __slots__ = ("stats", "future", "event", "device", "run", "op", "k", "count", "requested", "waited")
 
-    def __init__(self, stats: StatsRecorder, op: str, k: int, future: Future | None = None,
+    def __init__(self, stats: StatsRecorder, op: str, k: int, future: Job | None = None,
                  event: torch.cuda.Event | None = None, device: int | None = None,
                  run: Callable[[], None] | None = None, count: int = 1) -> None:
         self.stats, self.future, self.event, self.op, self.k = stats, future, event, op, k

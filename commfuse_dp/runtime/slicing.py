@@ -61,6 +61,12 @@ class SlicingScheduler:
     def start_first(self, phase: str) -> None:
         """(Fused schedule only: here each layer's gather prefetches the next one's.)"""
 
+    def before_piece(self, state: FusedGroupState, phase: str, k: int, grads=None) -> None:
+        """(Nothing goes beside a piece: a layer's gather is whole, requested one layer ahead by ``gather``.)"""
+
+    def after_piece(self, state: FusedGroupState, phase: str, k: int) -> None:
+        """(Nothing lands between pieces: the reduce-scatters land when the backward ends.)"""
+
     def reset(self) -> None:
         """Drop everything of an aborted step: in-flight gathers and reduce-scatters are waited for (every rank
         started them alike) and their results dropped; the layer order is forgotten."""
