@@ -23,6 +23,7 @@ runs where it is called.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -44,7 +45,7 @@ class Pending:
 
     __slots__ = ("stats", "future", "event", "device", "run", "op", "k", "count", "requested", "waited")
 
-    def __init__(self, stats: StatsRecorder, op: str, k: int, future: Job | None = None,
+    def __init__(self, stats: StatsRecorder, op: str, k: int, future: Job | Posted | None = None,
                  event: torch.cuda.Event | None = None, device: int | None = None,
                  run: Callable[[], None] | None = None, count: int = 1) -> None:
         self.stats, self.future, self.event, self.op, self.k = stats, future, event, op, k
@@ -98,19 +99,68 @@ class Pending:
 
 def issue(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int, op: str, k: int,
           steps: int, timeout_s: float, label: object, send_to: Sequence[int] | None = None,
-          recv_from: Sequence[int] | None = None, before: Callable[[], None] | None = None) -> None:
+          recv_from: Sequence[int] | None = None, before: Callable[[], None] | None = None,
+          wait: bool = True) -> transport.StepHandle:
     """Issue one ring step and wait for it on the worker running it (CPU: until its bytes landed; CUDA: the
     communication stream, current here, is ordered after it). ``before`` runs first (a received partial sum's
-    add). The arguments are ``transport.start_step``'s."""
+    add). The arguments are ``transport.start_step``'s. ``wait=False``: return at once (``Posted`` waits)."""
     observed = bool(transport._OBSERVERS) and not (sends[0] if sends else recvs[0]).is_cuda
     if observed:
         transport.notify("issued", op, k)
     if before is not None:
         before()
-    transport.start_step(ring, sends, recvs, tag=tag, op=op, step=k, steps=steps, timeout_s=timeout_s,
-                         label=label, observed=False, send_to=send_to, recv_from=recv_from).wait(observed=False)
-    if observed:
-        transport.notify("landed", op, k)
+    handle = transport.start_step(ring, sends, recvs, tag=tag, op=op, step=k, steps=steps, timeout_s=timeout_s,
+                                  label=label, observed=False, send_to=send_to, recv_from=recv_from)
+    if wait:
+        handle.wait(observed=False)
+        if observed:
+            transport.notify("landed", op, k)
+    return handle
+
+
+class Posted:
+    """A ring step issued on the thread that requested it (CPU, the ring's thread idle and no other step of the
+    ring in flight: ``Issuer.step``), as a ``Job`` of the ring's thread is seen: ``done()`` never blocks,
+    ``result()`` waits for its bytes (its deadline bounds it) once, on whichever thread asks first, and raises
+    its error on every call."""
+
+    __slots__ = ("handle", "op", "k", "error", "landed", "lock")
+
+    def __init__(self, handle: transport.StepHandle, op: str, k: int) -> None:
+        self.handle, self.op, self.k = handle, op, k
+        self.error: BaseException | None = None
+        self.landed = False
+        self.lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self.landed or self.handle.completed()
+
+    def result(self) -> None:
+        with self.lock:
+            if not self.landed:
+                try:
+                    self.handle.wait(observed=False)
+                except BaseException as err:  # noqa: BLE001 - raised below, on every call
+                    self.error = err
+                self.landed = True
+                if transport._OBSERVERS:
+                    transport.notify("landed", self.op, self.k)
+        if self.error is not None:
+            raise self.error
+
+
+def after_posted(ring: Ring, run: Callable[[], object]) -> Callable[[], object]:
+    """``run``, first waiting for the ring's step issued at once and still in flight (``Ring.posted``), if any: the
+    ring's thread works its jobs after it, as after its own (the link works one step at a time, in request order)."""
+    posted, ring.posted = ring.posted, None
+    if posted is None or posted.done():  # (its own Pending still waits for it, and raises its error)
+        return run
+
+    def ordered():
+        posted.result()
+        return run()
+
+    return ordered
 
 
 class Issuer:
@@ -147,10 +197,20 @@ class Issuer:
                 t.record_stream(stream)
             return Pending(self.stats, op.phase, k, event=event, device=stream.device_index)
 
+        posted = ring.posted
+        if posted is not None and posted.done():
+            posted = ring.posted = None
+        if posted is None and not ring.executor.queued and device_ready() is None:
+            # Nothing of this ring in flight or queued: issue it here, now (no hand-over to the ring's thread)
+            handle = issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from,
+                           before, wait=False)
+            ring.posted = Posted(handle, op.phase, k)
+            return Pending(self.stats, op.phase, k, future=ring.posted)
+
         def run() -> None:
             issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from, before)
 
-        return Pending(self.stats, op.phase, k, future=ring.submit(run))
+        return Pending(self.stats, op.phase, k, future=ring.submit(after_posted(ring, run)))
 
 
 def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int], run: Callable[[], None],
@@ -183,10 +243,10 @@ def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int],
             t.record_stream(stream)
         pending = Pending(stats, kind, last, event=event, device=stream.device_index, count=len(sizes))
     elif async_op:
-        pending = Pending(stats, kind, last, future=ring.submit(run), count=len(sizes))
+        pending = Pending(stats, kind, last, future=ring.submit(after_posted(ring, run)), count=len(sizes))
     else:
         wait_until(device_ready())  # an emulated accelerator's compute issued so far has ended (topology.py)
-        pending = Pending(stats, kind, last, run=run, count=len(sizes))
+        pending = Pending(stats, kind, last, run=after_posted(ring, run), count=len(sizes))
     if async_op:  # the caller's wait(): compute until then overlaps it
         return RingWork(pending)
     pending.wait()

@@ -43,6 +43,7 @@ class Ring:
         self._seq = 0
         self._lock = threading.Lock()
         self._executor: RingWorker | None = None
+        self.posted = None  # a ring step issued at once by the thread that requested it, maybe in flight (issue.py)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.broken: str | None = None  # the first failure; every later op raises it at once
         # gloo's messages carry the op's tag; COMMFUSE_RING_TAGS=0 sends all with tag 0, paired by order alone as

@@ -91,6 +91,10 @@ class StepHandle:
         if observed:
             notify("done", self.op, self.step)
 
+    def completed(self) -> bool:
+        """CPU: whether every work of the step has completed (never blocks; an error is raised by ``wait``)."""
+        return all(work.is_completed() for works in (self.recvs, self.sends) for work in works)
+
     def _wait_host(self) -> None:
         ring = self.ring
         # The last tenth of the timeout (at most 10 s) is kept for asking the peers where they are (_where_peers).
@@ -100,9 +104,11 @@ class StepHandle:
         for works, peers, direction in ((self.recvs, self.recv_from or repeat(ring.prev), "receive from"),
                                         (self.sends, self.send_to or repeat(ring.next), "send to")):
             for work, peer in zip(works, peers):
-                remaining = until - time.monotonic()
                 try:
-                    work.wait(timedelta(seconds=max(remaining, 1e-3)))
+                    if work.is_completed():  # landed (or failed: wait raises its error at once)
+                        work.wait()
+                    else:
+                        work.wait(timedelta(seconds=max(until - time.monotonic(), 1e-3)))
                 except RuntimeError as err:
                     raise self._failure(err, peer, direction) from err
 
@@ -159,13 +165,14 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
                           send_to, recv_from)
     pg = ring.group
     handle = StepHandle(ring, [], [], op, step, steps, timeout_s, False, label, send_to, recv_from)
+    tag = tag if ring.tagged else 0
     # Receives first: a gloo send moves its bytes once the receiver has posted the receive, and the notice that
     # it has then leaves ahead of this rank's own outgoing bytes instead of queueing behind them.
     for works, tensors, peers, post, direction in ((handle.recvs, recvs, source, pg.recv, "receive from"),
                                                    (handle.sends, sends, to, pg.send, "send to")):
         for t, peer in zip(tensors, peers):
             try:  # gloo raises here already when the peer's connection is gone
-                works.append(post([t], peer, tag if ring.tagged else 0))
+                works.append(post([t], peer, tag))
             except RuntimeError as err:
                 raise handle._failure(err, peer, direction) from err
     return handle

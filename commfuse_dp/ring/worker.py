@@ -44,6 +44,7 @@ class RingWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Condition(threading.Lock())
         self._waiting = 0
+        self.queued = 0  # jobs submitted and not finished (0: the thread is idle, nothing waits in its queue)
         threading.Thread(target=_work, args=(self._jobs, self._done), name=name).start()
         weakref.finalize(owner, self._jobs.put, None)
         _LIVE.add(self)
@@ -54,6 +55,8 @@ class RingWorker:
 
     def submit(self, fn: Callable[[], object]) -> Job:
         job = Job(fn, self)
+        with self._done:  # (the thread lowers it under the same lock)
+            self.queued += 1
         self._jobs.put(job)
         return job
 
@@ -90,6 +93,7 @@ def _work(jobs: queue.SimpleQueue, done: threading.Condition) -> None:
         job.fn = None
         with done:
             job.finished = True
+            job.worker.queued -= 1
             if job.worker._waiting:
                 done.notify_all()
         del job
