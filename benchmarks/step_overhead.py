@@ -90,10 +90,10 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     from torch.distributed.device_mesh import init_device_mesh
 
     from commfuse_dp import CommFuseConfig
+    from commfuse_dp.fused import compute_for
     from commfuse_dp.runtime.engine import Engine
-    from commfuse_dp.runtime import step_state
 
-    steps = step_state(Engine(ring, init_device_mesh("cpu", (world,)), CommFuseConfig()))
+    steps, _ = compute_for(Engine(ring, init_device_mesh("cpu", (world,)), CommFuseConfig()))
     owners = [steps.register(f"model.layers.{i}.mlp.down_proj") for i in range(256)]
     op = min(timeit.repeat(lambda: steps.ring_op(owners[7], "forward"), number=calls, repeat=5)) / calls
     tag = min(timeit.repeat(ring.next_tag, number=calls, repeat=5)) / calls
@@ -102,8 +102,13 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
 
 def fake_rank0(world: int) -> None:
     """This process as rank 0 of ``world`` on torch's ``fake`` group (every send and receive completes at once and
-    moves nothing), with ``shard()``'s agreement check between ranks off (a fake group moves no objects)."""
+    moves nothing), with ``shard()``'s agreement check between ranks off (a fake group moves no objects). Its works
+    say so when asked (``is_completed``: a fake work answers False forever, as if its bytes never landed; a gloo
+    work answers True once they have)."""
+    from torch._C._distributed_c10d import FakeWork
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    FakeWork.is_completed = lambda self: True
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None

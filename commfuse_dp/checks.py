@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from .config import CommFuseConfig
 from .ring.collectives import ring_all_gather
@@ -173,3 +175,17 @@ def check_not_deepspeed(model: nn.Module) -> None:
                              f"the model outside deepspeed.zero.Init and do not give it to deepspeed.initialize to "
                              f"shard it with commfuse, or keep ZeRO-3 and call commfuse_dp.integrations.deepspeed."
                              f"enable_ring_collectives(engine) to run its collectives on the rings")
+
+
+def check_not_sharded_elsewhere(model: nn.Module) -> None:
+    """Raise ``ValueError`` if another library shards ``model`` already: DeepSpeed (:func:`check_not_deepspeed`), or
+    FSDP2 (``fully_shard``, or transformers' ``from_pretrained(..., distributed_config=...)``: FSDP2 units or
+    DTensor parameters). Each message names what to do instead. Local, no communication; ``shard()`` and
+    ``commfuse_dp.integrations.attach`` both start with it."""
+    check_not_deepspeed(model)
+    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+            isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("shard: this model is sharded already (FSDP2 fully_shard, or transformers' from_pretrained("
+                         "..., distributed_config=DistributedConfig(...))); shard() needs the unsharded model. Load "
+                         "or build it without sharding and call shard(model), or keep that sharding and call "
+                         "commfuse_dp.integrations.fsdp.use_ring_collectives(model) to run its collectives on rings")

@@ -26,7 +26,6 @@ error is a rank whose shards hold non-finite values, not necessarily the rank wh
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -103,7 +102,6 @@ class NonfiniteCheck:
                 return
             mode = "raise"
         ring, stats = self.engine.world_ring, self.engine.stats  # every rank (HSDP: of every copy) decides alike
-        began = time.perf_counter()
         params = self.params
         grads = [(name, p.grad) for name, p in params if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for _, g in grads]
@@ -112,11 +110,9 @@ class NonfiniteCheck:
         if local:
             mine.copy_(_any_nonfinite(local))
         step = self.steps.step
-        ring_all_gather(flags, mine, ring.group, timeout_s=self.engine.config.timeout_s,
+        ring_all_gather(flags, mine, ring.group, timeout_s=self.engine.config.timeout_s, stats=stats,
                         label=f"the non-finite gradient check after the backward of step {step}")
         bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]  # the host waits for the flags here
-        if stats.enabled:
-            stats.blocking(began, time.perf_counter())
         if not bad_ranks:
             return
         names = [name for (name, _), g in zip(grads, local) if g.numel() and bool(_any_nonfinite([g]))] \

@@ -128,7 +128,7 @@ class ScalarParams:
                 mine[i] = p.grad.to_local().to(torch.float64)
                 mine[len(params) + i] = 1.0
         everyone = torch.empty(ring.size * mine.numel(), dtype=torch.float64, device=device)
-        ring_all_gather(everyone, mine, ring.group, timeout_s=self.engine.config.timeout_s,
+        ring_all_gather(everyone, mine, ring.group, timeout_s=self.engine.config.timeout_s, stats=self.engine.stats,
                         label="the 0-d parameters' gradient mean after the backward")
         rows = everyone.view(ring.size, 2, len(params))
         means = rows[:, 0].sum(0) / ring.size

@@ -39,20 +39,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 
 from . import lockstep
-from .checks import check_not_deepspeed, check_ranks_agree
+from .checks import check_not_sharded_elsewhere, check_ranks_agree
 from .choose import resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
-from .fused.modules import attach_group, convert_linear
+from .fused import attach_group, compute_for, convert_linear
 from .fused.reads import ParamBindings, attach_reads
 from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
 from .ring.topology import get_ring
-from .runtime import step_state
 from .runtime.engine import Engine
 from .runtime.replicas import Replicas
 from .runtime.step import StepState
@@ -90,13 +88,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     requested = device
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
-    check_not_deepspeed(model)  # ZeRO-3 / a DeepSpeed engine shards it already (checks.py)
-    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
-            isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("shard: this model is sharded already (FSDP2 fully_shard, or transformers' from_pretrained("
-                         "..., distributed_config=DistributedConfig(...))); shard() needs the unsharded model. Load "
-                         "or build it without sharding and call shard(model), or keep that sharding and call "
-                         "commfuse_dp.integrations.fsdp.use_ring_collectives(model) to run its collectives on rings")
+    check_not_sharded_elsewhere(model)  # DeepSpeed or FSDP2 shards it already (checks.py)
     device = _single_device(model)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
@@ -122,7 +114,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs)
     world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
     engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
-    steps = step_state(engine)
+    steps, compute = compute_for(engine)  # the schedule, and the Function that computes under it
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
 
     data_dependent = lockstep.data_dependent_modules(model)
@@ -137,7 +129,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fused_params.update(convert_linear(module, engine, transposed))
         bound.append((name, module, {"weight": 1 if transposed else 0, "bias": 0}))
     for members in shared_input_groups(fused):
-        attach_group(steps, [m for _, m, _ in members], [names[id(m)] for _, m, _ in members])
+        attach_group(steps, [m for _, m, _ in members], [names[id(m)] for _, m, _ in members], compute)
     for _, lm_head in tied.values():
         lm_head._cf_group.state.tied = True
     if config.ring_embeddings and not peer:

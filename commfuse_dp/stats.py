@@ -1,11 +1,14 @@
 """Per-step timing: compute, communication and exposed communication, per rank.
 
 A *step* runs from one forward of the sharded root module to the next (gradient accumulation's micro-batches
-count as separate steps). Exposed communication is host time spent blocked on the ring: waiting for a ring step
-that the compute piece beside it did not cover, or running a synchronous bucketed collective. Communication is the
-time from each ring step's start to the end of its wait (an upper bound of the wire time). Compute is the rest of
-the step's wall time. Recording costs two ``perf_counter`` calls per ring step; ``CommFuseConfig(stats=False)``
-turns it off.
+count as separate steps). Exposed communication is the time compute spent waiting on the rings: for a ring step
+that the compute piece beside it did not cover, for an asynchronous bucketed collective (FSDP2 units, the slicing
+schedule), or running a synchronous one; on CPU the host's, on CUDA the compute stream's, measured by CUDA events.
+Communication is the time from each ring step's request to the end of its wait (an upper bound of the wire time).
+Compute is the rest of the step's wall time. Every wait is recorded in one place, ``Pending.wait``
+(``ring/issue.py``), the fused layers' and the collectives' alike (HSDP's replica sums, waited for on the replicate
+ring's thread or stream, are not). Recording costs two ``perf_counter`` calls per wait;
+``CommFuseConfig(stats=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -73,17 +76,12 @@ class StatsRecorder:
         on CUDA the host time of a wait is about zero, the stream's is what is exposed)."""
         self.cuda_waits.append((before, after))
 
-    def ring_step(self, started: float, wait_began: float, ended: float) -> None:
-        """A ring step that started at ``started`` and whose wait ran from ``wait_began`` to ``ended``."""
+    def ring_step(self, started: float, wait_began: float, ended: float, steps: int = 1) -> None:
+        """A ring step (``steps``: a collective's ring steps, waited for at once) requested at ``started`` and whose
+        wait ran from ``wait_began`` to ``ended``; called by ``Pending.wait`` (``ring/issue.py``) alone."""
         self.comm += ended - started
         self.exposed += ended - wait_began
-        self.ring_steps += 1
-        self.end = ended
-
-    def blocking(self, began: float, ended: float) -> None:
-        """A synchronous collective: all of it is exposed."""
-        self.comm += ended - began
-        self.exposed += ended - began
+        self.ring_steps += steps
         self.end = ended
 
     def mark(self) -> None:

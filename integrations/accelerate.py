@@ -23,10 +23,11 @@ Launch it like any accelerate script (``torchrun --nproc_per_node N``, ``acceler
 What differs from ``Accelerator`` (accelerate 1.15):
 
 * ``prepare`` / ``prepare_model`` shard each model in place with :func:`commfuse_dp.shard` (after moving it to
-  ``accelerator.device``) instead of wrapping it in DDP; mixed precision (autocast) and ``torch.compile`` settings
-  are applied as accelerate applies them. An optimizer passed to the same ``prepare`` call that was built on the
-  full parameters is re-pointed at the sharded ones, by parameter name (as accelerate does for FSDP2); its state
-  -- built at the first ``step`` -- is then sharded too.
+  ``accelerator.device``; both through :func:`commfuse_dp.integrations.attach.attach`, the path every integration
+  takes, which refuses a model another library shards already) instead of wrapping it in DDP; mixed precision
+  (autocast) and ``torch.compile`` settings are applied as accelerate applies them. An optimizer passed to the same
+  ``prepare`` call that was built on the full parameters is re-pointed at the sharded ones, by parameter name (as
+  accelerate does for FSDP2); its state -- built at the first ``step`` -- is then sharded too.
 * ``save_state`` / ``load_state``: the sharded models and their optimizers go to ``<dir>/commfuse`` through
   ``torch.distributed.checkpoint``, every rank writing its own shards (never rank 0's alone); schedulers, RNG
   states, the data loaders' positions, the step and custom objects go through accelerate's own code.
@@ -41,7 +42,8 @@ What differs from ``Accelerator`` (accelerate 1.15):
 With DeepSpeed (a ``deepspeed_plugin``, or an accelerate config with ``distributed_type: DEEPSPEED``, as under
 ``commfuse-dp launch``) DeepSpeed partitions the model and CommFuseAccelerator shards nothing: ``prepare`` builds
 accelerate's DeepSpeed engine and then routes its ZeRO collectives through the rings
-(:func:`commfuse_dp.integrations.deepspeed.enable_ring_collectives`, with this config's ``bucket_mb`` /
+(``attach(engine.module, config, backend="deepspeed", engine=engine)``, as
+:func:`commfuse_dp.integrations.deepspeed.enable_ring_collectives` does, with this config's ``bucket_mb`` /
 ``timeout_s``), as ``CommFuseCallback`` does for a Trainer. accelerate 1.15 runs DeepSpeed only on GPUs (with
 ``cpu=True`` it turns DeepSpeed off, and without it a CPU worker counts one process while DeepSpeed counts N), so
 this is refused on a machine without CUDA; on CPU, DeepSpeed runs on rings through ``deepspeed.initialize`` and
@@ -67,26 +69,14 @@ from accelerate.utils import DistributedType, convert_to_fp32, get_mixed_precisi
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.amp import autocast_root
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.integrations.attach import attach, resolve_config
 from commfuse_dp.ring.topology import drain_gloo_workers
-from commfuse_dp.shard import shard
 
 __all__ = ["CommFuseAccelerator", "resolve_config"]
 
 logger = logging.getLogger("commfuse_dp")
 
 CHECKPOINT_SUBDIR = "commfuse"
-
-
-def resolve_config(commfuse: CommFuseConfig | Mapping | None) -> CommFuseConfig:
-    """A ``CommFuseConfig`` from what a user passed: a config, a mapping of its fields, or ``None`` (the
-    ``COMMFUSE_*`` environment)."""
-    if commfuse is None:
-        return CommFuseConfig.from_env()
-    if isinstance(commfuse, CommFuseConfig):
-        return commfuse
-    if isinstance(commfuse, Mapping):
-        return CommFuseConfig.from_dict(commfuse)
-    raise TypeError(f"commfuse= takes a CommFuseConfig, a dict of its fields or None, not {type(commfuse).__name__}")
 
 
 _REFUSED = {
@@ -150,12 +140,13 @@ class CommFuseAccelerator(Accelerator):
     def _shard(self, model: torch.nn.Module, device_placement: bool | None) -> None:
         if ckpt.is_sharded(model) or getattr(model, "_is_accelerate_prepared", False):
             return
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("CommFuseAccelerator.prepare got a DistributedDataParallel model; pass the plain module")
         place = self.device_placement if device_placement is None else device_placement
-        if place and not self.verify_device_map(model):
-            model.to(self.device)
-        shard(model, self.commfuse_config)
+
+        def to_device(module: torch.nn.Module) -> None:
+            if place and not self.verify_device_map(module):
+                module.to(self.device)
+
+        attach(model, self.commfuse_config, who="CommFuseAccelerator.prepare", place=to_device)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):
@@ -168,10 +159,9 @@ class CommFuseAccelerator(Accelerator):
         if self.distributed_type == DistributedType.DEEPSPEED:
             result = super().prepare(*args, device_placement=device_placement)
             if self.commfuse_rings is None and getattr(self, "deepspeed_engine_wrapped", None) is not None:
-                from commfuse_dp.integrations.deepspeed import enable_ring_collectives
-
-                self.commfuse_rings = enable_ring_collectives(self.deepspeed_engine_wrapped.engine,
-                                                              self.commfuse_config)
+                engine = self.deepspeed_engine_wrapped.engine
+                self.commfuse_rings = attach(engine.module, self.commfuse_config, who="CommFuseAccelerator.prepare",
+                                             backend="deepspeed", engine=engine).rings
             return result
         if not self.commfuse_active:
             return super().prepare(*args, device_placement=device_placement)

@@ -10,8 +10,9 @@ not run as ``__main__`` itself.)
 ``torch.distributed.run -m`` on CPU). Without ``COMMFUSE_ENABLE=1`` (also true/yes/on) in the environment it only
 runs the script. With it, before the script runs:
 
-1. The config is read from the ``COMMFUSE_*`` variables (``CommFuseConfig.from_env()``); a wrong one stops the
-   worker here with one line and exit status 2.
+1. The config is read from the ``COMMFUSE_*`` variables as the integrations will read it
+   (``commfuse_dp.integrations.attach.resolve_config(None)``, i.e. ``CommFuseConfig.from_env()``); a wrong one
+   stops the worker here with one line and exit status 2.
 2. ``accelerate.Accelerator`` becomes ``commfuse_dp.integrations.accelerate.CommFuseAccelerator`` (a subclass;
    with no ``commfuse=`` argument it reads the same variables): the attribute is replaced on the ``accelerate``
    package and on every already imported ``accelerate.*`` module that holds the original class under that name
@@ -26,9 +27,13 @@ runs the script. With it, before the script runs:
    the ``COMMFUSE_*`` variables) bound to it, or binds the one the script passed in ``callbacks=``, and saves and
    loads every rank's shards -- the same path as a script that writes ``CommFuseTrainer`` itself. That module's
    own ``Accelerator`` name is set back to accelerate's original class: a Trainer is sharded by the callback, not
-   by a CommFuseAccelerator as well.
+   by a CommFuseAccelerator as well (the model reaches ``attach`` once).
 4. The script runs as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT.py ARGS``
    would set them; ``-m``: as ``python -m MODULE ARGS``).
+
+The launcher attaches nothing itself: the models of such a script go onto the rings through
+``commfuse_dp.integrations.attach.attach``, called by ``CommFuseAccelerator.prepare`` or ``CommFuseCallback``, as in a
+script that uses those classes itself.
 
 A script that passes its own ``CommFuseCallback(cfg)`` to a Trainer keeps it (its config is used, the launcher's
 ``COMMFUSE_*`` variables are not); a script that already uses ``CommFuseTrainer`` or ``commfuse_trainer(...)`` gets
@@ -146,10 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         print(_usage(), file=sys.stderr if not argv else sys.stdout)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if enabled():
-        from commfuse_dp.config import CommFuseConfig
+        from commfuse_dp.integrations.attach import resolve_config
 
         try:
-            CommFuseConfig.from_env()
+            resolve_config(None)  # what CommFuseAccelerator and CommFuseCallback will read: fail here, in one line
         except ValueError as e:
             print(f"commfuse_dp bootstrap: {' '.join(str(e).split())}", file=sys.stderr)
             raise SystemExit(2) from None

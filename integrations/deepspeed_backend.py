@@ -1,21 +1,30 @@
 """DeepSpeed's communication backend with its data-parallel collectives on the rings: ``RingBackend`` wraps the
 backend ``deepspeed.comm`` holds (``cdb``) and sends ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 ``all_reduce`` and ``reduce`` on the routed groups through ``commfuse_dp``'s ring collectives, counting them in a
-``RingStats`` (``integrations/deepspeed.py`` installs it and says which calls go where)."""
+``RingStats`` (``integrations/deepspeed.py`` says which calls go where).
+
+Below the entry points, and used by ``integrations/attach.py`` for ``backend="deepspeed"``: the ``"commfuse"``
+section of a DeepSpeed config (:func:`config_from_deepspeed`, :func:`ring_config`), the data-parallel groups to route
+(:func:`dp_groups`), the install and its handle (:func:`install`, :class:`RingCollectives`), and the checks. Nothing
+here imports ``deepspeed`` until it runs."""
 
 from __future__ import annotations
 
+import difflib
 import math
+import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.ring.collectives import ring_all_gather, ring_reduce_scatter
-from commfuse_dp.ring.topology import get_ring
+from commfuse_dp.ring.topology import get_ring, register_exit_drain
 
 
 @dataclass
@@ -194,3 +203,183 @@ def _async_result(work: dist.Work | None, async_op: bool) -> dist.Work | None:
 
 def group_name(pg: dist.ProcessGroup) -> str:
     return getattr(pg, "group_name", None) or str(id(pg))
+
+
+RING_FIELDS = ("bucket_mb", "direct_kb", "timeout_s")
+"""The ``CommFuseConfig`` fields that apply to DeepSpeed's collectives (the rest configure ``commfuse_dp.shard``)."""
+
+_lock = threading.Lock()
+
+
+# ---- configuration -------------------------------------------------------------------------------------------
+
+def config_from_deepspeed(ds_config: Mapping[str, Any] | None) -> CommFuseConfig | None:
+    """The ``CommFuseConfig`` of the ``"commfuse"`` section of a DeepSpeed config dict, or ``None`` without one.
+
+    Only :data:`RING_FIELDS` are accepted; an unknown key, a ``CommFuseConfig`` field that does nothing to
+    DeepSpeed's collectives, or a bad value raises ``ValueError`` naming it."""
+    if not ds_config or "commfuse" not in ds_config:
+        return None
+    section = ds_config["commfuse"]
+    where = 'DeepSpeed config, "commfuse" section'
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{where}: expected a mapping such as {{\"bucket_mb\": 25}}, got {type(section).__name__} "
+                         f"{section!r}")
+    known = {f.name for f in fields(CommFuseConfig)}
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), RING_FIELDS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where}: unknown key {key!r}; {hint}the section takes {list(RING_FIELDS)}")
+        if key not in RING_FIELDS:
+            raise ValueError(f"{where}: {key!r} configures commfuse_dp.shard() and does nothing to DeepSpeed's "
+                             f"collectives; remove it (the section takes {list(RING_FIELDS)})")
+    try:
+        return CommFuseConfig.from_dict(section)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def ring_config_arg(cfg: CommFuseConfig | Mapping[str, Any] | None) -> CommFuseConfig | None:
+    if cfg is None or isinstance(cfg, CommFuseConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return config_from_deepspeed({"commfuse": cfg})
+    raise TypeError(f"enable_ring_collectives: cfg must be a CommFuseConfig, a mapping of {list(RING_FIELDS)} or "
+                    f"None, got {type(cfg).__name__}")
+
+
+def ring_config(own: CommFuseConfig | None, section: CommFuseConfig | None, who: str, own_wins: bool
+                ) -> tuple[CommFuseConfig, str]:
+    """The ring config and where it came from (``RingCollectives.source``), of the entry's own config ``own`` and
+    the DeepSpeed config's ``"commfuse"`` section. ``own_wins``: ``own`` is an explicit choice and wins over the
+    section (``enable_ring_collectives(engine, cfg)``, ``CommFuseAccelerator``); else the section wins, and a ring
+    field that ``own`` sets to a non-default value different from the section's is an error (``CommFuseCallback``:
+    its config always exists, ``CommFuseConfig.from_env()`` without an argument, so only the fields that differ
+    from the defaults were set by the user)."""
+    if own_wins:
+        source = "cfg" if own is not None else "the DeepSpeed config" if section is not None else "defaults"
+        return own or section or CommFuseConfig(), source
+    if section is not None and own is not None:
+        default = CommFuseConfig()
+        clash = [f for f in RING_FIELDS
+                 if getattr(own, f) != getattr(default, f) and getattr(own, f) != getattr(section, f)]
+        if clash:
+            diff = ", ".join(f"{f}: DeepSpeed config {getattr(section, f)!r}, {who} {getattr(own, f)!r}"
+                             for f in clash)
+            raise ValueError(f"{who}: the DeepSpeed config's \"commfuse\" section and the callback's "
+                             f"CommFuseConfig disagree ({diff}); set the ring fields in one place")
+    return section or own or CommFuseConfig(), "the DeepSpeed config" if section is not None else who
+
+
+# ---- what a run reports ----------------------------------------------------------------------------------------
+
+class RingCollectives:
+    """The handle :func:`enable_ring_collectives` returns: ``stats``, ``config``, ``group_ranks`` (the ranks of each
+    data-parallel process group routed to the rings), ``disable()`` (DeepSpeed's previous backend again); also a
+    context manager that disables on exit."""
+
+    def __init__(self, config: CommFuseConfig, groups: tuple[dist.ProcessGroup, ...], source: str) -> None:
+        self.config = config
+        # Ranks only: a reference to a group would keep it (and gloo's worker threads) alive after
+        # destroy_process_group() for as long as this handle lives.
+        self.group_ranks = [dist.get_process_group_ranks(g) for g in groups]
+        self.source = source  # where the config came from, for messages
+        self.stats = RingStats()
+        self._backend: RingBackend | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._backend is not None
+
+    def disable(self) -> None:
+        """Put DeepSpeed's previous backend back. Idempotent. Raises if something replaced the backend since."""
+        import deepspeed.comm.comm as ds_comm
+
+        with _lock:
+            if self._backend is None:
+                return
+            if ds_comm.cdb is not self._backend:
+                raise RuntimeError(f"RingCollectives.disable: deepspeed.comm.comm.cdb was replaced since the rings "
+                                   f"were enabled (it is now {type(ds_comm.cdb).__name__}); disable whatever replaced "
+                                   f"it first, in reverse order")
+            ds_comm.cdb = self._backend._inner
+            self._backend = None
+
+    def __enter__(self) -> RingCollectives:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
+    def __repr__(self) -> str:
+        state = "enabled" if self.enabled else "disabled"
+        return (f"RingCollectives({state}, bucket_mb={self.config.bucket_mb:g}, direct_kb={self.config.direct_kb:g}, "
+                f"timeout_s={self.config.timeout_s:g}, groups={self.group_ranks}, calls={dict(self.stats.calls)})")
+
+
+# ---- which groups are data-parallel ---------------------------------------------------------------------------
+
+def dp_groups(module: torch.nn.Module | None, optimizer: Any, engine: Any = None) -> tuple[dist.ProcessGroup, ...]:
+    from deepspeed.utils import groups as ds_groups
+
+    found: list[Any] = []
+    if engine is not None:
+        found += [getattr(engine, "data_parallel_group", None), getattr(engine, "seq_data_parallel_group", None)]
+    else:
+        found += [ds_groups._get_data_parallel_group(), ds_groups._get_sequence_data_parallel_group()]
+    while optimizer is not None:  # accelerate's DeepSpeedOptimizerWrapper -> the ZeRO optimizer
+        found.append(getattr(optimizer, "dp_process_group", None))
+        inner = getattr(optimizer, "optimizer", None)
+        optimizer = inner if inner is not optimizer else None
+    if module is not None:
+        found += [getattr(p, "ds_process_group", None) for p in module.parameters()]  # ZeRO-3
+    if engine is None and module is None:
+        # Before an engine exists: ZeRO-3 / zero.Init partition over dist.get_world_group() when no mpu is given,
+        # so the world is a data-parallel group whenever DeepSpeed's data-parallel group spans it.
+        dp = found[0]
+        if dp is not None and dist.get_world_size(dp) == dist.get_world_size():
+            found.append(dist.group.WORLD)
+    out: dict[str, dist.ProcessGroup] = {}
+    for g in found:
+        if isinstance(g, dist.ProcessGroup):
+            out.setdefault(group_name(g), g)
+    return tuple(out.values())
+
+
+# ---- installing and checking ------------------------------------------------------------------------------
+
+def install(config: CommFuseConfig, groups: tuple[dist.ProcessGroup, ...], source: str) -> RingCollectives:
+    import deepspeed.comm.comm as ds_comm
+
+    if not groups:
+        raise RuntimeError("enable_ring_collectives: found no data-parallel process group of DeepSpeed to route")
+    handle = RingCollectives(config, groups, source)
+    with _lock:
+        current = ds_comm.cdb
+        if isinstance(current, RingBackend):
+            raise ValueError(f"enable_ring_collectives: DeepSpeed's collectives already run on the rings "
+                             f"({current._handle!r}); call .disable() on that handle first")
+        handle._backend = RingBackend(current, handle, groups)
+        ds_comm.cdb = handle._backend
+        register_exit_drain()
+    return handle
+
+
+def require_deepspeed_comm() -> None:
+    import deepspeed.comm.comm as ds_comm
+
+    if ds_comm.cdb is None or not ds_comm.cdb.is_initialized() or not dist.is_initialized():
+        raise RuntimeError("enable_ring_collectives: deepspeed.comm is not initialised; call "
+                           "deepspeed.init_distributed() (or deepspeed.initialize(...)) first, in a process started "
+                           "by torchrun or the deepspeed launcher")
+
+
+def refuse_commfuse_sharded(module: Any, who: str) -> None:
+    if getattr(module, "_commfuse_engine", None) is not None:
+        raise ValueError(f"{who}: this model was sharded by commfuse_dp.shard(), and DeepSpeed ZeRO shards it too; "
+                         f"one model cannot be sharded twice. Either give DeepSpeed the plain (unsharded) model and "
+                         f"let enable_ring_collectives switch DeepSpeed's collectives to the rings, or drop DeepSpeed "
+                         f"and train the commfuse-sharded model with a torch optimizer")

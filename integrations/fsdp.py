@@ -49,6 +49,22 @@ run on rings already, with its config and statistics). ``commfuse_dp.shard()`` i
 transformers' expert parallelism.
 """
 
-from commfuse_dp.ring.fsdp_comm import RingAllGather, RingReduceScatter, use_ring_collectives
+from __future__ import annotations
+
+import torch.nn as nn
+
+from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.integrations.attach import attach
+from commfuse_dp.ring.fsdp_comm import RingAllGather, RingReduceScatter
 
 __all__ = ["RingAllGather", "RingReduceScatter", "use_ring_collectives"]
+
+
+def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None, *, overlap: bool = False
+                         ) -> nn.Module:
+    """Install ``RingAllGather`` / ``RingReduceScatter`` on every FSDP2 unit inside ``model`` and return ``model``:
+    :func:`commfuse_dp.integrations.attach.attach` with ``backend="fsdp2"``, which runs
+    :func:`commfuse_dp.ring.fsdp_comm.use_ring_collectives` (its checks, ``config`` and ``overlap``: see there)
+    and records the attachment on the model."""
+    attach(model, config, who="use_ring_collectives", backend="fsdp2", overlap=overlap)
+    return model

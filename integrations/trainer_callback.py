@@ -8,9 +8,9 @@ import logging
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from commfuse_dp.config import CommFuseConfig, with_parallelism
+from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.integrations.accelerate import prepare_sharded
-from commfuse_dp.shard import shard
+from commfuse_dp.integrations.attach import Parallelism, attach, resolve_config
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -38,10 +38,11 @@ def _needs_trainer(args) -> list[str]:
 
 
 class CommFuseCallback(TrainerCallback):
-    """Shards ``Trainer.model`` with :func:`commfuse_dp.shard` before the Trainer prepares it (see module docs).
+    """Shards ``Trainer.model`` (:func:`commfuse_dp.integrations.attach.attach`) before the Trainer prepares it (see
+    module docs).
 
-    ``cfg``: the :class:`CommFuseConfig`; ``None`` reads it from the ``COMMFUSE_*`` environment
-    (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
+    ``cfg``: the :class:`CommFuseConfig` (or a dict of its fields); ``None`` reads it from the ``COMMFUSE_*``
+    environment (``CommFuseConfig.from_env()``, what ``commfuse-dp launch`` sets).
 
     ``trainer``: the Trainer this callback belongs to, set by :class:`CommFuseTrainerMixin` (``CommFuseTrainer``,
     :func:`commfuse_trainer`) before the Trainer's ``__init__`` runs. ``None`` on a plain ``Trainer``: then the
@@ -50,7 +51,7 @@ class CommFuseCallback(TrainerCallback):
 
     def __init__(self, cfg: CommFuseConfig | None = None) -> None:
         self.explicit = cfg is not None
-        self.cfg = cfg if cfg is not None else CommFuseConfig.from_env()
+        self.cfg = resolve_config(cfg)
         self.trainer = None   # set by CommFuseTrainerMixin.__init__
         self.inert = False    # another CommFuseCallback of the same Trainer does the work (see _defer)
         self.model = None
@@ -104,8 +105,7 @@ class CommFuseCallback(TrainerCallback):
             logger.warning("CommFuseCallback on a plain Trainer: the model is sharded, but trainer.save_model() "
                            "cannot save it (the Trainer writes on rank 0 alone). To save, %s; or call "
                            "commfuse_dp.checkpoint.save_pretrained(trainer.model, folder) on every rank", _USE_INSTEAD)
-        if getattr(model, "_commfuse_engine", None) is None:
-            shard(model, self._with_parallelism(args))
+        attach(model, self.cfg, who="CommFuseCallback", parallelism=self._parallelism(args))
         if trainer is not None:
             # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
             # untouched: apply it here, without the DDP wrap, from the model's own forward hooks (so that it holds
@@ -116,18 +116,23 @@ class CommFuseCallback(TrainerCallback):
         self.model = model
         return control
 
-    def _with_parallelism(self, args) -> CommFuseConfig:
-        """The config, with HSDP from ``TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R,
-        dp_shard_size=S))`` as ``replicate=R`` (accelerate builds its own mesh of it but, without FSDP, shards
-        nothing). Only the user's own field is read: the Accelerator's copy, when none was given, says
-        ``dp_replicate_size = world`` (its DDP default)."""
+    def _parallelism(self, args) -> Parallelism | None:
+        """HSDP from ``TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R,
+        dp_shard_size=S))``, which :func:`attach` makes ``replicate=R`` (accelerate builds its own mesh of it but,
+        without FSDP, shards nothing). Only the user's own field is read: the Accelerator's copy, when none was
+        given, says ``dp_replicate_size = world`` (its DDP default)."""
         pc = getattr(args, "parallelism_config", None)
         if pc is None:
-            return self.cfg
+            return None
         sizes = {k: getattr(pc, k, None) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
                                                    "sp_size")}
-        return with_parallelism(self.cfg, sizes, "CommFuseCallback: TrainingArguments.parallelism_config",
-                                "the callback's CommFuseConfig")
+        return Parallelism(sizes, "CommFuseCallback: TrainingArguments.parallelism_config",
+                           "the callback's CommFuseConfig")
+
+    def _with_parallelism(self, args) -> CommFuseConfig:
+        """The config the callback shards with, :meth:`_parallelism` applied."""
+        parallelism = self._parallelism(args)
+        return self.cfg if parallelism is None else parallelism.apply(self.cfg)
 
     def _add_micro_batch(self, model) -> None:
         engine = getattr(model if model is not None else self.model, "_commfuse_engine", None)

@@ -40,13 +40,13 @@ How it works (transformers 5.23, accelerate 1.15):
 * ``CommFuseTrainerMixin.__init__`` hands the ``CommFuseCallback`` (the one passed in ``callbacks=``, or a new one
   made of ``commfuse=``, inserted first among ``callbacks``) a reference to its Trainer, then runs the Trainer's
   ``__init__``. Callbacks receive ``model`` (``Trainer.model``), ``optimizer``, ... as keyword arguments, never the
-  Trainer (``CallbackHandler.call_event``). ``on_init_end`` runs at the end of ``Trainer.__init__``: the
-  Accelerator and the process group exist, the optimizer does not. There the callback shards the model in place
-  with :func:`commfuse_dp.shard` and marks it ``model._is_accelerate_prepared = True``, so that
-  ``Accelerator.prepare_model`` hands it back untouched instead of wrapping it in DDP, and applies accelerate's
-  mixed precision from the model's own forward hooks (``prepare_sharded(trainer.accelerator, model)``).
-  ``Trainer.train`` then builds its optimizer from the sharded (DTensor) parameters: the optimizer state is
-  sharded too.
+  Trainer (``CallbackHandler.call_event``). ``on_init_end`` runs at the end of ``Trainer.__init__``: the Accelerator
+  and the process group exist, the optimizer does not. There the callback shards the model in place with
+  :func:`commfuse_dp.shard` (through :func:`commfuse_dp.integrations.attach.attach`) and marks it
+  ``model._is_accelerate_prepared = True``, so that ``Accelerator.prepare_model`` hands it back untouched instead of
+  wrapping it in DDP, and applies accelerate's mixed precision from the model's own forward hooks
+  (``prepare_sharded(trainer.accelerator, model)``). ``Trainer.train`` then builds its optimizer from the sharded
+  (DTensor) parameters: the optimizer state is sharded too.
 * Gradient accumulation: for every micro-batch but the last of an accumulation window the Trainer enters
   ``accelerator.no_sync(model)``, which (not FSDP2, not DeepSpeed, distributed) uses ``getattr(model, "no_sync")``
   -- the sharded model's own ``no_sync()``. So gradients are accumulated locally and reduce-scattered once, on

@@ -36,6 +36,7 @@ def run(out_dir: str, mode: str, kind: str):
 
     from commfuse_dp import CommFuseConfig
     from commfuse_dp.integrations.accelerate import CommFuseAccelerator
+    from commfuse_dp.integrations.attach import attachments
     from commfuse_dp.ring.topology import drain_gloo_workers
 
     torch.set_num_threads(1)
@@ -78,7 +79,7 @@ def run(out_dir: str, mode: str, kind: str):
                 acc.save_state(ckpt_dir)
     result = {"losses": losses, "grad_norms": norms, "lr": scheduler.get_last_lr()[0],
               "world_size": acc.num_processes, "accelerator": type(acc).__name__,
-              "model_type": type(model).__name__,
+              "model_type": type(model).__name__, "attachments": attachments(model),
               "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
               "optimizer_state_dtensor": all(isinstance(v, DTensor) for s in optimizer.state.values()
                                              for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")),

@@ -36,6 +36,7 @@ def ds_config() -> dict:
 def run(out_dir: str, mode: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
+    from commfuse_dp.integrations.attach import attachments
     from commfuse_dp.integrations.transformers import CommFuseCallback
 
     model = hf_models.build(KIND, seed=0)
@@ -51,7 +52,8 @@ def run(out_dir: str, mode: str) -> dict:
     result = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
               "engine": type(trainer.model_wrapped).__name__,
               "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
-              "all_ds_tensor": all(hasattr(p, "ds_tensor") for p in trainer.model.parameters())}
+              "all_ds_tensor": all(hasattr(p, "ds_tensor") for p in trainer.model.parameters()),
+              "attachments": attachments(trainer.model)}
     if callback is not None:
         import deepspeed.comm.comm as ds_comm
 

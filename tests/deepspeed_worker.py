@@ -69,6 +69,7 @@ class _null:
 def train(case: str, rings: bool) -> dict:
     import deepspeed
 
+    from commfuse_dp.integrations.attach import attachments
     from commfuse_dp.integrations.deepspeed import enable_ring_collectives
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -97,7 +98,8 @@ def train(case: str, rings: bool) -> dict:
         losses.append(loss.item())
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, losses)
-    out = {"losses": everyone, "layout": layout, "params": full_params(engine, stage)}
+    out = {"losses": everyone, "layout": layout, "params": full_params(engine, stage),
+           "attachments": attachments(engine.module)}
     if stage in (1, 2):
         opt = engine.optimizer
         out["layout"] = {"fp32_partition_numel": sum(t.numel() for t in opt.single_partition_of_fp32_groups),

@@ -62,6 +62,14 @@ def test_prepare_shards_and_repoints_the_optimizer(runs):
     assert cf["optimizer_is_model_params"] and cf["optimizer_state_dtensor"]
 
 
+def test_prepare_attaches_the_model_once(runs):
+    """prepare() shards the model and Accelerator.prepare then calls prepare_model on it: the model reaches
+    commfuse_dp.integrations.attach.attach once (recorded on the model by attach itself)."""
+    for mode in ("commfuse", "resume"):
+        assert runs[mode]["attachments"] == [["CommFuseAccelerator.prepare", "shard"]], mode
+    assert runs["ddp"]["attachments"] == []
+
+
 def test_losses_match_ddp(runs):
     cf, ddp = runs["commfuse"], runs["ddp"]
     assert len(cf["losses"]) == len(ddp["losses"]) == 6

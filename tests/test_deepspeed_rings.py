@@ -73,6 +73,12 @@ def test_losses_and_parameters_equal_stock_deepspeed(ds, case):
     assert len(set(stock[0].tolist())) > 1
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_enable_ring_collectives_attaches_the_engines_model_once(ds, case):
+    assert ds["stages"][case]["rings"]["attachments"] == [["enable_ring_collectives", "deepspeed"]]
+    assert ds["stages"][case]["stock"]["attachments"] == []
+
+
 def test_zero3_parameters_are_deepspeed_partitions(ds):
     for mode in ("stock", "rings"):
         layout = ds["stages"]["3"][mode]["layout"]
@@ -150,6 +156,8 @@ def test_trainer_callback_switches_deepspeed_to_rings(trainer):
     calls = rings["stats"]["calls"]
     assert calls["all_gather_into_tensor"] > 0 and calls["reduce_scatter_tensor"] > 0
     assert rings["backend_during"] == "RingBackend"
+    # the callback reached the shared attach path once, with the DeepSpeed backend; the stock run never
+    assert rings["attachments"] == [["CommFuseCallback", "deepspeed"]] and stock["attachments"] == []
     assert rings["config_source"] == "the DeepSpeed config" and rings["bucket_mb"] == pytest.approx(1 / 256)
     # Saving gathered the ZeRO-3 partitions through the rings as well.
     assert rings["stats_after_save"]["calls"]["all_gather_into_tensor"] > calls["all_gather_into_tensor"]

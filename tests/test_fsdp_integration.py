@@ -10,6 +10,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, Shard
 from torch.distributed.tensor import Shard
 
 from commfuse_dp import CommFuseConfig
+from commfuse_dp.integrations.attach import attachments
 from commfuse_dp.integrations.fsdp import use_ring_collectives
 from commfuse_dp.ring import RingAllGather, RingReduceScatter, observe_ring
 from harness import run_ranks
@@ -49,6 +50,7 @@ def _train(rank, rings, mesh):
     model = _sharded(mesh)
     if rings:
         use_ring_collectives(model, CommFuseConfig(bucket_mb=1 / 1024, timeout_s=60))  # several buckets per unit
+        assert attachments(model) == [("use_ring_collectives", "fsdp2")]  # through the shared attach path, once
         for module in (model, model[0]):
             group = module._get_fsdp_state()._fsdp_param_groups[0]
             assert isinstance(group._all_gather_comm, RingAllGather)
@@ -135,6 +137,7 @@ def _refusal_worker(rank, world_size):
         assert "module '0' (FSDPBlock) has 2 parameter groups" in str(err), str(err)
     else:
         raise AssertionError("a module with several parameter groups was accepted")
+    assert attachments(plain) == attachments(model) == []   # a refused model is not recorded as attached
     return True
 
 

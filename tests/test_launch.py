@@ -323,6 +323,15 @@ def test_unchanged_accelerate_script_is_sharded(accelerate_runs):
     assert plain["param_types"] == ["Tensor"] and plain["model_type"] == "DistributedDataParallel"
 
 
+def test_the_launcher_attaches_each_model_once_through_the_shared_path(trainer_runs, accelerate_runs):
+    """commfuse-dp launch has no attach code of its own: the Trainer it swaps in attaches its model through its
+    CommFuseCallback, the Accelerator through CommFuseAccelerator.prepare, each once (the Trainer's own Accelerator
+    stays accelerate's, so it does not attach the model a second time); a plain launch attaches nothing."""
+    assert trainer_runs["commfuse"]["attachments"] == [["CommFuseCallback", "shard"]]
+    assert accelerate_runs["commfuse"]["attachments"] == [["CommFuseAccelerator.prepare", "shard"]]
+    assert trainer_runs["plain"]["attachments"] == accelerate_runs["plain"]["attachments"] == []
+
+
 def test_unchanged_accelerate_script_losses_match_ddp(accelerate_runs):
     cf, plain = accelerate_runs["commfuse"], accelerate_runs["plain"]
     assert len(cf["losses"]) == 2 and len(cf["losses"][0]) == 8 and len(cf["grad_norms"]) == 4

@@ -74,6 +74,15 @@ def test_callback_shards_model_and_optimizer_state(runs):
     assert run["optimizer_state_dtensor"], "AdamW state should be built from the sharded parameters"
 
 
+def test_the_callback_attaches_the_model_once(runs):
+    """CommFuseTrainer's callback puts the model on the rings through commfuse_dp.integrations.attach.attach, once
+    per model (recorded on the model by attach itself); the plain Trainer's model is never attached."""
+    for mode in ("commfuse", "resume", "peer"):
+        assert runs[mode]["attachments"] == [["CommFuseCallback", "shard"]], mode
+    assert runs["bf16"]["commfuse"]["attachments"] == [["CommFuseCallback", "shard"]]
+    assert runs["ddp"]["attachments"] == runs["bf16"]["ddp"]["attachments"] == []
+
+
 def test_accumulation_enters_model_no_sync(runs):
     # 6 optimizer steps x 2 micro-batches: the first of each pair runs inside accelerator.no_sync(model), which
     # calls the sharded model's no_sync() (accelerate/accelerator.py, Accelerator.no_sync).

@@ -39,6 +39,7 @@ def run(out: str, mode: str, precision: str) -> None:
 
     from commfuse_dp import CommFuseConfig
 
+    from commfuse_dp.integrations.attach import attachments
     from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
 
     torch.set_num_threads(1)
@@ -102,7 +103,8 @@ def run(out: str, mode: str, precision: str) -> None:
                                                for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")),
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
                 "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
-                "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes, **extra,
+                "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes,
+                "attachments": attachments(trainer.model), **extra,
             }, f, indent=1)
 
 

@@ -33,11 +33,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.profiler import record_function
 
 from ..runtime.exchange import gather as _gather, gather_into as _gather_into, reduce as _reduce, swap as _swap
 from ..runtime.replicas import autograd_grad, grad_node
 from ..runtime.step import StepState
+from ..timeline import labelled
 from .modules import shard_parameter
 from .reads import guarded_class
 
@@ -69,7 +69,7 @@ class RingEmbeddingFn(torch.autograd.Function):
         engine = state.engine
         compute_dtype = engine.compute_dtype(weight.dtype)
         flat = ids.reshape(-1).to(torch.int64)
-        with record_function("commfuse::embedding_forward"):
+        with labelled("commfuse::embedding_forward"):
             # The only host read of the step here (a CUDA host synchronisation): every rank's token count sizes the
             # buffers, and whether any rank has an id out of range makes every rank raise, not only that one.
             bad = ((flat < 0) | (flat >= state.num_embeddings)).any().to(torch.int64)
@@ -111,7 +111,7 @@ class RingEmbeddingFn(torch.autograd.Function):
         reduce_dtype = engine.reduce_dtype(engine.compute_dtype(ctx.weight_dtype))
         pre, post = engine.divide_factors()
         dy = grad_out.reshape(-1, hidden).to(reduce_dtype)
-        with record_function("commfuse::embedding_backward"):
+        with labelled("commfuse::embedding_backward"):
             if ctx.rows_mode:
                 grad = _rows_backward(state, ctx.held, dy, pre)
             else:

@@ -31,7 +31,8 @@ two gradient-shard buffers live, never the full W, except for the last layer of 
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
 partials only. Elastic (the default on 2 ranks or more): the weight ring of a layer is requested ahead, into an
 ``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both: ``piece_steps``
-requests what goes beside piece k and returns what to wait for at its end. With ``piece_shards`` = G > 1 and a
+requests piece k's own steps and returns what to wait for at its end; the schedule's ``before_piece`` and
+``after_piece`` add other layers' steps beside it and take in the gradient rings that landed. With ``piece_shards`` = G > 1 and a
 whole gathered buffer, the forward's outputs and the backward's dx are computed G landed shards at a time
 (``ShardRuns``: fewer, wider GEMMs); the steps requested and waited stay those of the loop. The reduction order is
 fixed by the ring and by G, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the
@@ -50,13 +51,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.autograd.profiler import record_function
 
 from ..ring import transport
 from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
 from ..runtime.layer_rings import Landing, WeightRing, piece_steps
-from ..runtime.layout import GroupLayout, Member
+from ..runtime.layout import GroupLayout, Member, MemberBlocks
+from ..timeline import labelled
 
 
 class Call(NamedTuple):
@@ -81,7 +82,7 @@ class FusedRingLinearFn(torch.autograd.Function):
         recompute = torch._C._current_graph_task_id() != -1
         if not recompute:
             state.steps.schedule.entered(state, x.requires_grad)
-        with record_function("commfuse::fused_forward"):
+        with labelled("commfuse::fused_forward"):
             ctx.full = forward_ring(state, params, call.compute_dtype, x2, outs2, recompute=recompute)
         return finish_forward(ctx, state, call, x, x2, params, outs)
 
@@ -90,7 +91,7 @@ class FusedRingLinearFn(torch.autograd.Function):
         x2, *params = ctx.saved_tensors
         state = ctx.state
         state.steps.backward_begins()
-        with record_function("commfuse::fused_backward"):
+        with labelled("commfuse::fused_backward"):
             dx, grads = backward_ring(state, x2, params, grad_outs, ctx.needs_input_grad[0],
                                       ctx.needs_input_grad[FIRST_PARAM:], ctx.call, ctx.full)
         ctx.full = None
@@ -140,32 +141,26 @@ def accumulates(state: FusedGroupState, call: Call) -> bool:
 
 
 def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
-                 op: str = "forward", recompute: bool = False) -> WeightRing | None:
-    """Run the forward ring over this rank's packed shards, writing every member's output columns. Returns the
-    ring, every shard gathered (``held``), when the group keeps them for its backward
-    (``FusedSchedule.keeps_weight``), else None. ``recompute``: a forward recomputed during the backward, which
-    neither uses nor requests steps ahead."""
-    engine, sched = state.engine, state.steps.schedule
-    world = engine.ring.size
-    keep = world > 1 and op == "forward" and not recompute and sched.keeps_weight(state)
-    weights = sched.weights(state, params, compute_dtype, op, keep, recompute)
+                 recompute: bool = False) -> WeightRing | None:
+    """The Note's forward loop over this rank's packed shards, writing every member's output columns. Returns the
+    ring, every shard gathered, when the group keeps them for its backward (``FusedSchedule.keeps_weight``), else
+    None. ``recompute``: a forward recomputed during the backward, no part of the schedule's layer order."""
+    engine, sched, world = state.engine, state.steps.schedule, state.engine.ring.size
+    keep = world > 1 and not recompute and sched.keeps_weight(state)
+    weights = sched.weights(state, params, compute_dtype, "forward", keep, recompute)
     runs = ShardRuns(engine, weights)
     for k in range(world):
-        step = piece_steps(engine, k, weights, None)
+        step = piece_steps(engine, k, weights, None)  # brings piece k+1's shard
         if not recompute:
-            sched.pace(state, op, world - k)
-        if k == world - 1 and not recompute:
-            sched.start_next(state, op)  # lockstep: the next layers' first ring steps, beside this last piece
+            sched.before_piece(state, "forward", k)
         if transport._OBSERVERS:
-            transport.notify("compute_begin", op, k)
+            transport.notify("compute_begin", "forward", k)
         if runs.size == 1:
-            _forward_piece(state.layout, weights.held(k), x2, outs, engine.ring.shard_held(k))
-        else:
-            run = runs.add(k)
-            if run is not None:
-                _forward_run(state.layout, weights.slots, *run, x2, outs)
+            _forward_piece(state.layout, weights, k, x2, outs, engine.ring.shard_held(k))
+        elif (run := runs.add(k)) is not None:
+            _forward_run(state.layout, weights.slots, *run, x2, outs)
         if transport._OBSERVERS:
-            transport.notify("compute", op, k)
+            transport.notify("compute", "forward", k)
         if step is not None:
             step.wait()
     sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
@@ -253,111 +248,139 @@ class InputGrad:
         return self.buf.zero_() if self.fresh else self.buf  # (zero: no member had an output gradient)
 
 
-def _forward_piece(layout: GroupLayout, buf: torch.Tensor, x2: torch.Tensor, outs: list[torch.Tensor],
+def held_blocks(layout: GroupLayout, weights: WeightRing, k: int, dtype: torch.dtype
+                ) -> tuple[tuple[MemberBlocks, ...], int]:
+    """The members' weight blocks piece k computes with, in ``dtype``, and the row index in them."""
+    blocks, index = weights.blocks(layout, k)
+    if blocks[0].weight.dtype != dtype:  # prefetched before autocast changed the compute dtype (same on every rank)
+        return layout.blocks(weights.held(k).to(dtype)), 0
+    return blocks, index
+
+
+def _forward_piece(layout: GroupLayout, weights: WeightRing, k: int, x2: torch.Tensor, outs: list[torch.Tensor],
                    shard: int) -> None:
-    if buf.dtype != x2.dtype:  # prefetched before autocast changed the compute dtype (same on every rank)
-        buf = buf.to(x2.dtype)
-    for m, y in zip(layout.members, outs):
-        lo, hi = m.rows(shard)
+    blocks, i = held_blocks(layout, weights, k, x2.dtype)
+    for (lo, hi), b, y in zip(layout.spans[shard], blocks, outs):
         if hi == lo:
             continue
-        w = m.weight(buf, hi - lo)
-        if m.has_bias:
-            torch.addmm(m.bias(buf, hi - lo), x2, w.t(), out=y[:, lo:hi])
+        w_t = b.weight_t[i] if hi - lo == b.chunk else b.weight_t[i, :, :hi - lo]
+        if b.bias is not None:
+            torch.addmm(b.bias[i, :hi - lo], x2, w_t, out=y[:, lo:hi])
         else:
-            torch.mm(x2, w.t(), out=y[:, lo:hi])
+            torch.mm(x2, w_t, out=y[:, lo:hi])
 
 
 def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
                   grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool,
                   params_need_grad: tuple[bool, ...], call: Call, full: WeightRing | None = None
                   ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """``full``: the forward's ring that kept every weight shard; then no weight shard travels."""
-    engine, layout, sched = state.engine, state.layout, state.steps.schedule
-    ring, world = engine.ring, engine.ring.size
-    compute_dtype = x2.dtype
-    dys = [None if g is None else g.reshape(-1, m.out_features).to(compute_dtype)
-           for g, m in zip(grad_outs, layout.members)]
-    train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j)) for j, dy in enumerate(dys)]
-    sync = engine.requires_grad_sync
-    sched.backward_begins(state)
-    weights = None
-    if need_dx:
-        if full is not None:
-            weights = WeightRing(engine, None, full.slots, own=full.own)
-        else:
-            weights = sched.weights(state, params, compute_dtype, "backward")
-    grads = None
-    if any(train):
-        # Every element of the gradient buffers is written before it is sent, except padding rows (out_features
-        # not a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
-        # uninitialised travels the ring.
-        zeroed = any(m.out_features % world for m in layout.members) or not all(train)
-        grads = sched.grads(state, layout.numel, call.reduce_dtype, x2.device, zeroed, sync, weights)
-    pending = state.take_unsynced() if grads is not None and sync else None  # partials kept by no-sync backwards
-    pre, post = engine.divide_factors() if sync else (1.0, 1.0)
-    later = sched.defer_last_reduce and grads is not None and grads.racc is not None and accumulates(state, call)
-    if later and sched.bundles_grads(state):
-        grads.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
-        sched.add_grads(state, grads)
-    dx = InputGrad(x2) if need_dx else None
-    runs = ShardRuns(engine, weights)
-
+    """The Note's backward loop: piece k adds its part of dx and writes this rank's share of shard t's dW while
+    step k brings the weight shard of piece k+1 and passes on the partial sum of piece k-1. ``full``: the
+    forward's ring that kept every weight shard; then no weight shard travels."""
+    bw = BackwardCall(state, x2, params, grad_outs, need_dx, params_need_grad, call, full)
+    engine, sched, world = state.engine, state.steps.schedule, state.engine.ring.size
+    weights, grads = bw.weights, bw.grads
     for k in range(world):
         step = piece_steps(engine, k, weights, grads)
-        if grads is not None and grads.bundled:
-            sched.unit_grads_step(state, k)
-        sched.pace(state, "backward", world - k)
-        if k == world - 1:
-            sched.start_next(state, "backward")
+        sched.before_piece(state, "backward", k, grads)
         if transport._OBSERVERS:
             transport.notify("compute_begin", "backward", k)
-        if need_dx and runs.size == 1:
-            s = ring.shard_held(k)
-            held = weights.held(k)
-            held = held if held.dtype == compute_dtype else held.to(compute_dtype)
-            for m, dy in zip(layout.members, dys):
-                lo, hi = m.rows(s)
-                if dy is not None and hi > lo:
-                    dx.add(dy[:, lo:hi], m.weight(held, hi - lo))
-        elif need_dx:
-            run = runs.add(k)
-            if run is not None:
-                _dx_run(layout, weights.slots, *run, dys, dx)
+        if bw.dx is not None:
+            bw.dx_piece(k)
         if grads is not None:
-            t = ring.shard_reduced(k)
-            part = grads.part(k)
-            _grad_piece(layout, part, dys, train, x2, t)
-            if not sync:
-                state.keep_unsynced(t, part, world)
-            else:
-                if pending is not None:
-                    part.add_(pending[t])
-                if pre != 1.0:
-                    part.div_(pre)
+            bw.grad_piece(k)
         if transport._OBSERVERS:
             transport.notify("compute", "backward", k)
-        # The gradient rings of earlier layers that have landed (lockstep: the previous layer's last step, which had
-        # this first piece to land, waited for here).
-        sched.land(block=k == 0 and not sched.elastic)
-        last_later = later and k == world - 1 and step is grads.last
-        if step is not None and not last_later:
-            step.wait()
-
+        sched.after_piece(state, "backward", k)
+        if step is not None and not (bw.later and step is grads.last and k == world - 1):
+            step.wait()  # (a last step completed later lands in the schedule: ``Landing``)
     if weights is not None:
         sched.release(weights)
-    dx = dx.result() if dx is not None else None
-    if grads is None or not sync:
-        return dx, [None] * len(params)
-    if later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
-        sched.land_later(Landing(grads, state, post, tuple(p.dtype for p in params), tuple(train)))
-        return dx, [None] * len(params)
-    if grads.last is not None:
-        grads.last.wait()
-    final = grads.final(post)
-    if engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
-        final = engine.replicas.exchange_now(final, f"the gradient of {state.name}")
-    return dx, unpack_grads(state, final, params, train, params_need_grad)
+    return bw.finish()
+
+
+class BackwardCall:
+    """One backward of a fused group: its output gradients, its rings (from the schedule) and what each piece
+    computes. ``later``: the gradient ring's last step is waited for by the schedule after this call returns
+    (``Landing``), which then puts the shard into the parameters' grads."""
+
+    def __init__(self, state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
+                 grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool, params_need_grad: tuple[bool, ...],
+                 call: Call, full: WeightRing | None) -> None:
+        engine, layout, sched = state.engine, state.layout, state.steps.schedule
+        self.state, self.x2, self.params, self.needs = state, x2, params, params_need_grad
+        self.layout, self.ring, self.sync = layout, engine.ring, engine.requires_grad_sync
+        self.dys = [None if g is None else g.reshape(-1, m.out_features).to(x2.dtype)
+                    for g, m in zip(grad_outs, layout.members)]
+        self.train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j))
+                      for j, dy in enumerate(self.dys)]
+        self.dys_t = [dy.t() if trainable else None for dy, trainable in zip(self.dys, self.train)]
+        sched.backward_begins(state)
+        self.weights = None
+        if need_dx:
+            self.weights = (WeightRing(engine, None, full.slots, own=full.own) if full is not None
+                            else sched.weights(state, params, x2.dtype, "backward"))
+        self.grads = None
+        if any(self.train):
+            # Every element of the gradient buffers is written before it is sent, except padding rows (out_features
+            # not a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
+            # uninitialised travels the ring.
+            zeroed = any(m.out_features % engine.ring.size for m in layout.members) or not all(self.train)
+            self.grads = sched.grads(state, layout.numel, call.reduce_dtype, x2.device, zeroed, self.sync,
+                                     self.weights)
+        # partials kept by no-sync backwards, added into this synced one's
+        self.pending = state.take_unsynced() if self.grads is not None and self.sync else None
+        self.pre, self.post = engine.divide_factors() if self.sync else (1.0, 1.0)
+        self.later = (sched.defer_last_reduce and self.grads is not None and self.grads.racc is not None
+                      and accumulates(state, call))
+        if self.later and sched.bundles_grads(state):
+            self.grads.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
+            sched.add_grads(state, self.grads)
+        self.dx = InputGrad(x2) if need_dx else None
+        self.runs = ShardRuns(engine, self.weights)
+
+    def dx_piece(self, k: int) -> None:
+        """dx += dy[:, R_s] @ W_s for the shard s held at piece k (or a run of them: ``piece_shards``)."""
+        layout, dx = self.layout, self.dx
+        if self.runs.size > 1:
+            if (run := self.runs.add(k)) is not None:
+                _dx_run(layout, self.weights.slots, *run, self.dys, dx)
+            return
+        blocks, i = held_blocks(layout, self.weights, k, dx.dtype)
+        for (lo, hi), b, dy in zip(layout.spans[self.ring.shard_held(k)], blocks, self.dys):
+            if dy is not None and hi > lo:
+                dx.add(dy[:, lo:hi], b.weight[i] if hi - lo == b.chunk else b.weight[i, :hi - lo])
+
+    def grad_piece(self, k: int) -> None:
+        """This rank's share of shard t's dW into ``part(k)``: kept while gradient sync is off, else with the kept
+        partials added and divided by the pre-factor."""
+        t, grads = self.ring.shard_reduced(k), self.grads
+        part = grads.part(k)
+        _grad_piece(self.layout, *grads.blocks(self.layout, k), self.dys_t, self.dys, self.train, self.x2, t)
+        if not self.sync:
+            self.state.keep_unsynced(t, part, self.ring.size)
+            return
+        if self.pending is not None:
+            part.add_(self.pending[t])
+        if self.pre != 1.0:
+            part.div_(self.pre)
+
+    def finish(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """dx, and the gradients to return through autograd (None where the schedule puts them in later)."""
+        state, grads, params = self.state, self.grads, self.params
+        dx = self.dx.result() if self.dx is not None else None
+        if grads is None or not self.sync:
+            return dx, [None] * len(params)
+        if self.later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
+            state.steps.schedule.land_later(Landing(grads, state, self.post, tuple(p.dtype for p in params),
+                                                    tuple(self.train)))
+            return dx, [None] * len(params)
+        if grads.last is not None:
+            grads.last.wait()
+        final = grads.final(self.post)
+        if state.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
+            final = state.engine.replicas.exchange_now(final, f"the gradient of {state.name}")
+        return dx, unpack_grads(state, final, params, self.train, self.needs)
 
 
 def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.Tensor], train,
@@ -375,20 +398,17 @@ def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.
     return grads
 
 
-def _grad_piece(layout: GroupLayout, part: torch.Tensor, dys: list[torch.Tensor | None], train: list[bool],
-                x2: torch.Tensor, shard: int) -> None:
-    """This rank's contribution to shard ``shard`` of every trainable member's dW (and db), into ``part``."""
-    for m, dy, trainable in zip(layout.members, dys, train):
-        if not trainable:
+def _grad_piece(layout: GroupLayout, blocks: tuple[MemberBlocks, ...], i: int, dys_t: list, dys: list,
+                train: list[bool], x2: torch.Tensor, shard: int) -> None:
+    """This rank's contribution to shard ``shard`` of every trainable member's dW (and db), into row ``i`` of the
+    partials' ``blocks``. ``dys_t``: each output gradient transposed, ``(out, tokens)``."""
+    for (lo, hi), b, dy_t, dy, trainable in zip(layout.spans[shard], blocks, dys_t, dys, train):
+        if not trainable or hi == lo:
             continue
-        lo, hi = m.rows(shard)
-        if hi == lo:
-            continue
-        dy_t = dy[:, lo:hi]
-        w_out = m.weight(part, hi - lo)
+        w_out = b.weight[i] if hi - lo == b.chunk else b.weight[i, :hi - lo]
         if w_out.dtype == x2.dtype:
-            torch.mm(dy_t.t(), x2, out=w_out)
+            torch.mm(dy_t[lo:hi], x2, out=w_out)
         else:
-            w_out.copy_(torch.mm(dy_t.t(), x2))
-        if m.has_bias:
-            m.bias(part, hi - lo).copy_(dy_t.sum(0))
+            w_out.copy_(torch.mm(dy_t[lo:hi], x2))
+        if b.bias is not None:
+            b.bias[i, :hi - lo].copy_(dy[:, lo:hi].sum(0))

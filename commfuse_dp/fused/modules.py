@@ -21,16 +21,17 @@ from torch.distributed.tensor import DTensor
 from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
 from ..runtime.layout import GroupLayout
-from ..runtime.slicing import SlicingScheduler
 from ..runtime.step import StepState
-from .linear import Call, FusedRingLinearFn
+from .linear import Call
 from .reads import guarded_class
-from .sliced import SlicedLinearFn
 
 
 class FusedGroup:
-    def __init__(self, steps: StepState, modules: list[nn.Module], names: list[str]) -> None:
-        self.steps = steps
+    """``fn``: the autograd Function the group computes with, the one that goes with the step state's schedule
+    (``fused.compute_for``)."""
+
+    def __init__(self, steps: StepState, modules: list[nn.Module], names: list[str], fn: type) -> None:
+        self.steps, self.fn = steps, fn
         self.modules, self.names = modules, names
         self.state = self._state(modules, "+".join(names))
         self._solo: dict[int, FusedGroupState] = {}
@@ -47,7 +48,7 @@ class FusedGroup:
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
-            return _apply(self.state, x)[0]
+            return _apply(self.fn, self.state, x)[0]
         if x is self._key and index in self._pending:
             out = self._pending.pop(index)
             if not self._pending:
@@ -59,8 +60,8 @@ class FusedGroup:
             if index not in self._solo:
                 self._solo[index] = self._state([self.modules[index]], f"{self.names[index]} (own input)",
                                                 in_place=False)
-            return _apply(self._solo[index], x)[0]
-        outs = _apply(self.state, x)
+            return _apply(self.fn, self._solo[index], x)[0]
+        outs = _apply(self.fn, self.state, x)
         self._key = x
         self._pending = {j: out for j, out in enumerate(outs) if j != index}
         return outs[index]
@@ -69,13 +70,12 @@ class FusedGroup:
         self._key, self._pending = None, {}
 
 
-def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _apply(fn: type, state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     state.adopt_packed()
     params = [p.to_local() for p in state.params()]  # autograd-aware: grads flow back into the DTensor params
     engine, schedule = state.engine, state.steps.schedule
     if engine.stats.enabled:
         engine.stats.mark()
-    fn = SlicedLinearFn if isinstance(schedule, SlicingScheduler) else FusedRingLinearFn
     grad_nodes = tuple(p.grad_fn.next_functions[0][0] if p.grad_fn is not None else None for p in params)
     device = x.device.type
     if torch.is_autocast_enabled(device):
@@ -131,8 +131,8 @@ def convert_linear(module: nn.Module, engine: Engine, transposed: bool) -> list[
     return new_params
 
 
-def attach_group(steps: StepState, modules: list[nn.Module], names: list[str]) -> FusedGroup:
-    group = FusedGroup(steps, modules, names)
+def attach_group(steps: StepState, modules: list[nn.Module], names: list[str], fn: type) -> FusedGroup:
+    group = FusedGroup(steps, modules, names, fn)
     for i, m in enumerate(modules):
         m._cf_group, m._cf_index = group, i
     return group

@@ -31,12 +31,12 @@ import logging
 
 import torch
 import torch.nn as nn
-from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from ..runtime import exchange
 from ..runtime.replicas import autograd_grad, grad_node
 from ..runtime.step import StepState
+from ..timeline import labelled
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -60,7 +60,7 @@ class ParamRead:
                 self._logged = True
                 logger.info("commfuse_dp: %s was read outside its fused forward: gathered in full for the step (as "
                             "FSDP2 unshards its root), its gradient summed over the ranks", self.name)
-            with record_function("commfuse::param_read"):
+            with labelled("commfuse::param_read"):
                 local = self.param.to_local()
                 if self.engine.replicas is not None:  # HSDP: where its gradient goes (replicas.py)
                     self.node = grad_node(local)
@@ -106,7 +106,7 @@ class GatheredRead(torch.autograd.Function):
         if pre != 1.0:
             dense.div_(pre)
         dense = dense.view(world, chunk, *rows.shape[1:])
-        with record_function("commfuse::param_read_grad"):
+        with labelled("commfuse::param_read_grad"):
             if world > 1:
                 def take(t: int, part: torch.Tensor) -> None:
                     part.copy_(dense[t])

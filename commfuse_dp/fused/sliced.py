@@ -18,10 +18,10 @@ happens.
 from __future__ import annotations
 
 import torch
-from torch.autograd.profiler import record_function
 
 from ..ring import transport
 from ..runtime.group import FusedGroupState
+from ..timeline import labelled
 from .linear import (FIRST_PARAM, Call, InputGrad, _dx_run, _forward_run, _grad_piece, accumulates, finish_forward,
                      prepare_forward, unpack_grads)
 
@@ -39,7 +39,7 @@ class SlicedLinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, state: FusedGroupState, call: Call, *params: torch.Tensor):
         layout, engine = state.layout, state.engine
         x2, outs, outs2 = prepare_forward(state, x, call.compute_dtype)
-        with record_function("commfuse::sliced_forward"):
+        with labelled("commfuse::sliced_forward"):
             flat = state.steps.schedule.gather(state, list(params), call.compute_dtype, "forward",
                                                backward_gathers=x.requires_grad)
             if transport._OBSERVERS:
@@ -63,7 +63,7 @@ class SlicedLinearFn(torch.autograd.Function):
         needs = ctx.needs_input_grad[FIRST_PARAM:]
         train = tuple(dy is not None and any(needs[i] for i in state.param_index(j)) for j, dy in enumerate(dys))
         dx, grads = None, [None] * len(params)
-        with record_function("commfuse::sliced_backward"):
+        with labelled("commfuse::sliced_backward"):
             flat = sched.gather(state, params, compute_dtype, "backward") if ctx.needs_input_grad[0] else None
             if transport._OBSERVERS:
                 transport.notify("compute_begin", "backward", 0)
@@ -74,8 +74,9 @@ class SlicedLinearFn(torch.autograd.Function):
                 dx = dx.result()
             if any(train):
                 parts = x2.new_zeros(world, layout.numel, dtype=ctx.call.reduce_dtype)
+                blocks, dys_t = layout.blocks(parts), [dy.t() if dy is not None else None for dy in dys]
                 for t in range(world):
-                    _grad_piece(layout, parts[t], dys, list(train), x2, t)
+                    _grad_piece(layout, blocks, t, dys_t, dys, list(train), x2, t)
                 if not engine.requires_grad_sync:
                     for t in range(world):
                         state.keep_unsynced(t, parts[t], world)

@@ -1,4 +1,5 @@
-"""Bucketed ring all-gather and reduce-scatter, built on ``start_step``/``wait``.
+"""Bucketed ring all-gather and reduce-scatter: their step loops, whose steps are requested, issued and waited for
+in ``ring/issue.py`` ([Note: one place for a ring step]).
 
 [Note: the ring collectives]
 N ranks, rank r, shard size n. ``next = r+1``, ``prev = r-1`` (mod N).
@@ -30,15 +31,14 @@ one round already.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from datetime import timedelta
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .topology import Ring, device_ready, get_ring, wait_until
-from .transport import start_step
+from ..stats import StatsRecorder
+from .issue import collective, issue
+from .topology import Ring, get_ring
 
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_TIMEOUT_S = 300.0
@@ -50,7 +50,8 @@ _SUM_OPS = {"sum": False, "avg": True}
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                     timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
-                    label: object = None, direct_kb: float = DEFAULT_DIRECT_KB) -> dist.Work | None:
+                    label: object = None, direct_kb: float = DEFAULT_DIRECT_KB,
+                    stats: StatsRecorder | None = None) -> dist.Work | None:
     """All-gather ``input`` from every rank of ``group`` into ``output`` (rank-major), through the ring.
 
     Same contract as ``dist.all_gather_into_tensor``: ``output`` has ``world_size * input.numel()`` elements,
@@ -59,44 +60,46 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     thread); on CUDA the ring runs on the ring's stream and the current stream waits for it. ``tag`` and
     ``label`` are for the fused layers (an identity tag, and what to name in an error); by default the next tag
     of the group's counter. ``direct_kb``: an ``output`` of at most this many KiB is exchanged with every peer in
-    one round instead of going round the ring (0: always the ring).
+    one round instead of going round the ring (0: always the ring). ``stats``: the step statistics its wait is
+    recorded in (a sharded model's; ``ring/issue.py``).
     """
     ring = get_ring(group, op="ring_all_gather")
     _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
     tag = ring.next_tag() if tag is None else tag  # on the issuing thread: ops pair up in issue order
-    ring.fingerprint.add_collective("all_gather", tag, label, output.numel())
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_all_gather")
-
-    direct = goes_direct(ring, output, direct_kb, chunked=input.numel() > chunk)
+    n = input.numel()
+    direct = goes_direct(ring, output, direct_kb, chunked=n > chunk)
 
     def run() -> None:
         _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label, direct)
 
-    return _dispatch(ring, run, output.device, async_op, (output, input))
+    return collective(ring, "all_gather", tag, label, _step_sizes(ring, n, chunk, direct), run, output.device,
+                      async_op, (output, input), stats)
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                         op: dist.ReduceOp | dist.ReduceOp.RedOpType | str = dist.ReduceOp.SUM, *,
                         async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                         timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
-                        label: object = None, direct_kb: float = DEFAULT_DIRECT_KB) -> dist.Work | None:
+                        label: object = None, direct_kb: float = DEFAULT_DIRECT_KB,
+                        stats: StatsRecorder | None = None) -> dist.Work | None:
     """Sum (``op=SUM``) or average (``op=AVG``) ``input`` (``world_size`` rank-major shards) over the ranks of
     ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``. ``tag``,
-    ``label`` and ``direct_kb`` (of ``input``): as for ``ring_all_gather``."""
+    ``label``, ``direct_kb`` (of ``input``) and ``stats``: as for ``ring_all_gather``."""
     ring = get_ring(group, op="ring_reduce_scatter")
     _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,
                 input_numel=ring.size * output.numel())
     average = _average(op, output.dtype, "ring_reduce_scatter")
     tag = ring.next_tag() if tag is None else tag
-    ring.fingerprint.add_collective("reduce_scatter", tag, label, input.numel())
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
-
-    direct = goes_direct(ring, input, direct_kb, chunked=output.numel() > chunk)
+    n = output.numel()
+    direct = goes_direct(ring, input, direct_kb, chunked=n > chunk)
 
     def run() -> None:
         _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label, direct)
 
-    return _dispatch(ring, run, output.device, async_op, (output, input))
+    return collective(ring, "reduce_scatter", tag, label, _step_sizes(ring, n, chunk, direct), run,
+                      output.device, async_op, (output, input), stats)
 
 
 def ring_all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
@@ -145,6 +148,23 @@ def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Seque
 
 # ---- the rings --------------------------------------------------------------------------------------------
 
+def _wavefront(chunks: int, world: int) -> Iterator[tuple[int, range]]:
+    """The ring steps of a collective of ``chunks`` buckets: step ``tick`` carries chunk c at its ring step
+    ``tick - c``, for every chunk in ``range`` (those in flight)."""
+    for tick in range(chunks + world - 2):
+        yield tick, range(max(0, tick - world + 2), min(chunks, tick + 1))
+
+
+def _step_sizes(ring: Ring, n: int, chunk: int, direct: bool) -> list[int]:
+    """The elements each ring step of a collective with shards of ``n`` elements sends (none: it has no step)."""
+    if ring.size == 1 or n == 0:
+        return []
+    if direct:
+        return [n * (ring.size - 1)]
+    bounds = _chunks(n, chunk)
+    return [sum(bounds[c][1] - bounds[c][0] for c in flight) for _, flight in _wavefront(len(bounds), ring.size)]
+
+
 def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
                      timeout_s: float, label: object = None, direct: bool = False) -> None:
     n, world, rank = inp.numel(), ring.size, ring.rank
@@ -155,20 +175,19 @@ def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int,
         return
     if direct:  # one round: the own shard to every peer, shard p from rank p
         peers = ring.peers
-        start_step(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag=tag, op="all_gather",
-                   step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers, recv_from=peers).wait()
+        issue(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag, "all_gather", 0, 1,
+              timeout_s, label, peers, peers)
         return
     bounds = _chunks(n, chunk)
     ticks = len(bounds) + world - 2
-    for tick in range(ticks):
+    for tick, flight in _wavefront(len(bounds), world):
         sends, recvs = [], []
-        for c in range(max(0, tick - world + 2), min(len(bounds), tick + 1)):
+        for c in flight:
             k, (lo, hi) = tick - c, bounds[c]
             held, incoming = ring.shard_held(k), ring.shard_held(k + 1)
             sends.append(out[held * n + lo:held * n + hi])
             recvs.append(out[incoming * n + lo:incoming * n + hi])
-        start_step(ring, sends, recvs, tag=tag, op="all_gather", step=tick, steps=ticks,
-                   timeout_s=timeout_s, label=label).wait()
+        issue(ring, sends, recvs, tag, "all_gather", tick, ticks, timeout_s, label)
 
 
 def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
@@ -190,41 +209,32 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
     slots = min(len(bounds), world)  # chunks in flight at once; chunk c uses slot c % slots
     partial = [inp.new_empty(width) for _ in range(slots)] if world > 2 else []  # sums being sent on
     received = [inp.new_empty(width) for _ in range(slots)]  # sums arriving from prev
-    ticks = len(bounds) + world - 1
-    for tick in range(ticks):
+
+    def complete(c: int) -> None:  # chunk c's last sum arrived (ring step N-1 on it; t == rank)
+        lo, hi = bounds[c]
+        t = ring.shard_reduced(world - 1)
+        torch.add(inp[t * n + lo:t * n + hi], received[c % slots][:hi - lo], out=out[lo:hi])
+
+    ticks = len(bounds) + world - 2
+    for tick, flight in _wavefront(len(bounds), world):
+        if tick >= world - 1:
+            complete(tick - world + 1)
         sends, recvs = [], []
-        for c in range(max(0, tick - world + 1), min(len(bounds), tick + 1)):
+        for c in flight:
             k, (lo, hi), slot = tick - c, bounds[c], c % slots
             t = ring.shard_reduced(k)
             mine = inp[t * n + lo:t * n + hi]
             incoming = received[slot][:hi - lo]
-            if k == world - 1:  # t == rank: the sum is complete
-                torch.add(mine, incoming, out=out[lo:hi])
-                continue
             if k == 0:
                 outgoing = mine  # nothing to add yet: send straight from the input
             else:
                 outgoing = torch.add(mine, incoming, out=partial[slot][:hi - lo])
             sends.append(outgoing)
             recvs.append(incoming)
-        if sends:
-            start_step(ring, sends, recvs, tag=tag, op="reduce_scatter", step=tick, steps=ticks - 1,
-                       timeout_s=timeout_s, label=label).wait()
+        issue(ring, sends, recvs, tag, "reduce_scatter", tick, ticks, timeout_s, label)
+    complete(len(bounds) - 1)
     if average:
         out.div_(world)
-
-
-def ring_steps_of(ring: Ring, whole: torch.Tensor, shard_numel: int, bucket_mb: float = DEFAULT_BUCKET_MB,
-                  direct_kb: float = DEFAULT_DIRECT_KB) -> int:
-    """The ring steps one ``ring_all_gather`` or ``ring_reduce_scatter`` of ``whole`` (the gathered output, or the
-    reduce-scatter's input) with shards of ``shard_numel`` elements takes: 1 when it goes direct, else its chunks'
-    wavefront, N-2 steps longer than the chunks (a step carries one slice of every chunk in flight)."""
-    if ring.size == 1 or shard_numel == 0:
-        return 0
-    chunk = _chunk_numel(bucket_mb, whole.element_size(), "ring_steps_of")
-    if goes_direct(ring, whole, direct_kb, chunked=shard_numel > chunk):
-        return 1
-    return -(-shard_numel // chunk) + ring.size - 2
 
 
 def goes_direct(ring: Ring, whole: torch.Tensor, direct_kb: float, chunked: bool = False) -> bool:
@@ -243,67 +253,12 @@ def _reduce_scatter_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag
     n, rank = out.numel(), ring.rank
     peers = ring.peers
     received = inp.new_empty(len(peers), n)
-    start_step(ring, [inp[p * n:(p + 1) * n] for p in peers], list(received.unbind(0)), tag=tag,
-               op="reduce_scatter", step=0, steps=1, timeout_s=timeout_s, label=label, send_to=peers,
-               recv_from=peers).wait()
+    issue(ring, [inp[p * n:(p + 1) * n] for p in peers], list(received.unbind(0)), tag, "reduce_scatter", 0, 1,
+          timeout_s, label, peers, peers)
     total = received[0]
     for piece in received[1:]:
         total.add_(piece)
     torch.add(total, inp[rank * n:(rank + 1) * n], out=out)
-
-
-# ---- dispatch: sync, async on the ring thread (CPU), or on the ring stream (CUDA) -----------------------
-
-def _dispatch(ring: Ring, run: Callable[[], None], device: torch.device, async_op: bool,
-              tensors: tuple[torch.Tensor, ...] = ()) -> dist.Work | None:
-    if device.type == "cuda":
-        with ring.on_comm_stream(device) as (stream, current):  # after the compute that wrote the inputs
-            run()
-            done = stream.record_event()
-        for t in tensors:  # the allocator must not hand their memory out before the ring stream is done with it
-            t.record_stream(stream)
-        if async_op:  # the caller's wait() orders its stream after the op: compute until then overlaps it
-            return StreamWork(done, stream.device_index)
-        current.wait_event(done)  # later compute reads the outputs; the host never waits
-        return None
-    if not async_op or ring.size == 1:
-        wait_until(device_ready())  # an emulated accelerator's compute issued so far has ended (topology.py)
-        run()
-        return None
-    return RingWork(ring.submit(run))
-
-
-class StreamWork(dist.Work):
-    """An async ring op on the ring's CUDA stream: ``wait()`` makes the current stream wait for it (the host goes
-    on), so the compute issued between the call and ``wait()`` overlaps it."""
-
-    def __init__(self, event: torch.cuda.Event, device: int) -> None:
-        super().__init__()
-        self._event, self._device = event, device
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._event.query()
-
-
-class RingWork(dist.Work):
-    """An async ring op running on the group's ring thread. ``wait()`` blocks until it ran and re-raises its
-    error (``RingCommError`` and all): a ``Work`` made from a torch future by ``_create_work_from_future`` returns
-    from ``wait()`` as if it had succeeded, and its output would be read as if it held the bytes."""
-
-    def __init__(self, future: Future) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._future.result()  # the op's own deadline (timeout_s per ring step) bounds this
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
 
 
 # ---- checks and helpers -----------------------------------------------------------------------------------

@@ -4,15 +4,17 @@
 NCCL pairs point-to-point messages by their order alone, and so does gloo with the tags turned off
 (``COMMFUSE_RING_TAGS=0``). Ranks that break the lockstep contract (a data-dependent layer order, a config that
 differs) then exchange bytes between *different* ring steps of the same size and go on with wrong numbers, or hang
-where the sizes differ. Each ``Ring`` keeps one fingerprint. While a step of a sharded model is open, every request
-issued on the ring is folded in, on the issuing thread, in program order:
-- each step of a fused ring, ring embedding or weight read, as the link takes it (``runtime/link.py``): the op's
+where the sizes differ. Each ``Ring`` keeps one fingerprint. While a step of a sharded model is open, every ring
+step requested on the ring is folded in where it is requested (``ring/issue.py``), on the requesting thread, in
+program order:
+- each step of a fused ring, ring embedding or weight read, as the link takes it (``Issuer.step``): the op's
   identity tag, its index in its ring, the ring's length, and on a ring (not a direct exchange, whose sizes may
   differ between ranks) the elements a tensor moves;
-- each bucketed collective on the shard ring (FSDP2 units, the slicing schedule, the non-finite check, 0-d
-  parameters), as ``ring_all_gather`` / ``ring_reduce_scatter`` draw its tag (``ring/collectives.py``): its kind,
-  tag, label and size. (HSDP's replica sums run on the replicate group's ring, which is not checked.)
-A few integer operations a request; a collective's label is hashed once per call.
+- each step of a bucketed collective on the shard ring (FSDP2 units, the slicing schedule, the non-finite check,
+  0-d parameters), all of them when ``ring_all_gather`` / ``ring_reduce_scatter`` is called (``collective``): its
+  kind, tag and label, the step's index and the collective's number of steps, and the elements the step moves.
+  (HSDP's replica sums run on the replicate group's ring, which is not checked.)
+A few integer operations a step; a collective's label is hashed once per call.
 
 When a step's backward ends (or, for a forward-only step, when the next one begins), its fingerprint and its
 negation go into one asynchronous ``MAX`` all-reduce over the ring's group: equal on every rank exactly when the
@@ -54,13 +56,18 @@ class StepFingerprint:
         self.value = ((self.value ^ (op.tag << 20) ^ (k << 8) ^ steps ^ (numel << 30)) * _PRIME) & _MASK
         self.requests.append((op, k, steps, numel))
 
-    def add_collective(self, kind: str, tag: int, label: object, numel: int) -> None:
-        """Fold one bucketed collective (``kind``: all_gather / reduce_scatter) into the running fingerprint."""
+    def add_collective(self, kind: str, tag: int, label: object, sizes: list[int]) -> None:
+        """Fold every ring step of one bucketed collective (``kind``: all_gather / reduce_scatter; ``sizes``: the
+        elements each step moves) into the running fingerprint."""
         if self.step < 0:
             return
         name = zlib.crc32(f"{kind} {label}".encode())
-        self.value = ((self.value ^ (tag << 20) ^ (name << 24) ^ (numel << 30)) * _PRIME) & _MASK
-        self.requests.append(((label, kind), tag, 0, numel))
+        op, steps, value = (label, kind, tag), len(sizes), self.value
+        head = (tag << 20) ^ (name << 24) ^ steps
+        for k, numel in enumerate(sizes):
+            value = ((value ^ head ^ (k << 8) ^ (numel << 30)) * _PRIME) & _MASK
+            self.requests.append((op, k, steps, numel))
+        self.value = value
 
     def begin_step(self, step: int, timeout_s: float) -> None:
         """A step begins: read the pending check (the previous step's, started when its backward ended), start the
@@ -131,11 +138,12 @@ class StepFingerprint:
 
 
 def _said(op, k: int, steps: int, numel: int) -> str:
-    """One request, as the error names it: a fused ring's step, or a collective (``op`` = (label, kind))."""
+    """One request, as the error names it: a fused ring's step, or a collective's (``op`` = (label, kind, tag))."""
     if not hasattr(op, "phase"):
-        label, kind = op
+        label, kind, tag = op
         if hasattr(label, "phase"):  # a fused layer's RingOp (the slicing schedule)
             label = f"{label.name} {label.phase} (call {label.occurrence + 1})"
-        return f"{label + ' ' if label is not None else ''}{kind} (tag {k}), {numel} elements"
+        return f"{label + ' ' if label is not None else ''}{kind} (tag {tag}), ring step {k + 1} of {steps}, " \
+               f"{numel} elements"
     size = f", {numel} elements a tensor" if numel else ""
     return f"{op.name} {op.phase} (call {op.occurrence + 1}), ring step {k + 1} of {steps}{size}"

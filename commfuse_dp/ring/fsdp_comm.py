@@ -29,8 +29,6 @@ The ring thread serves the all-gathers and reduce-scatters in the order they wer
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -41,8 +39,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
-from .collectives import ring_all_gather, ring_reduce_scatter, ring_steps_of
-from .topology import get_ring
+from .collectives import ring_all_gather, ring_reduce_scatter
 
 _SHARD_OWNER = "commfuse_dp.shard()"
 
@@ -60,26 +57,15 @@ class _RingComm:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
-    def count(self, whole: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """Count the collective's ring steps in the step's statistics (``StepStats.ring_steps``)."""
-        if self.recorder is not None:
-            cfg = self.config
-            self.recorder.ring_steps += ring_steps_of(get_ring(group), whole, shard.numel(), cfg.bucket_mb,
-                                                      cfg.direct_kb)
-
 
 class RingAllGather(_RingComm, AllGather):
     """``fully_shard``'s all-gather as a bucketed ring (``FSDPModule.set_custom_all_gather``)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        self.count(output_tensor, input_tensor, group)
-        began = time.perf_counter()
-        work = ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
-                               **self.config.ring_kwargs)
-        if self.recorder is not None and work is None:
-            self.recorder.blocking(began, time.perf_counter())
-        return work
+        # its ring steps are counted and its wait timed where it is waited for (ring/issue.py)
+        return ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
+                               stats=self.recorder, **self.config.ring_kwargs)
 
 
 class RingReduceScatter(_RingComm, ReduceScatter):
@@ -100,21 +86,18 @@ class RingReduceScatter(_RingComm, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
         # FSDP2 ignores the return value of its reduce-scatter: complete on return, or deferred (see above)
-        self.count(input_tensor, output_tensor, group)
         if self.deferred is not None and self.deferred.may_defer(self.param_group, output_tensor, op):
             work = ring_reduce_scatter(output_tensor, input_tensor, group, op, async_op=True, label=self.label,
-                                       **self.config.ring_kwargs)
+                                       stats=self.recorder, **self.config.ring_kwargs)
             self.deferred.add(work)
             return None
-        began = time.perf_counter()
         scale = None
         if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
             scale, op = op.factor, dist.ReduceOp.SUM
-        ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label, **self.config.ring_kwargs)
+        ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label, stats=self.recorder,
+                            **self.config.ring_kwargs)
         if scale is not None:
             output_tensor.mul_(scale)
-        if self.recorder is not None:
-            self.recorder.blocking(began, time.perf_counter())
         return None
 
 
@@ -123,8 +106,7 @@ class DeferredReductions:
     backward's last autograd callback ([Note: FSDP2's GPU schedule on the rings]). CPU only: on CUDA the ring's
     reduce-scatter is ordered on its stream already and the host never waits for it."""
 
-    def __init__(self, recorder: StatsRecorder | None = None) -> None:
-        self.recorder = recorder
+    def __init__(self) -> None:
         self.pending: list[dist.Work] = []
         self._queued: int | None = None  # the graph task whose callback waits for them
         self._finished: int | None = None  # the graph task whose callback ran already
@@ -163,15 +145,11 @@ class DeferredReductions:
         self.wait()
 
     def wait(self) -> None:
-        """Wait for every deferred reduce-scatter (re-raising a ring error)."""
-        if not self.pending:
-            return
-        began = time.perf_counter()
+        """Wait for every deferred reduce-scatter (re-raising a ring error); each wait is timed as it is waited
+        for (``ring/issue.py``)."""
         pending, self.pending = self.pending, []
         for work in pending:
             work.wait()
-        if self.recorder is not None:
-            self.recorder.blocking(began, time.perf_counter())
 
 
 def _units(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
@@ -266,7 +244,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             if group.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"use_ring_collectives: FSDP2 unit '{unit}' is on {group.device.type!r}; the "
                                  f"rings run on cpu (gloo) and cuda (nccl) only")
-    deferred = DeferredReductions(recorder) if overlap else None
+    deferred = DeferredReductions() if overlap else None
     gathering = []  # the units with parameters, in module order
     for unit, module, state in units:
         groups = _param_groups(state)

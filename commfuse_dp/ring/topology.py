@@ -14,13 +14,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from .fingerprint import StepFingerprint
+from .worker import Job, RingWorker
 
 _TAG_SPACE = 1 << 29  # one tag per ring operation, recycled far apart; tags from 2**29 up carry an op identity
 
@@ -42,7 +42,8 @@ class Ring:
         self.backend = str(dist.get_backend(group))
         self._seq = 0
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: RingWorker | None = None
+        self.posted = None  # a ring step issued at once by the thread that requested it, maybe in flight (issue.py)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.broken: str | None = None  # the first failure; every later op raises it at once
         # gloo's messages carry the op's tag; COMMFUSE_RING_TAGS=0 sends all with tag 0, paired by order alone as
@@ -77,15 +78,15 @@ class Ring:
         return (self.rank - k - 1) % self.size
 
     @property
-    def executor(self) -> ThreadPoolExecutor:
+    def executor(self) -> RingWorker:
         """One worker thread per group for async ring ops on CPU: ops run in the order they were issued."""
         if self._executor is None:
             with self._lock:
                 if self._executor is None:
-                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commfuse-ring")
+                    self._executor = RingWorker(self, "commfuse-ring")
         return self._executor
 
-    def submit(self, run: Callable[[], object]) -> Future:
+    def submit(self, run: Callable[[], object]) -> Job:
         """Run ``run`` on the ring thread after the ops submitted before it (the future holds what it returns);
         under an emulated accelerator (``set_device_clock``), not before the compute issued so far on the calling
         thread has ended."""

@@ -1,7 +1,7 @@
 """One ring step: start the sends to ``next`` and the receives from ``prev``, then wait for them.
 
-This is the whole transport interface the collectives and the fused layers use:
-``handle = start_step(ring, sends, recvs, ...)`` and ``handle.wait()``.
+This is the whole transport interface: ``handle = start_step(ring, sends, recvs, ...)`` and ``handle.wait()``,
+called for every ring step of the fused layers and the collectives by ``issue`` in ``ring/issue.py`` alone.
 
 Backends:
 - CPU + gloo: ``ProcessGroup.send/recv`` (the direct calls cost ~35% less host time per step than
@@ -32,12 +32,13 @@ _OBSERVERS: list[Observer] = []
 
 @contextlib.contextmanager
 def observe_ring(callback: Observer) -> Iterator[None]:
-    """Call ``callback(event, op, step)`` for every ring step's ``"start"``, ``"wait"`` (the wait begins) and
-    ``"done"`` (it ended), and for the fused layers' compute pieces, ``"compute_begin"`` and ``"compute"`` (the
-    piece ended), reported through ``notify``. Called on the thread doing the work. A step requested on the link
-    scheduler (``commfuse_dp/runtime/link.py``) reports ``"start"`` when it is requested and ``"wait"``/``"done"`` when
-    compute waits for it, on the compute thread, and ``"issued"``/``"landed"`` from the link's thread when the
-    link works it. For schedule tests and timelines."""
+    """Call ``callback(event, op, step)`` for every ring step, and for the fused layers' compute pieces,
+    ``"compute_begin"`` and ``"compute"`` (the piece ended), reported through ``notify``. A ring step
+    (``ring/issue.py``) reports ``"start"`` when it is requested, on the thread requesting it (a collective's steps
+    all at once when it is called; ``op``: the fused ring's phase, or ``all_gather`` / ``reduce_scatter``);
+    ``"issued"`` and ``"landed"`` around its issue and its bytes' arrival on the thread that works it (CPU: the
+    ring's thread, or the caller of a synchronous collective); ``"wait"`` and ``"done"`` around compute's wait for
+    it (a collective's: once, with its last step's index). For schedule tests and timelines."""
     _OBSERVERS.append(callback)
     try:
         yield
@@ -75,8 +76,8 @@ class StepHandle:
 
     def wait(self, observed: bool = True) -> None:
         """CPU: block until the step's bytes have landed (or raise by the deadline). CUDA: order the current
-        stream after the step, without blocking the host. ``observed``: report it to ``observe_ring`` (the link
-        scheduler reports its steps itself, on the compute side)."""
+        stream after the step, without blocking the host. ``observed``: report it to ``observe_ring``
+        (``ring/issue.py`` reports the steps it issues itself: requested, issued, waited for)."""
         observed = observed and bool(_OBSERVERS)
         if observed:
             notify("wait", self.op, self.step)
@@ -90,6 +91,10 @@ class StepHandle:
         if observed:
             notify("done", self.op, self.step)
 
+    def completed(self) -> bool:
+        """CPU: whether every work of the step has completed (never blocks; an error is raised by ``wait``)."""
+        return all(work.is_completed() for works in (self.recvs, self.sends) for work in works)
+
     def _wait_host(self) -> None:
         ring = self.ring
         # The last tenth of the timeout (at most 10 s) is kept for asking the peers where they are (_where_peers).
@@ -99,9 +104,11 @@ class StepHandle:
         for works, peers, direction in ((self.recvs, self.recv_from or repeat(ring.prev), "receive from"),
                                         (self.sends, self.send_to or repeat(ring.next), "send to")):
             for work, peer in zip(works, peers):
-                remaining = until - time.monotonic()
                 try:
-                    work.wait(timedelta(seconds=max(remaining, 1e-3)))
+                    if work.is_completed():  # landed (or failed: wait raises its error at once)
+                        work.wait()
+                    else:
+                        work.wait(timedelta(seconds=max(until - time.monotonic(), 1e-3)))
                 except RuntimeError as err:
                     raise self._failure(err, peer, direction) from err
 
@@ -158,13 +165,14 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
                           send_to, recv_from)
     pg = ring.group
     handle = StepHandle(ring, [], [], op, step, steps, timeout_s, False, label, send_to, recv_from)
+    tag = tag if ring.tagged else 0
     # Receives first: a gloo send moves its bytes once the receiver has posted the receive, and the notice that
     # it has then leaves ahead of this rank's own outgoing bytes instead of queueing behind them.
     for works, tensors, peers, post, direction in ((handle.recvs, recvs, source, pg.recv, "receive from"),
                                                    (handle.sends, sends, to, pg.send, "send to")):
         for t, peer in zip(tensors, peers):
             try:  # gloo raises here already when the peer's connection is gone
-                works.append(post([t], peer, tag if ring.tagged else 0))
+                works.append(post([t], peer, tag))
             except RuntimeError as err:
                 raise handle._failure(err, peer, direction) from err
     return handle

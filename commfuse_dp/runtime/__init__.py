@@ -5,12 +5,3 @@ It never imports the ops (``commfuse_dp/fused``), which are built on it."""
 
 from __future__ import annotations
 
-from .engine import Engine
-from .schedule import FusedSchedule
-from .slicing import SlicingScheduler
-from .step import StepState
-
-
-def step_state(engine: Engine) -> StepState:
-    """The step state of a sharded model, driving the schedule its config names (``slicing``, else fused)."""
-    return StepState(engine, SlicingScheduler if engine.config.schedule == "slicing" else FusedSchedule)

@@ -12,6 +12,7 @@ import torch
 
 from .engine import Engine, RingOp
 from .group import FusedGroupState
+from .layout import GroupLayout, MemberBlocks
 from .link import Pending
 
 
@@ -23,19 +24,37 @@ class WeightRing:
     into ``slots``; only the pieces read rows one at a time then (``piece_shards=1``)."""
 
     def __init__(self, engine: Engine, op: RingOp | None, slots: torch.Tensor | None,
-                 pair: tuple[torch.Tensor, torch.Tensor | None] | None = None, own: torch.Tensor | None = None
-                 ) -> None:
+                 pair: tuple[torch.Tensor, torch.Tensor | None] | None = None, own: torch.Tensor | None = None,
+                 views: dict | None = None) -> None:
         self.engine, self.op, self.slots, self.pair, self.own = engine, op, slots, pair, own
         self.world = engine.ring.size
         self.pending: dict[int, Pending] = {}
         self.requested = 0  # steps requested so far
         self.bundle: Bundle | None = None  # the rings whose steps it shares (elastic, chosen ahead)
         self.pooled = False  # ``slots`` came from the schedule's SlotPool and goes back there (release)
+        # ``blocks`` made so far: {key: (buffer, blocks)}, kept across rings by the schedule (``views``) where the
+        # buffers outlive a ring (pooled slots, the parameters' own packed row)
+        self._views = views if views is not None else {}
 
     def held(self, k: int) -> torch.Tensor:
         if self.slots is None:
             return self.pair[k % 2]
         return self.own if k == 0 and self.own is not None else self.slots[self.engine.ring.shard_held(k)]
+
+    def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
+        """The members' blocks of the buffer that holds piece k's row, and the row's index in it: views made once
+        per buffer of this ring, not per piece."""
+        if self.slots is None:
+            buf, index, key = self.pair[k % 2], 0, k % 2
+        elif k == 0 and self.own is not None:
+            buf, index, key = self.own, 0, ("own", id(layout))  # one own row per group: a new one replaces it
+        else:
+            buf, index = self.slots, self.engine.ring.shard_held(k)
+            key = (id(buf), id(layout))
+        made = self._views.get(key)
+        if made is None or made[0] is not buf:
+            made = self._views[key] = (buf, layout.blocks(buf))
+        return made[1], index
 
     def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What step k sends and receives (the row held at piece k goes out; the next one comes in)."""
@@ -125,9 +144,16 @@ class GradRing:
         self.racc = torch.empty(numel, dtype=dtype, device=device) if communicates and world > 1 else None
         self.last: Pending | None = None
         self.bundled = False  # its steps go later, with its unit's other rings (GradBundle), not beside its pieces
+        self._blocks: tuple[MemberBlocks, ...] | None = None
 
     def part(self, k: int) -> torch.Tensor:
         return self.parts[k if self.lag else k % 2]
+
+    def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
+        """The members' blocks of the partials, and the row of ``part(k)`` in them (views made once)."""
+        if self._blocks is None:
+            self._blocks = layout.blocks(self.parts)
+        return self._blocks, k if self.lag else k % 2
 
     def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None] | None]:
         """What step k sends and receives, and what runs on the link before it (the add of the sum that step k-1

@@ -52,13 +52,25 @@ class Member(NamedTuple):
         return flat[start:start + (self.chunk if rows is None else rows)]
 
 
+class MemberBlocks(NamedTuple):
+    """One member's parts in every row of a 2-D buffer of flat rows (``(R, numel)``: a gathered weight, the
+    gradient partials), as views made once: row ``i``'s weight is ``weight[i]``, its transpose ``weight_t[i]``."""
+
+    chunk: int
+    weight: torch.Tensor  # (R, chunk, in)
+    weight_t: torch.Tensor  # (R, in, chunk)
+    bias: torch.Tensor | None  # (R, chunk)
+
+
 class GroupLayout(NamedTuple):
-    """The flat per-rank buffer of a fused group: its members in order, its size, the ranks and the input width."""
+    """The flat per-rank buffer of a fused group: its members in order, its size, the ranks and the input width.
+    ``spans[s]``: each member's output rows ``[lo, hi)`` owned by rank ``s`` (``Member.rows``, looked up once)."""
 
     members: tuple[Member, ...]
     numel: int
     world: int
     in_features: int
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @staticmethod
     def build(shapes: list[tuple[int, int, bool, bool]], world: int) -> GroupLayout:
@@ -71,7 +83,18 @@ class GroupLayout(NamedTuple):
             m = Member(out_features, in_f, -(-out_features // world), transposed, has_bias, offset)
             members.append(m)
             offset += m.numel
-        return GroupLayout(tuple(members), offset, world, in_features)
+        spans = tuple(tuple(m.rows(s) for m in members) for s in range(world))
+        return GroupLayout(tuple(members), offset, world, in_features, spans)
+
+    def blocks(self, buf: torch.Tensor) -> tuple[MemberBlocks, ...]:
+        """Each member's ``MemberBlocks`` in ``buf``: ``(R, numel)``, or one flat row (then R = 1)."""
+        rows = buf if buf.dim() == 2 else buf.view(1, -1)
+        out = []
+        for m in self.members:
+            w = rows[:, m.offset:m.offset + m.weight_numel].view(-1, m.chunk, m.in_features)
+            bias = rows[:, m.offset + m.weight_numel:m.offset + m.numel] if m.has_bias else None
+            out.append(MemberBlocks(m.chunk, w, w.transpose(1, 2), bias))
+        return tuple(out)
 
     def pack(self, params: list[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch.dtype,
              out: torch.Tensor | None = None) -> torch.Tensor:

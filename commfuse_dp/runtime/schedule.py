@@ -72,6 +72,7 @@ class FusedSchedule:
         self._at: dict[tuple[int, str], int] = {}  # each group's place in its phase's order
         self._chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
         self._pool = SlotPool()
+        self._views: dict = {}  # WeightRing's views of the buffers that outlive a ring (pooled slots, own rows)
         self._bundle_forward = False  # whether a unit's forward rings share steps (from the order: _units_of_order)
 
     @property
@@ -181,7 +182,7 @@ class FusedSchedule:
             own = state.own_packed(params, compute_dtype)  # the params are views of it: nothing to pack (adopt_packed)
             if own is None:
                 layout.pack(state.pairs(params), compute_dtype, out=slots[ring.rank])
-            weights = WeightRing(self.engine, op, slots, own=own)
+            weights = WeightRing(self.engine, op, slots, own=own, views=self._views if pooled else None)
             weights.pooled = pooled
             return weights
         buf = layout.pack(state.pairs(params), compute_dtype)
@@ -218,6 +219,26 @@ class FusedSchedule:
             quota -= self._paced[0].request(quota)
             if not self._paced[0].unrequested:
                 self._paced.pop(0)
+
+    # -- beside each compute piece -------------------------------------------------------------------------------
+
+    def before_piece(self, state: FusedGroupState, phase: str, k: int, grads: GradRing | None = None) -> None:
+        """Beside compute piece k of ``state`` (its own steps requested already, ``piece_steps``): a unit's gradient
+        step (``unit_grads_step``), the steps of the rings chosen ahead (``pace``), and at the last piece the next
+        layers' first steps (lockstep, ``start_next``)."""
+        if grads is not None and grads.bundled:
+            self.unit_grads_step(state, k)
+        if self._paced:
+            self.pace(state, phase, self.engine.ring.size - k)
+        if k == self.engine.ring.size - 1:
+            self.start_next(state, phase)
+
+    def after_piece(self, state: FusedGroupState, phase: str, k: int) -> None:
+        """After piece k's compute, before its wait: in the backward, the gradient rings of earlier layers that
+        have landed (lockstep: the previous layer's last step, which had this first piece to land, waited for at
+        k = 0)."""
+        if phase == "backward":
+            self.land(block=k == 0 and not self.elastic)
 
     # -- gradient rings by unit ---------------------------------------------------------------------------------
 

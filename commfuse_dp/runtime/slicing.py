@@ -4,7 +4,6 @@ behind it and waited for at the end of the backward."""
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
@@ -18,11 +17,10 @@ from .step import StepState
 
 
 class Gathered(NamedTuple):
-    """A group's all-gather in flight: its work, the ``(N, numel)`` buffer it fills, when it started."""
+    """A group's all-gather in flight: its work (None: landed already), the ``(N, numel)`` buffer it fills."""
 
     work: dist.Work | None
     flat: torch.Tensor  # (N, numel): every rank's packed shards
-    started: float
 
 
 class Reducing(NamedTuple):
@@ -33,7 +31,6 @@ class Reducing(NamedTuple):
     state: FusedGroupState
     grad_dtypes: tuple[torch.dtype, ...]
     train: tuple[bool, ...]
-    started: float
 
 
 class SlicingScheduler:
@@ -64,6 +61,12 @@ class SlicingScheduler:
     def start_first(self, phase: str) -> None:
         """(Fused schedule only: here each layer's gather prefetches the next one's.)"""
 
+    def before_piece(self, state: FusedGroupState, phase: str, k: int, grads=None) -> None:
+        """(Nothing goes beside a piece: a layer's gather is whole, requested one layer ahead by ``gather``.)"""
+
+    def after_piece(self, state: FusedGroupState, phase: str, k: int) -> None:
+        """(Nothing lands between pieces: the reduce-scatters land when the backward ends.)"""
+
     def reset(self) -> None:
         """Drop everything of an aborted step: in-flight gathers and reduce-scatters are waited for (every rank
         started them alike) and their results dropped; the layer order is forgotten."""
@@ -89,15 +92,15 @@ class SlicingScheduler:
         flat = packed.new_empty(ring.size, state.layout.numel)
         op = self.steps.ring_op(state.op, phase)
         work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True, tag=op.tag, label=op,
-                               **self.engine.config.ring_kwargs)
-        return Gathered(work, flat, time.perf_counter())
+                               stats=self.engine.stats, **self.engine.config.ring_kwargs)
+        return Gathered(work, flat)
 
-    def _wait(self, started: float, work: dist.Work | None) -> None:
-        began = time.perf_counter()
+    @staticmethod
+    def _wait(work: dist.Work | None) -> None:
+        """Wait for a collective: timed and counted in the step statistics where it is waited for
+        (``ring/issue.py``)."""
         if work is not None:
             work.wait()
-        if self.engine.stats.enabled:
-            self.engine.stats.ring_step(started, began, time.perf_counter())
 
     def gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype,
                phase: str, backward_gathers: bool = True) -> torch.Tensor:
@@ -117,9 +120,9 @@ class SlicingScheduler:
             nxt_dtype = self.dtype_hint or self.engine.compute_dtype(nxt_params[0].dtype)  # as its layer will ask
             self._prefetched[(id(nxt_state), phase)] = (
                 self._start_gather(nxt_state, nxt_params, nxt_dtype, phase), nxt_params)
-        self._wait(gathered.started, gathered.work)
+        self._wait(gathered.work)
         if phase == "forward" and backward_gathers and self._order and state is self._order[-1] and not recompute:
-            self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat, time.perf_counter()), params)
+            self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat), params)
         return gathered.flat
 
     def _following(self, state: FusedGroupState, phase: str) -> tuple[FusedGroupState, list[torch.Tensor]] | None:
@@ -140,18 +143,15 @@ class SlicingScheduler:
         shard = parts.new_empty(state.layout.numel)
         op = self.steps.ring_op(state.op, "backward")
         work = ring_reduce_scatter(shard, parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
-                                   tag=op.tag, label=op, **self.engine.config.ring_kwargs)
-        self._reducing.append(Reducing(work, shard, state, grad_dtypes, train, time.perf_counter()))
+                                   tag=op.tag, label=op, stats=self.engine.stats, **self.engine.config.ring_kwargs)
+        self._reducing.append(Reducing(work, shard, state, grad_dtypes, train))
 
     def reduce_scatter_now(self, state: FusedGroupState, parts: torch.Tensor) -> torch.Tensor:
         """The same reduce-scatter, waited for at once (the gradients must be returned through autograd)."""
         shard = parts.new_empty(state.layout.numel)
         op = self.steps.ring_op(state.op, "backward")
-        began = time.perf_counter()
         ring_reduce_scatter(shard, parts.view(-1), self.engine.ring.group, dist.ReduceOp.SUM, tag=op.tag, label=op,
-                            **self.engine.config.ring_kwargs)
-        if self.engine.stats.enabled:
-            self.engine.stats.blocking(began, time.perf_counter())
+                            stats=self.engine.stats, **self.engine.config.ring_kwargs)
         _, post = self.engine.divide_factors()
         shard = shard.div_(post) if post != 1.0 else shard
         if self.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
@@ -164,7 +164,7 @@ class SlicingScheduler:
         _, post = self.engine.divide_factors()
         pending, self._reducing = self._reducing, []
         for red in pending:
-            self._wait(red.started, red.work)
+            self._wait(red.work)
             if post != 1.0:
                 red.shard.div_(post)
             red.state.accumulate_grads(red.shard, red.grad_dtypes, red.train)

@@ -40,8 +40,9 @@ _IDENTIFIED = 1 << 29
 
 class Schedule(Protocol):
     """When the ring steps of a step's fused layers run: ``FusedSchedule`` (elastic or lockstep, ``schedule.py``) and
-    ``SlicingScheduler`` (``slicing.py``). ``shard()`` picks one (``runtime.step_state``); the step state drives it
-    through these members, and each fused op through its own (the fused linear: ``ring_for``, ``grad_ring`` ...)."""
+    ``SlicingScheduler`` (``slicing.py``). ``shard()`` picks one (``fused.compute_for``); the step state drives it
+    through these members, a fused layer's loop (``fused/linear.py``) through ``before_piece`` and ``after_piece``,
+    and each op through its own (the fused linear: ``weights``, ``grads``; the sliced one: ``gather``, ...)."""
 
     dtype_hint: torch.dtype | None  # the compute dtype under autocast, for buffers requested ahead of a layer
 
@@ -54,6 +55,13 @@ class Schedule(Protocol):
 
     def start_first(self, phase: str) -> None:
         """Request the first fused layer's ring steps of ``phase`` ahead of it (from the ring embedding's forward)."""
+
+    def before_piece(self, state, phase: str, k: int, grads=None) -> None:
+        """Beside compute piece k of fused group ``state`` in ``phase``, after the piece's own ring steps were
+        requested: the steps this schedule requests there (rings ahead, a unit's gradients, the next layers')."""
+
+    def after_piece(self, state, phase: str, k: int) -> None:
+        """After piece k's compute, before the piece waits for its own step: what has landed is taken in."""
 
     def end_backward(self) -> None:
         """Autograd finished the backward: the last deferred gradient steps land."""

@@ -1,0 +1,274 @@
+"""Where every ring step is requested, issued and waited for: the fused layers' steps and the collectives' alike.
+
+[Note: one place for a ring step]
+A ring step passes three points, each of them here and nowhere else:
+- *Requested*, on the thread that calls for it, in program order: folded into the ring's fingerprint
+  (``ring/fingerprint.py``) and reported as ``"start"`` to ``observe_ring``. A step of a fused layer, ring embedding
+  or weight read is requested on its own (``Issuer.step``, the link scheduler's ``runtime/link.py``); a bucketed
+  collective (``ring/collectives.py``) requests all of its steps at once when it is called (``collective``), their
+  sizes known from its wavefront before any of them runs.
+- *Issued* by ``issue``, the one call of ``transport.start_step``, on the worker that runs the step: the ring's
+  thread (CPU: the link's steps and the asynchronous collectives), the calling thread (a synchronous collective
+  on CPU), or the host enqueueing onto the ring's communication stream (CUDA). On CPU it reports ``"issued"``
+  and ``"landed"`` around the step.
+- *Waited for* from the compute side by ``Pending.wait``: a link step on its own, a collective once for all of its
+  steps (its ``dist.Work`` is a ``RingWork`` around it; a synchronous one is waited for where it is called). The
+  one timed wait: on CPU by the host's clock, on CUDA by two CUDA events around the compute stream's wait
+  (``StatsRecorder.cuda_wait``, read at the end of the step), reported as ``"wait"`` and ``"done"``. The step
+  statistics count every ring step here (a collective adds its number of steps).
+A collective's waits inside its own step loop (each step before the next, on its worker) are not compute waits:
+they are neither timed nor counted. A collective that moves nothing (one rank, empty tensors) has no ring step and
+runs where it is called.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..stats import StatsRecorder
+from . import transport
+from .topology import Ring, device_ready, wait_until
+from .worker import Job
+
+OFF = StatsRecorder(enabled=False)  # for collectives whose caller keeps no step statistics
+
+
+class Pending:
+    """Ring steps requested on a ring (one of a fused layer, or all of a collective's); ``wait()`` from the
+    compute side."""
+
+    __slots__ = ("stats", "future", "event", "device", "run", "op", "k", "count", "requested", "waited")
+
+    def __init__(self, stats: StatsRecorder, op: str, k: int, future: Job | Posted | None = None,
+                 event: torch.cuda.Event | None = None, device: int | None = None,
+                 run: Callable[[], None] | None = None, count: int = 1) -> None:
+        self.stats, self.future, self.event, self.op, self.k = stats, future, event, op, k
+        self.device = device  # CUDA: the device index whose current stream waits for ``event``
+        self.run = run  # a synchronous collective on CPU: run by ``wait``, where it is waited for
+        self.count = count  # ring steps it stands for
+        self.requested = time.perf_counter()
+        self.waited = False
+
+    def done(self) -> bool:
+        """Whether the steps landed (never blocks)."""
+        if self.future is not None:
+            return self.future.done()
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """CPU: block until the steps' bytes landed and re-raise their error. CUDA: order the current stream after
+        them (the host goes on). Once: a second call returns at once."""
+        if self.waited:
+            return
+        self.waited = True
+        if transport._OBSERVERS:
+            transport.notify("wait", self.op, self.k)
+        stats = self.stats
+        began = time.perf_counter()
+        if self.future is not None:
+            self.future.result()  # the step's own deadline (timeout_s) bounds this
+        elif self.event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            if stats.enabled:
+                before = stream.record_event(torch.cuda.Event(enable_timing=True))
+                stream.wait_event(self.event)
+                stats.cuda_wait(before, stream.record_event(torch.cuda.Event(enable_timing=True)))
+            else:
+                stream.wait_event(self.event)
+        elif self.run is not None:
+            self.run()
+        if stats.enabled:
+            stats.ring_step(self.requested, began, time.perf_counter(), self.count)
+        if transport._OBSERVERS:
+            transport.notify("done", self.op, self.k)
+
+    def settle(self) -> None:
+        """Wait for a step of an aborted step; a broken ring has said so already, where it broke."""
+        try:
+            if self.future is not None:
+                self.future.result()
+        except transport.RingCommError:
+            pass
+
+
+def issue(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int, op: str, k: int,
+          steps: int, timeout_s: float, label: object, send_to: Sequence[int] | None = None,
+          recv_from: Sequence[int] | None = None, before: Callable[[], None] | None = None,
+          wait: bool = True) -> transport.StepHandle:
+    """Issue one ring step and wait for it on the worker running it (CPU: until its bytes landed; CUDA: the
+    communication stream, current here, is ordered after it). ``before`` runs first (a received partial sum's
+    add). The arguments are ``transport.start_step``'s. ``wait=False``: return at once (``Posted`` waits)."""
+    observed = bool(transport._OBSERVERS) and not (sends[0] if sends else recvs[0]).is_cuda
+    if observed:
+        transport.notify("issued", op, k)
+    if before is not None:
+        before()
+    handle = transport.start_step(ring, sends, recvs, tag=tag, op=op, step=k, steps=steps, timeout_s=timeout_s,
+                                  label=label, observed=False, send_to=send_to, recv_from=recv_from)
+    if wait:
+        handle.wait(observed=False)
+        if observed:
+            transport.notify("landed", op, k)
+    return handle
+
+
+class Posted:
+    """A ring step issued on the thread that requested it (CPU, the ring's thread idle and no other step of the
+    ring in flight: ``Issuer.step``), as a ``Job`` of the ring's thread is seen: ``done()`` never blocks,
+    ``result()`` waits for its bytes (its deadline bounds it) once, on whichever thread asks first, and raises
+    its error on every call."""
+
+    __slots__ = ("handle", "op", "k", "error", "landed", "lock")
+
+    def __init__(self, handle: transport.StepHandle, op: str, k: int) -> None:
+        self.handle, self.op, self.k = handle, op, k
+        self.error: BaseException | None = None
+        self.landed = False
+        self.lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self.landed or self.handle.completed()
+
+    def result(self) -> None:
+        with self.lock:
+            if not self.landed:
+                try:
+                    self.handle.wait(observed=False)
+                except BaseException as err:  # noqa: BLE001 - raised below, on every call
+                    self.error = err
+                self.landed = True
+                if transport._OBSERVERS:
+                    transport.notify("landed", self.op, self.k)
+        if self.error is not None:
+            raise self.error
+
+
+def after_posted(ring: Ring, run: Callable[[], object]) -> Callable[[], object]:
+    """``run``, first waiting for the ring's step issued at once and still in flight (``Ring.posted``), if any: the
+    ring's thread works its jobs after it, as after its own (the link works one step at a time, in request order)."""
+    posted, ring.posted = ring.posted, None
+    if posted is None or posted.done():  # (its own Pending still waits for it, and raises its error)
+        return run
+
+    def ordered():
+        posted.result()
+        return run()
+
+    return ordered
+
+
+class Issuer:
+    """Ring steps of fused layers, ring embeddings and weight reads on one ring (``step``), with the deadline per
+    step and the step statistics they are recorded in."""
+
+    def __init__(self, ring: Ring, timeout_s: float, stats: StatsRecorder) -> None:
+        self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
+
+    def step(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, steps: int,
+             before: Callable[[], None] | None = None, direct: bool = False,
+             send_to: list[int] | None = None, recv_from: list[int] | None = None) -> Pending:
+        """Request one ring step: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
+        ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
+        must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
+        instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``), or from the group
+        ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: worked on the ring's thread
+        in request order; CUDA: enqueued on its communication stream at once."""
+        if transport._OBSERVERS:
+            transport.notify("start", op.phase, k)
+        ring = self.ring
+        tensor = sends[0] if sends else recvs[0]
+        # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
+        ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
+        if direct:
+            send_to = ring.peers if send_to is None else send_to
+            recv_from = ring.peers if recv_from is None else recv_from
+        timeout_s = self.timeout_s
+        if tensor.is_cuda:
+            with ring.on_comm_stream(tensor.device) as (stream, _):  # after the compute that wrote the inputs
+                issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from, before)
+                event = stream.record_event()
+            for t in (*sends, *recvs):
+                t.record_stream(stream)
+            return Pending(self.stats, op.phase, k, event=event, device=stream.device_index)
+
+        posted = ring.posted
+        if posted is not None and posted.done():
+            posted = ring.posted = None
+        if posted is None and not ring.executor.queued and device_ready() is None:
+            # Nothing of this ring in flight or queued: issue it here, now (no hand-over to the ring's thread)
+            handle = issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from,
+                           before, wait=False)
+            ring.posted = Posted(handle, op.phase, k)
+            return Pending(self.stats, op.phase, k, future=ring.posted)
+
+        def run() -> None:
+            issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from, before)
+
+        return Pending(self.stats, op.phase, k, future=ring.submit(after_posted(ring, run)))
+
+
+def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int], run: Callable[[], None],
+               device: torch.device, async_op: bool, tensors: tuple[torch.Tensor, ...],
+               stats: StatsRecorder | None) -> dist.Work | None:
+    """Request every step of a bucketed collective (``sizes``: the elements each of its ring steps moves, in order)
+    and run ``run``, its step loop, which issues them through ``issue``: on the ring's communication stream (CUDA),
+    on the ring's thread (CPU, ``async_op``) or here. Returns a ``RingWork`` with ``async_op``, else waits for it.
+    ``tensors``: what the loop reads and writes (CUDA: kept from the allocator until the stream is done)."""
+    if not sizes:  # one rank, or nothing to move: no ring step
+        if device.type != "cuda":
+            wait_until(device_ready())
+        run()
+        if not async_op or (ring.size == 1 and device.type != "cuda"):
+            return None
+        landed = Pending(OFF, kind, 0, count=0)  # a Work as before, with nothing to wait for
+        landed.waited = True
+        return RingWork(landed)
+    ring.fingerprint.add_collective(kind, tag, label, sizes)
+    last = len(sizes) - 1
+    if transport._OBSERVERS:
+        for k in range(last + 1):
+            transport.notify("start", kind, k)
+    stats = stats if stats is not None else OFF
+    if device.type == "cuda":
+        with ring.on_comm_stream(device) as (stream, _):  # after the compute that wrote the inputs
+            run()
+            event = stream.record_event()
+        for t in tensors:  # the allocator must not hand their memory out before the ring stream is done with it
+            t.record_stream(stream)
+        pending = Pending(stats, kind, last, event=event, device=stream.device_index, count=len(sizes))
+    elif async_op:
+        pending = Pending(stats, kind, last, future=ring.submit(after_posted(ring, run)), count=len(sizes))
+    else:
+        wait_until(device_ready())  # an emulated accelerator's compute issued so far has ended (topology.py)
+        pending = Pending(stats, kind, last, run=after_posted(ring, run), count=len(sizes))
+    if async_op:  # the caller's wait(): compute until then overlaps it
+        return RingWork(pending)
+    pending.wait()
+    return None
+
+
+class RingWork(dist.Work):
+    """An asynchronous collective: ``wait()`` is its ``Pending.wait`` (CPU: blocks until it ran on the ring's
+    thread and re-raises its error, ``RingCommError`` and all, on every call; CUDA: the current stream waits for
+    it, the host goes on). A ``Work`` made from a torch future by ``_create_work_from_future`` would return from
+    ``wait()`` as if it had succeeded, and its output would be read as if it held the bytes."""
+
+    def __init__(self, pending: Pending) -> None:
+        super().__init__()
+        self.pending = pending
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        pending = self.pending
+        if pending.waited and pending.future is not None:
+            pending.future.result()  # waited for before: its error again, if it failed
+        pending.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.pending.done()
