@@ -66,9 +66,9 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
     """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
     nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
     and its GEMMs in pieces). With real compute one thread computes and issues, so it adds to the compute; with the
-    emulated accelerator the host runs ahead (the step is at least that long). Without it, the planner's own model
-    of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused group for fused and slicing,
-    ``costs.peer_host_on_cpu`` for the peer."""
+    emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
+    with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
+    group for fused, lockstep and slicing, ``costs.peer_host_on_cpu`` for the peer."""
     with open(path) as f:
         bench = json.load(f)
     on_compute = bench.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
@@ -103,14 +103,12 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
     where = 'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'
     groups = sum(len(u.groups) for u in units)
-    if extra:
-        print(f"each schedule's own work per step ({overhead_path}; {where}): "
-              + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in extra.items()))
-    else:
-        a, b = costs.CPU_HOST_FIT
-        print(f"each schedule's own host work per step (the planner's CPU model; {where}): fused and slicing "
-              f"{groups} groups x ({a * 1e3:g} + {b * 1e3:g} x {world}) ms = {groups * (a + b * world) * 1e3:.0f} ms, "
-              f"the peer's copies {costs.peer_host_on_cpu(units, Cluster(world, 1.0, 0.0, 1.0, 4, 4)) * 1e3:.0f} ms")
+    a, b = costs.CPU_HOST_FIT
+    print(f"each schedule's own host work per step (the planner's CPU model; {where}): fused, lockstep and slicing "
+          f"{groups} groups x ({a * 1e3:g} + {b * 1e3:g} x {world}) ms = {groups * (a + b * world) * 1e3:.0f} ms, "
+          f"the peer's copies {costs.peer_host_on_cpu(units, Cluster(world, 1.0, 0.0, 1.0, 4, 4)) * 1e3:.0f} ms"
+          + (f"; measured instead ({overhead_path}): " + ", ".join(f"{name} {seconds * 1e3:.0f} ms"
+                                                                   for name, seconds in extra.items()) if extra else ""))
     print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
           f"{'error':>7}")
     worst = 0.0
@@ -125,11 +123,10 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue
-            if extra:
-                host = (extra[schedule] / groups, 0.0) if schedule in extra else None  # as a + b N per fused group
-                peer = extra.get("fsdp2", 0.0)
-            else:
-                host, peer = costs.CPU_HOST_FIT, costs.peer_host_on_cpu(units, cl)
+            # a schedule the overhead file measured plays with that (as a + b N per fused group), the others with
+            # the planner's CPU model
+            host = (extra[schedule] / groups, 0.0) if schedule in extra else costs.CPU_HOST_FIT
+            peer = extra.get("fsdp2", costs.peer_host_on_cpu(units, cl))
             predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=peer), schedule)["step_s"]
             measured = rows[measured_name]["step_s"]
             error = predicted / measured - 1
