@@ -30,19 +30,10 @@ import torch.nn as nn
 
 from .config import CommFuseConfig
 from .plan import MARGIN, decide
-from .costs import H200_HOST_FIT, H200_PIECE_FIT, Cluster, units_for
+from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, peer_host_on_cpu, units_for
 
 __all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
 
-# The host's time per fused group per step on this project's 2-core CPU machines, on the thread that computes:
-# ``benchmarks/step_overhead.py`` (the bench model at 2 ranks, 1.7 ms a group; a tiny Llama at 2-16 ranks,
-# 0.5 ms more a group per rank).
-CPU_HOST_FIT = (0.7e-3, 0.5e-3)
-# The peer's own host work on CPU, per byte of parameters, of which it copies three times a step (out of its flat
-# buffer after the forward's and the backward's all-gathers, into one before the reduce-scatter): 93 ms a step for
-# the bench model's 68 MB at 2 ranks (``step_overhead.py --schedules fsdp2 --bench-model real``,
-# benchmarks/results/step-overhead-2ranks-real-peer.json). On a GPU these copies are device kernels.
-CPU_PEER_COPY_S_PER_BYTE = 0.093 / (3 * 68.2e6)
 DEFAULT_TOKENS_CAP = 4096
 
 
@@ -102,11 +93,6 @@ def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: tor
                  prefetch_depth=config.prefetch_depth)
     return cl, (f"{device.type}, {ranks} ranks, link {link:g} GB/s ({where}), {cl.flops_per_s / 1e12:g} TFLOP/s, "
                 f"{nbytes}-byte elements")
-
-
-def peer_host_on_cpu(units: list, cl: Cluster) -> float:
-    """Seconds of the peer's host work per step on CPU: three copies of the model's parameters."""
-    return CPU_PEER_COPY_S_PER_BYTE * 3 * sum(u.fused_numel + u.other_numel for u in units) * cl.param_bytes
 
 
 def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True

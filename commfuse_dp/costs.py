@@ -151,6 +151,23 @@ H200_PIECE_FIT = (0.645, 0.89)
 H200_HOST_FIT = (1.7e-3, 0.30e-3)
 
 
+# The host's time per fused group per step on this project's 2-core CPU machines, on the thread that computes
+# (``benchmarks/step_overhead.py``, benchmarks/results/step-overhead-fake-worlds.txt and
+# step-overhead-2ranks-real.json): the bench model at 2 ranks, its GEMMs in pieces included, 2.75 ms a group
+# (fused's 46.8 ms over 17 groups); a tiny Llama at 2-64 ranks, 0.08 ms more a group per rank.
+CPU_HOST_FIT = (2.59e-3, 0.08e-3)
+# The peer's own host work on CPU, per byte of parameters, of which it copies three times a step (out of its flat
+# buffer after the forward's and the backward's all-gathers, into one before the reduce-scatter): 81 ms a step for
+# the bench model's 68 MB at 2 ranks (``step_overhead.py --schedules fsdp2 --bench-model real``, the same file).
+# On a GPU these copies are device kernels.
+CPU_PEER_COPY_S_PER_BYTE = 0.081 / (3 * 68.2e6)
+
+
+def peer_host_on_cpu(units: list[Unit], cl: Cluster) -> float:
+    """Seconds of the peer's host work per step on CPU: three copies of the model's parameters."""
+    return CPU_PEER_COPY_S_PER_BYTE * 3 * sum(u.fused_numel + u.other_numel for u in units) * cl.param_bytes
+
+
 def host_seconds(units: list[Unit], cl: Cluster) -> float:
     """What the host spends issuing one step's fused groups (their ring steps, pieces and schedule bookkeeping:
     about 3 (N-1) ring steps and 2N pieces per group): the step cannot be shorter. 0 without ``host_fit``."""

@@ -66,7 +66,9 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
     """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
     nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
     and its GEMMs in pieces). With real compute one thread computes and issues, so it adds to the compute; with the
-    emulated accelerator the host runs ahead (the step is at least that long)."""
+    emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
+    with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
+    group for fused, lockstep and slicing, ``costs.peer_host_on_cpu`` for the peer."""
     with open(path) as f:
         bench = json.load(f)
     on_compute = bench.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
@@ -99,11 +101,14 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
-    if extra:
-        print(f"each schedule's own work per step ({overhead_path}; "
-              f"{'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'}): "
-              + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in extra.items()))
+    where = 'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'
     groups = sum(len(u.groups) for u in units)
+    a, b = costs.CPU_HOST_FIT
+    print(f"each schedule's own host work per step (the planner's CPU model; {where}): fused, lockstep and slicing "
+          f"{groups} groups x ({a * 1e3:g} + {b * 1e3:g} x {world}) ms = {groups * (a + b * world) * 1e3:.0f} ms, "
+          f"the peer's copies {costs.peer_host_on_cpu(units, Cluster(world, 1.0, 0.0, 1.0, 4, 4)) * 1e3:.0f} ms"
+          + (f"; measured instead ({overhead_path}): " + ", ".join(f"{name} {seconds * 1e3:.0f} ms"
+                                                                   for name, seconds in extra.items()) if extra else ""))
     print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
           f"{'error':>7}")
     worst = 0.0
@@ -118,9 +123,11 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
         for schedule, measured_name in names.items():
             if measured_name not in rows:
                 continue
-            host = (extra[schedule] / groups, 0.0) if schedule in extra else None  # as a + b N per fused group
-            predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=extra.get("fsdp2", 0.0)),
-                                 schedule)["step_s"]
+            # a schedule the overhead file measured plays with that (as a + b N per fused group), the others with
+            # the planner's CPU model
+            host = (extra[schedule] / groups, 0.0) if schedule in extra else costs.CPU_HOST_FIT
+            peer = extra.get("fsdp2", costs.peer_host_on_cpu(units, cl))
+            predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=peer), schedule)["step_s"]
             measured = rows[measured_name]["step_s"]
             error = predicted / measured - 1
             worst = max(worst, abs(error))

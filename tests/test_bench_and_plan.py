@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from commfuse_dp import plan, plan_cli
+from commfuse_dp import costs, plan, plan_cli
 from commfuse_dp.benchmarks.bench import balanced_rate, paired_ratios, records_from
 from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
 from commfuse_dp.benchmarks.trace_waits import analyse as analyse_trace
@@ -383,8 +383,9 @@ def test_plan_adds_the_host_to_the_compute_on_one_cpu_thread():
 
 def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
     """``plan --calibrate BENCH --overhead FILE`` (``step_overhead.py --bench-model real --json``): with real compute
-    each schedule's own work adds to its compute, so its predicted step grows; a file measured for another world size
-    or compute is refused with what to run instead."""
+    each schedule's own work adds to its compute, the file's figure instead of the planner's CPU model
+    (``costs.CPU_HOST_FIT``), so where the file says more its predicted step grows; a schedule the file leaves out
+    keeps the model; a file measured for another world size or compute is refused with what to run instead."""
     bench = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results",
                          "2ranks-real-lockstep.json")
 
@@ -394,8 +395,10 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
         return {(row[0], row[3]): float(row[4]) for row in rows if len(row) == 7 and row[0][0].isdigit()}
 
     overhead = tmp_path / "overhead.json"
+    modelled = 17 * (costs.CPU_HOST_FIT[0] + 2 * costs.CPU_HOST_FIT[1])  # the bench model's 17 groups at 2 ranks
+    added = {"fused": modelled + 0.05, "slicing": modelled + 0.1}
     overhead.write_text(json.dumps({"model": "bench", "compute": "real", "device": "cpu",
-                                    "extra_s": {"2": {"fused": 0.05, "slicing": 0.1}}}))
+                                    "extra_s": {"2": added}}))
     before, after = table(), table("--overhead", str(overhead))
     assert set(before) == set(after) and len(before) == 9
     grew = set()
@@ -404,7 +407,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
         if schedule == "lockstep":  # not in the file: unchanged
             assert grown == 0
         else:  # at most the added work (the link may hide part or all of it where it bounds)
-            assert 0 <= grown <= {"fused": 0.05, "slicing": 0.1}[schedule] + 1e-3
+            assert 0 <= grown <= added[schedule] - modelled + 1e-3
             grew |= {schedule} if grown > 0 else set()
     assert grew == {"fused", "slicing"}  # where compute bounds, it shows
     overhead.write_text(json.dumps({"model": "bench", "compute": "real", "extra_s": {"4": {"fused": 0.05}}}))
