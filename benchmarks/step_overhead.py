@@ -31,6 +31,7 @@ import argparse
 import datetime
 import functools
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -221,8 +222,9 @@ def _fake_table(args) -> int:
                   f"(plan --host-fit {a:.2e},{b:.2e})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": "bench" if args.bench_model else "tiny", "compute": args.bench_model or "real",
-                       "device": args.device, "extra_s": extras}, f, indent=1)
+            command = "python benchmarks/step_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+            json.dump({"command": command, "model": "bench" if args.bench_model else "tiny",
+                       "compute": args.bench_model or "real", "device": args.device, "extra_s": extras}, f, indent=1)
         print(f"wrote {args.json} (commfuse-dp plan --calibrate BENCH_JSON --overhead {args.json})")
     return 0
 
