@@ -9,8 +9,9 @@ A ring step passes three points, each of them here and nowhere else:
   sizes known from its wavefront before any of them runs.
 - *Issued* by ``issue``, the one call of ``transport.start_step``, on the worker that runs the step: the ring's
   thread (CPU: the link's steps and the asynchronous collectives), the calling thread (a synchronous collective
-  on CPU), or the host enqueueing onto the ring's communication stream (CUDA). On CPU it reports ``"issued"``
-  and ``"landed"`` around the step.
+  on CPU, and a link step requested while nothing of its ring is in flight or queued: ``Posted``, which the
+  ring's next job waits for first, ``after_posted``), or the host enqueueing onto the ring's communication stream
+  (CUDA). On CPU it reports ``"issued"`` and ``"landed"`` around the step.
 - *Waited for* from the compute side by ``Pending.wait``: a link step on its own, a collective once for all of its
   steps (its ``dist.Work`` is a ``RingWork`` around it; a synchronous one is waited for where it is called). The
   one timed wait: on CPU by the host's clock, on CUDA by two CUDA events around the compute stream's wait
@@ -177,8 +178,9 @@ class Issuer:
         ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
         must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
         instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``), or from the group
-        ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: worked on the ring's thread
-        in request order; CUDA: enqueued on its communication stream at once."""
+        ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: issued here at once when
+        nothing of the ring is in flight or queued, else worked on the ring's thread in request order; CUDA:
+        enqueued on its communication stream at once."""
         if transport._OBSERVERS:
             transport.notify("start", op.phase, k)
         ring = self.ring
