@@ -62,10 +62,25 @@ def load_model(spec: str) -> tuple:
 BENCH_MIN_FUSE_NUMEL = 1 << 16  # what `commfuse-dp bench` ran with before its files recorded it (its default then)
 
 
-def calibrate(path: str, latency_us: float, overhead_path: str | None = None) -> int:
+def _fixed_cost(by_rate: dict[float, dict[str, dict]]) -> float | None:
+    """The part of communication alone that does not shrink with the link's rate: the least-squares line
+    ``comm_only(rate) = A / rate + C`` through the bench's rates (``C``, seconds per step); None with fewer than
+    two rates."""
+    points = [(rate, rows["comm_only"]["step_s"]) for rate, rows in by_rate.items() if "comm_only" in rows]
+    if len(points) < 2:
+        return None
+    xs, ys = [1.0 / rate for rate, _ in points], [seconds for _, seconds in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(my - slope * mx, 0.0)
+
+
+def calibrate(path: str, latency_us: float | None = None, overhead_path: str | None = None) -> int:
     """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
     nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
-    and its GEMMs in pieces). With real compute one thread computes and issues, so it adds to the compute; with the
+    and its GEMMs in pieces). ``latency_us`` None: the fixed cost of a ring step is fitted from the bench's
+    ``comm_only`` rows (what does not shrink with the rate, over the planner's count of ring steps), and each rate's
+    bandwidth from the rest. With real compute one thread computes and issues, so it adds to the compute; with the
     emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
     with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
     group for fused, lockstep and slicing, ``costs.peer_host_on_cpu`` for the peer."""
@@ -99,6 +114,21 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
                 if {"concurrent", "compute_only", "comm_only"} <= set(rows)
                 and rows["comm_only"]["step_s"] < rows["compute_only"]["step_s"]]
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
+    fixed = None
+    if latency_us is None:
+        fixed = _fixed_cost(by_rate)
+        if fixed is None:
+            raise SystemExit(f"--calibrate {path}: one link rate only, so the fixed cost of a ring step cannot be "
+                             f"fitted; give --latency-us")
+        ring_steps = simulate(units, Cluster(world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=direct_bytes,
+                                             rows_ring=rows_ring,
+                                             min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL)),
+                              "no_overlap")["step_s"]  # (1 s per ring step, nothing else costs)
+        latency_us = fixed / ring_steps * 1e6
+        print(f"fixed cost of a ring step: {latency_us:.0f} us, fitted (communication alone is {fixed * 1e3:.0f} ms "
+              f"a step longer than its bytes over the rate, over {ring_steps:.0f} ring steps)")
+    else:
+        print(f"fixed cost of a ring step: {latency_us:g} us (--latency-us)")
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
     where = 'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'
@@ -116,7 +146,7 @@ def calibrate(path: str, latency_us: float, overhead_path: str | None = None) ->
         if "compute_only" not in rows or "comm_only" not in rows:
             continue
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
-        f_rate, b_rate = flops / compute, zero3_bytes / comm
+        f_rate, b_rate = flops / compute, zero3_bytes / (comm - (fixed or 0.0))
         cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
                      cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring,
                      host_on_compute=on_compute, min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL))
@@ -235,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             f"config.json path")
     parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks")
     parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes)")
-    parser.add_argument("--latency-us", type=float, default=15.0, help="fixed cost of one ring step, microseconds")
+    parser.add_argument("--latency-us", type=float, default=None,
+                        help="fixed cost of one ring step, microseconds (default 15; with --calibrate, fitted from the "
+                             "bench's comm_only rows over its link rates)")
     parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the hardware's peak TFLOP/s per rank, for MFU (default 989: an H100 SXM, dense bf16)")
@@ -291,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--min-fuse-numel must be at least 0")
     if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
         return calibrate(args.calibrate, args.latency_us, args.overhead)
+    if args.latency_us is None:
+        args.latency_us = 15.0
     if args.sweep:
         sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
               args.min_fuse_numel)

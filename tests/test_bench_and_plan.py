@@ -526,3 +526,28 @@ def test_plan_says_what_it_does_not_play(capsys):
     assert "not played: under fused, 32 decoder layers" in out and "under slicing" not in out
     assert plan_cli.main(["--model", "llama3-8b", "--ranks", "1024", "--piece-fit", "none"]) == 0
     assert "not played" not in capsys.readouterr().out
+
+
+def test_calibrate_fits_the_fixed_cost_of_a_ring_step(tmp_path, capsys):
+    """Without ``--latency-us``, ``plan --calibrate`` fits what does not shrink with the link's rate from the bench's
+    ``comm_only`` rows (a line ``A / rate + C``), spreads ``C`` over the planner's ring steps, and takes each rate's
+    bandwidth from the rest; with one rate it asks for ``--latency-us``. Against this version's stored runs the
+    predictions then hold within 10 %."""
+    rows = {rate: {"comm_only": {"step_s": 700.0 / rate + 0.06}} for rate in (490.0, 980.0, 1960.0)}
+    assert plan_cli._fixed_cost(rows) == pytest.approx(0.06)
+    assert plan_cli._fixed_cost({490.0: rows[490.0]}) is None
+    results = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results")
+    for name in ("2ranks-real-all-variants", "4ranks-emulated-current", "8ranks-emulated-current"):
+        assert plan_cli.main(["--calibrate", os.path.join(results, name + ".json")]) == 0
+        out = capsys.readouterr().out
+        assert "fitted (communication alone is" in out
+        worst = float(out.rsplit("worst error ", 1)[1].split("%")[0])
+        assert worst < 10.0, (name, out)
+    with open(os.path.join(results, "2ranks-real-all-variants.json")) as f:
+        bench = json.load(f)
+    rate = bench["records"][0]["rate_mbit"]
+    bench["records"] = [r for r in bench["records"] if r["rate_mbit"] == rate]
+    one = tmp_path / "one-rate.json"
+    one.write_text(json.dumps(bench))
+    with pytest.raises(SystemExit, match="one link rate only.*give --latency-us"):
+        plan_cli.main(["--calibrate", str(one)])
