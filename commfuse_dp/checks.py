@@ -189,3 +189,32 @@ def check_not_sharded_elsewhere(model: nn.Module) -> None:
                          "..., distributed_config=DistributedConfig(...))); shard() needs the unsharded model. Load "
                          "or build it without sharding and call shard(model), or keep that sharding and call "
                          "commfuse_dp.integrations.fsdp.use_ring_collectives(model) to run its collectives on rings")
+
+
+def check_same_layout(target: nn.Module, source: nn.Module, what: str) -> None:
+    """Raise ``ValueError`` unless ``target``'s and ``source``'s parameters, zipped in order, can be mixed shard
+    against shard on every rank (``target.data.mul_(1 - a).add_(source.data, alpha=a)``, TRL's ``sync_ref_model``):
+    both sharded alike (DTensors on one mesh, same placements, same local shapes) or both plain of one shape.
+    ``what`` names the mixing in the message. The parameters are the same on every rank, so every rank raises."""
+    pairs = list(zip(target.named_parameters(), source.named_parameters()))
+    counts = (sum(1 for _ in target.parameters()), sum(1 for _ in source.parameters()))
+    if counts[0] != counts[1]:
+        raise ValueError(f"{what}: the models have {counts[0]} and {counts[1]} parameters; the mix pairs them one "
+                         f"by one, so they must be the same model")
+    for (name, t), (_, s) in pairs:
+        if isinstance(t, DTensor) != isinstance(s, DTensor):
+            sharded = "the trained model" if isinstance(s, DTensor) else "the mixed-into model"
+            raise ValueError(
+                f"{what}: {name} is sharded in {sharded} only, and the mix would add a shard to a full tensor. "
+                f"Shard both: keep CommFuseConfig.shard_frozen on (the default), and let the Trainer "
+                f"prepare the reference (commfuse_trainer(...) or CommFuseTrainer; a plain Trainer with the "
+                f"callback alone leaves it whole), or commfuse_dp.shard() it yourself with the same config")
+        if isinstance(t, DTensor):
+            same = (t.device_mesh == s.device_mesh and t.placements == s.placements
+                    and t.to_local().shape == s.to_local().shape and t.shape == s.shape)
+            shapes = f"{tuple(t.shape)} {t.placements} and {tuple(s.shape)} {s.placements}"
+        else:
+            same, shapes = t.shape == s.shape, f"{tuple(t.shape)} and {tuple(s.shape)}"
+        if not same:
+            raise ValueError(f"{what}: {name} is laid out differently in the two models ({shapes}). Shard both with "
+                             f"the same CommFuseConfig (and schedule), on the same model class and config")

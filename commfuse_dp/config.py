@@ -166,6 +166,12 @@ class CommFuseConfig:
     Every rank must enter the same fused ring steps in the same order; FSDP2 gathers such a module's whole unit
     on every rank instead. Off: they are fused anyway, and a step in which the ranks diverge fails with an error."""
 
+    shard_frozen: bool = True
+    """Shard the models a trainer prepares for evaluation beside the one it trains (``accelerator.prepare_model(m,
+    evaluation_mode=True)``: TRL's reference, reward and teacher models) like the trained one: each rank holds 1/N,
+    gathered on the rings for each forward, nothing reduced. Every rank must then run their forwards alike. Off:
+    such models stay whole on every rank, as accelerate leaves them."""
+
     nonfinite_grads: str = "auto"
     """What happens when a backward that synchronises gradients leaves a NaN or an infinity in a gradient shard
     (checked after every such backward, once every shard is final; never inside ``no_sync()`` accumulation
@@ -386,7 +392,7 @@ def forward_bundles_auto(world: int, units: int) -> bool:
     """``forward_bundles="auto"`` on ``world`` ranks for ``units`` units with fused groups (also the planner's)."""
     return (world - 1) * units * units > FORWARD_BUNDLES_ABOVE
 
-_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent")
+_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent", "shard_frozen")
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:

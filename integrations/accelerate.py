@@ -72,7 +72,7 @@ from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.integrations.attach import attach, resolve_config
 from commfuse_dp.ring.topology import drain_gloo_workers
 
-__all__ = ["CommFuseAccelerator", "resolve_config"]
+__all__ = ["CommFuseAccelerator", "FrozenModels", "resolve_config", "shard_frozen_models"]
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -113,7 +113,67 @@ def _implied_cpu(kwargs: dict) -> None:
         kwargs["cpu"] = True
 
 
-class CommFuseAccelerator(Accelerator):
+class FrozenModels:
+    """An ``Accelerator`` mixin: ``prepare_model(model, evaluation_mode=True)`` -- how TRL's trainers prepare a
+    reference, reward or teacher model beside the one they train -- shards ``model`` with ``commfuse_frozen`` (the
+    trained model's config) instead of leaving it whole on every rank, and applies mixed precision as for the
+    trained model (:func:`prepare_sharded`). Nothing of it is reduce-scattered: it takes no gradient, and its
+    ring steps are requested on the same ring as the trained model's, in program order. ``commfuse_frozen`` None:
+    accelerate's own ``prepare_model``. ``CommFuseAccelerator`` is one; a Trainer's Accelerator becomes one in
+    ``CommFuseCallback.on_init_end`` (:func:`shard_frozen_models`)."""
+
+    commfuse_frozen: CommFuseConfig | None = None
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        config = self.commfuse_frozen
+        if not evaluation_mode or config is None or not _shardable(model):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        place = self.device_placement if device_placement is None else device_placement
+
+        def to_device(module: torch.nn.Module) -> None:
+            if place and not self.verify_device_map(module):
+                module.to(self.device)
+
+        attach(model, config, who="prepare_model(evaluation_mode=True)", place=to_device)
+        return prepare_sharded(self, model)
+
+
+def _shardable(model) -> bool:
+    """A plain module with parameters that nothing has sharded or prepared yet."""
+    return isinstance(model, torch.nn.Module) and not ckpt.is_sharded(model) \
+        and not getattr(model, "_is_accelerate_prepared", False) \
+        and not isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        and any(True for _ in model.parameters())
+
+
+def frozen_config(config: CommFuseConfig, trained: torch.nn.Module) -> CommFuseConfig:
+    """The config a frozen model is sharded with: ``config`` (what ``trained`` was sharded with) with the schedule
+    and piece width chosen for ``trained``, so that a reference copy of it is laid out as it is (TRL's
+    ``sync_ref_model`` mixes the two parameter by parameter)."""
+    engine = getattr(trained, "_commfuse_engine", None)
+    if engine is None:
+        return config
+    return config.replace(schedule=engine.config.schedule, piece_shards=engine.config.piece_shards)
+
+
+_FROZEN_CLASSES: dict[type, type] = {}
+
+
+def shard_frozen_models(accelerator: Accelerator, config: CommFuseConfig | None) -> None:
+    """From now on ``accelerator.prepare_model(m, evaluation_mode=True)`` shards ``m`` with ``config`` (None: leaves
+    it whole again). A Trainer builds a plain ``Accelerator`` in its ``__init__`` and prepares its frozen models
+    with it right after (TRL): the instance becomes one of a subclass of its own class with :class:`FrozenModels`
+    first, made once per class; nothing else of it changes."""
+    if not isinstance(accelerator, FrozenModels):
+        cls = type(accelerator)
+        if cls not in _FROZEN_CLASSES:
+            _FROZEN_CLASSES[cls] = type(cls.__name__, (FrozenModels, cls), {"__module__": cls.__module__})
+        accelerator.__class__ = _FROZEN_CLASSES[cls]
+    accelerator.commfuse_frozen = config
+
+
+class CommFuseAccelerator(FrozenModels, Accelerator):
     """``Accelerator`` whose ``prepare`` shards models with :func:`commfuse_dp.shard` (see the module docs).
 
     ``commfuse``: a :class:`CommFuseConfig`, a dict of its fields, or ``None`` for ``CommFuseConfig.from_env()``.
@@ -130,6 +190,9 @@ class CommFuseAccelerator(Accelerator):
         self.commfuse_rings = None  # DeepSpeed: the RingCollectives handle, once prepare built the engine
         self.commfuse_active = dist.is_available() and dist.is_initialized() \
             and self.distributed_type != DistributedType.DEEPSPEED
+        # prepare_model(m, evaluation_mode=True): sharded too (FrozenModels), with the trained model's settings
+        self.commfuse_frozen = self.commfuse_config if self.commfuse_active and self.commfuse_config.shard_frozen \
+            else None
         if self.distributed_type != DistributedType.DEEPSPEED and not self.commfuse_active:
             logger.warning("CommFuseAccelerator: no torch.distributed process group (a single process): models are "
                            "prepared as by Accelerator, unsharded. Launch with torchrun, accelerate launch or "
@@ -147,6 +210,8 @@ class CommFuseAccelerator(Accelerator):
                 module.to(self.device)
 
         attach(model, self.commfuse_config, who="CommFuseAccelerator.prepare", place=to_device)
+        if self.commfuse_frozen is not None:
+            self.commfuse_frozen = frozen_config(self.commfuse_config, model)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from commfuse_dp import checkpoint as ckpt
+from commfuse_dp.checks import check_same_layout
 from commfuse_dp.config import CommFuseConfig
-from commfuse_dp.integrations.accelerate import prepare_sharded
+from commfuse_dp.integrations.accelerate import frozen_config, prepare_sharded, shard_frozen_models
 from commfuse_dp.integrations.attach import Parallelism, attach, resolve_config
 
 logger = logging.getLogger("commfuse_dp")
@@ -34,6 +37,9 @@ def _needs_trainer(args) -> list[str]:
     for flag in ("bf16", "fp16"):
         if getattr(args, flag, False):
             needs.append(f"{flag}=True (the Trainer's autocast, applied through its Accelerator)")
+    if getattr(args, "sync_ref_model", False):
+        needs.append("sync_ref_model=True (TRL mixes the policy into its reference model, which only the "
+                     "Trainer's Accelerator can shard like the policy)")
     return needs
 
 
@@ -103,17 +109,36 @@ class CommFuseCallback(TrainerCallback):
                                "use_cpu=True to TrainingArguments (or set ACCELERATE_USE_CPU=true)")
         if trainer is None and getattr(args, "process_index", 0) == 0:
             logger.warning("CommFuseCallback on a plain Trainer: the model is sharded, but trainer.save_model() "
-                           "cannot save it (the Trainer writes on rank 0 alone). To save, %s; or call "
-                           "commfuse_dp.checkpoint.save_pretrained(trainer.model, folder) on every rank", _USE_INSTEAD)
-        attach(model, self.cfg, who="CommFuseCallback", parallelism=self._parallelism(args))
+                           "cannot save it (the Trainer writes on rank 0 alone), and models the Trainer prepares "
+                           "beside it (TRL's reference, reward or teacher model) stay whole on every rank. To save "
+                           "and shard those, %s; or call commfuse_dp.checkpoint.save_pretrained(trainer.model, "
+                           "folder) on every rank", _USE_INSTEAD)
+        done = attach(model, self.cfg, who="CommFuseCallback", parallelism=self._parallelism(args))
         if trainer is not None:
             # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared
             # untouched: apply it here, without the DDP wrap, from the model's own forward hooks (so that it holds
             # when TRL replaces model.forward after this callback ran).
             prepare_sharded(trainer.accelerator, model)
+            # the models the Trainer prepares next for evaluation (TRL's reference, reward, teacher) are sharded
+            # like this one (integrations/accelerate.py, FrozenModels)
+            shard_frozen_models(trainer.accelerator, frozen_config(done.config, model) if done.config.shard_frozen
+                                else None)
         # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).
         model._is_accelerate_prepared = True
         self.model = model
+        return control
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """A callback of the Trainer that mixes the trained model into another (TRL's ``SyncRefModelCallback``:
+        ``sync_ref_model=True``) gets two models laid out alike, or an error on every rank before the first step."""
+        trainer = self.trainer
+        if self.inert or trainer is None or not ckpt.is_sharded(model):
+            return control
+        for callback in trainer.callback_handler.callbacks:
+            target = getattr(callback, "ref_model", None)
+            if type(callback).__name__ == "SyncRefModelCallback" and isinstance(target, torch.nn.Module):
+                check_same_layout(target, trainer.accelerator.unwrap_model(model),
+                                  f"{type(trainer).__name__}: sync_ref_model=True mixes the policy into ref_model")
         return control
 
     def _parallelism(self, args) -> Parallelism | None:

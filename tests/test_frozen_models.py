@@ -89,3 +89,34 @@ def test_frozen_reference_beside_the_policy(world_size):
             assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
             assert held <= most  # its 1/N share, rows split as torch.chunk splits them
         assert sum(r[1] for r in results) == total  # nothing held twice
+
+
+def _accelerator_worker(rank, world_size):
+    from commfuse_dp.integrations.accelerate import CommFuseAccelerator
+
+    accelerator = CommFuseAccelerator(cpu=True, commfuse={"schedule": "fused", "min_fuse_numel": 0})
+    ids = _batch(world_size)
+    whole = _model()
+    expected = _log_probs(whole, ids).detach()
+    policy = accelerator.prepare(_model())
+    reference = _model().requires_grad_(False)
+    reference = accelerator.prepare_model(reference, evaluation_mode=True)
+    with torch.no_grad():
+        got = _log_probs(reference, ids)
+    with torch.inference_mode():
+        again = _log_probs(reference, ids)
+        again = _log_probs(reference, ids)
+    sharded = [type(p).__name__ == "DTensor" for p in reference.parameters()]
+    return (torch.allclose(got, expected, rtol=1e-5, atol=1e-5), torch.equal(got, again), all(sharded),
+            sum(p.to_local().numel() for p in reference.parameters()), policy is not reference)
+
+
+def test_commfuse_accelerator_shards_a_model_prepared_for_evaluation():
+    """``CommFuseAccelerator.prepare_model(m, evaluation_mode=True)`` (how TRL prepares a reference) shards ``m``
+    like the trained model: each rank holds its share, and its forwards under ``no_grad`` and then
+    ``inference_mode`` equal one process. (A forward under ``no_grad`` after one under ``inference_mode`` fails in
+    FSDP2's all-gather of the unfused parameters: its buffers were made inference tensors.)"""
+    results = run_ranks(_accelerator_worker, 2, timeout=300)
+    total = sum(p.numel() for p in _model().parameters())
+    assert [r[:3] for r in results] == [(True, True, True)] * 2, results
+    assert sum(r[3] for r in results) == total

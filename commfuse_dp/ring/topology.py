@@ -50,6 +50,7 @@ class Ring:
         # NCCL pairs them (ring/fingerprint.py then still finds ranks that diverged)
         self.tagged = os.environ.get("COMMFUSE_RING_TAGS", "1") != "0"
         self.fingerprint = StepFingerprint(self)  # what this rank issued in the running step (ring/fingerprint.py)
+        self.owners = 0  # ring-op owners of every model sharded on this ring, numbered in one sequence (step.py)
 
     @property
     def group(self) -> dist.ProcessGroup:

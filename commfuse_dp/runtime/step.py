@@ -78,6 +78,7 @@ class StepState:
         self.engine = engine
         self.schedule: Schedule = make_schedule(engine, self)
         self.names: list[str] = []  # ring-op owners (fused groups, ring embeddings) by index
+        self.numbers: list[int] = []  # each owner's number on the ring, the tag's owner field
         self.groups: list = []  # FusedGroup: pending shared-input outputs
         self.states: list = []  # FusedGroupState: no-sync partials
         self.step = -1
@@ -93,8 +94,12 @@ class StepState:
 
     def register(self, name: str) -> int:
         """A new owner of ring operations (called in the same order on every rank: at ``shard()`` time, or on a
-        shared-input group's first call with another input)."""
+        shared-input group's first call with another input). Its tag field is numbered on the ring, across every
+        model sharded there (a reference beside its policy), so two models' operations never share a tag."""
+        ring = self.engine.ring
         self.names.append(name)
+        self.numbers.append(ring.owners)
+        ring.owners += 1
         return len(self.names) - 1
 
     def ring_op(self, owner: int, phase: str) -> RingOp:
@@ -103,7 +108,8 @@ class StepState:
         key = owner << 3 | p
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
-        tag = (_IDENTIFIED | (self.step & 0x3FF) << 19 | (call & 0x3F) << 13 | p << 10 | (owner & 0x3FF))
+        tag = (_IDENTIFIED | (self.step & 0x3FF) << 19 | (call & 0x3F) << 13 | p << 10
+               | (self.numbers[owner] & 0x3FF))
         return RingOp(tag, self.names[owner], phase, call, self.step)
 
     # -- the step's life ---------------------------------------------------------------------------------------

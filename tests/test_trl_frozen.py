@@ -1,0 +1,82 @@
+"""TRL's trainers with a second, frozen model (DPO's and KTO's reference, GRPO's reference and reward model) under
+``commfuse_trainer(...)`` with a ``CommFuseCallback``: the frozen model is sharded like the policy (each rank holds
+its 1/N, printed), and sharding it changes no figure of the run (the same run with ``shard_frozen=False``, the
+frozen model whole on every rank); the first step's figures, which the frozen model's forward feeds, equal DDP's.
+``sync_ref_model=True`` (TR-DPO) runs shard against shard, and is refused on every rank, before the first step,
+when the reference was left whole (tests/trl_frozen_worker.py runs the modes)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ("dpo", "trdpo", "precompute", "grpo", "reward", "kto")
+FIRST_STEP = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+              "reward", "kl")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from commfuse_dp.recipes.finetune_clm import embedded_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    docs = [f"document {i} about topic {i % 7} with words " + " ".join(f"w{j}" for j in range(i % 40))
+            for i in range(64)]
+    embedded_tokenizer(docs, 200).save_pretrained(folder)
+    return str(folder)
+
+
+def _launch(tmp_path, tokenizer_dir, world_size, modes):
+    out = tmp_path / "frozen.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return out, subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
+         "127.0.0.1", "--master_port", str(free_port()), os.path.join(HERE, "trl_frozen_worker.py"), str(out),
+         tokenizer_dir, *modes], env=env, capture_output=True, text=True, timeout=900)
+
+
+def _close(a, b, what, rel=1e-5):
+    assert abs(a - b) <= rel * max(abs(b), 1e-6), f"{what}: {a} against {b}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_frozen_models_of_trl_trainers_are_sharded(tmp_path, tokenizer_dir, world_size):
+    kinds = KINDS if world_size == 2 else ("dpo", "trdpo", "grpo")
+    modes = [f"ddp-{k}" for k in ("dpo", "grpo")] + [f"fused-{k}" for k in kinds] + \
+        [f"fused-{k}-whole" for k in kinds if k != "trdpo"] + (["slicing-dpo"] if world_size == 2 else [])
+    out, proc = _launch(tmp_path, tokenizer_dir, world_size, modes)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    runs = json.loads(out.read_text())
+    for mode, run in runs.items():
+        print(f"\n{world_size} ranks {mode}: frozen model's elements held per rank {run['held']} of {run['total']}, "
+              f"{run['sharded']} of {run['params']} parameters sharded")
+        if mode.startswith("ddp") or mode.endswith("whole"):
+            assert run["sharded"] == 0 and run["held"] == [run["total"]] * world_size
+            continue
+        assert run["sharded"] == run["params"] > 0, mode
+        assert sum(run["held"]) == run["total"], mode  # each element held once
+        assert max(run["held"]) <= run["most"] < run["total"], mode  # its 1/N share, split as torch.chunk splits
+        whole = runs.get(mode + "-whole")
+        if whole is not None:  # sharding the frozen model changes nothing in the run
+            assert len(run["logs"]) == len(whole["logs"]) == 4, mode
+            for ours, theirs in zip(run["logs"], whole["logs"]):
+                for key, value in theirs.items():
+                    _close(ours[key], value, f"{mode} {key} against the frozen model whole", rel=1e-6)
+        ddp = runs.get("ddp-" + mode.split("-")[1])
+        if ddp is not None:  # the first step: the frozen model's forward against DDP's
+            for key in FIRST_STEP:
+                if key in ddp["logs"][0]:
+                    _close(run["logs"][0][key], ddp["logs"][0][key], f"{mode} step 1 {key} against DDP")
+
+
+def test_sync_ref_model_with_a_whole_reference_is_refused(tmp_path, tokenizer_dir):
+    _, proc = _launch(tmp_path, tokenizer_dir, 2, ["fused-trdpo-whole"])
+    assert proc.returncode != 0
+    said = "sync_ref_model=True mixes the policy into ref_model"
+    assert all(f"[rank{r}]: ValueError: CommFuseDPOTrainer: {said}" in proc.stderr for r in (0, 1)), \
+        proc.stderr[-4000:]
