@@ -5,9 +5,10 @@ left whole on every rank (``CommFuseConfig(shard_frozen=False)``).
 
 Each variant runs in its own ``torchrun`` launch (peak resident memory only grows within a process): a Llama of
 the given shape as policy and as reference, ``commfuse_trainer(DPOTrainer)`` with ``CommFuseCallback``, 3 steps
-on CPU in fp32. Every rank reports the largest resident set (``/proc/self/statm``) it had from the start of
-training to its end, sampled after every micro-batch with glibc's free pages returned (both models are built whole before the Trainer shards
-them, so the process's own peak is the same in both), and the reference's elements it holds.
+on CPU in fp32 (``bf16=False``: TRL's configs default to bf16 autocast). Every rank reports the largest resident
+set (``/proc/self/statm``) it had from the start of training to its end, sampled after every micro-batch with
+glibc's free pages returned (both models are built whole before the Trainer shards them, so the process's own peak
+is the same in both), and the reference's elements it holds.
 The difference between the variants should be about the reference's size times (N-1)/N.
 """
 
@@ -62,8 +63,9 @@ def _rank(out: str, frozen: str, layers: int, hidden: int) -> None:
             num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
 
-    args = DPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to=[], per_device_train_batch_size=2,
-                     max_steps=3, save_strategy="no", logging_steps=1, disable_tqdm=True, max_length=48)
+    args = DPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[],
+                     per_device_train_batch_size=2, max_steps=3, save_strategy="no", logging_steps=1,
+                     disable_tqdm=True, max_length=48)
     reference = llama()
     trainer = commfuse_trainer(DPOTrainer)(
         model=llama(), ref_model=reference, args=args, train_dataset=Dataset.from_dict(rows),

@@ -1,7 +1,8 @@
 """TRL's trainers with a second, frozen model (DPO's and KTO's reference, GRPO's reference and reward model) under
-``commfuse_trainer(...)`` with a ``CommFuseCallback``: the frozen model is sharded like the policy (each rank holds
-its 1/N, printed), and sharding it changes no figure of the run (the same run with ``shard_frozen=False``, the
-frozen model whole on every rank); the first step's figures, which the frozen model's forward feeds, equal DDP's.
+``commfuse_trainer(...)`` with a ``CommFuseCallback``, fp32: the frozen model is sharded like the policy (each rank
+holds its 1/N, printed); every logged figure of every step (losses, rewards, margins, log-probs, KL, grad norms)
+equals the same run under DDP, and the same run with ``shard_frozen=False`` (the frozen model whole on every
+rank), within 1e-5 (1e-6 absolute near 0).
 ``sync_ref_model=True`` (TR-DPO) runs shard against shard, and is refused on every rank, before the first step,
 when the reference was left whole (tests/trl_frozen_worker.py runs the modes)."""
 
@@ -16,8 +17,6 @@ from harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("dpo", "trdpo", "precompute", "grpo", "reward", "kto")
-FIRST_STEP = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
-              "reward", "kl")
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +39,15 @@ def _launch(tmp_path, tokenizer_dir, world_size, modes):
          tokenizer_dir, *modes], env=env, capture_output=True, text=True, timeout=900)
 
 
-def _close(a, b, what, rel=1e-5):
-    assert abs(a - b) <= rel * max(abs(b), 1e-6), f"{what}: {a} against {b}"
+def _close(a, b, what):
+    """Within 1e-5 relative, or 1e-6 absolute for figures near 0 (step 1's rewards: 0 in exact arithmetic)."""
+    assert abs(a - b) <= 1e-5 * abs(b) + 1e-6, f"{what}: {a} against {b}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_frozen_models_of_trl_trainers_are_sharded(tmp_path, tokenizer_dir, world_size):
     kinds = KINDS if world_size == 2 else ("dpo", "trdpo", "grpo")
-    modes = [f"ddp-{k}" for k in ("dpo", "grpo")] + [f"fused-{k}" for k in kinds] + \
+    modes = [f"ddp-{k}" for k in kinds] + [f"fused-{k}" for k in kinds] + \
         [f"fused-{k}-whole" for k in kinds if k != "trdpo"] + (["slicing-dpo"] if world_size == 2 else [])
     out, proc = _launch(tmp_path, tokenizer_dir, world_size, modes)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -66,12 +66,13 @@ def test_frozen_models_of_trl_trainers_are_sharded(tmp_path, tokenizer_dir, worl
             assert len(run["logs"]) == len(whole["logs"]) == 4, mode
             for ours, theirs in zip(run["logs"], whole["logs"]):
                 for key, value in theirs.items():
-                    _close(ours[key], value, f"{mode} {key} against the frozen model whole", rel=1e-6)
-        ddp = runs.get("ddp-" + mode.split("-")[1])
-        if ddp is not None:  # the first step: the frozen model's forward against DDP's
-            for key in FIRST_STEP:
-                if key in ddp["logs"][0]:
-                    _close(run["logs"][0][key], ddp["logs"][0][key], f"{mode} step 1 {key} against DDP")
+                    _close(ours[key], value, f"{mode} {key} against the frozen model whole")
+        ddp = runs["ddp-" + mode.split("-")[1]]
+        assert len(run["logs"]) == len(ddp["logs"]) == 4, mode
+        for step, (ours, theirs) in enumerate(zip(run["logs"], ddp["logs"]), 1):
+            assert ours.keys() == theirs.keys(), mode
+            for key, value in theirs.items():
+                _close(ours[key], value, f"{mode} step {step} {key} against DDP")
 
 
 def test_sync_ref_model_with_a_whole_reference_is_refused(tmp_path, tokenizer_dir):

@@ -87,6 +87,7 @@ def run(mode: str, tokenizer_dir: str) -> dict:
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     policy = _llama(tokenizer, 0)
     common = dict(output_dir=os.path.join(os.path.dirname(OUT), f"run-{mode}"), use_cpu=True, report_to=[],
+                  bf16=False,  # fp32 (TRL's configs default to bf16 autocast)
                   learning_rate=1e-3, adam_epsilon=1e-3, lr_scheduler_type="constant", logging_steps=1,
                   save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   max_steps=STEPS)
