@@ -85,8 +85,13 @@ def _rank(out: str, frozen: str, layers: int, hidden: int) -> None:
     samples.append(_resident_mib())
     trainer.train()
     peak_mib = max(samples)
+    # what the sharded reference keeps between steps besides its shards: the gathered-weight buffers that the CPU
+    # schedule pools for the next step (runtime/layer_rings.py, SlotPool)
+    pool = getattr(getattr(getattr(trainer.ref_model, "_commfuse_steps", None), "schedule", None), "_pool", None)
+    pooled = [b for bufs in (pool._free.values() if pool is not None else ()) for b in bufs]
+    pooled_mib = sum(b.numel() * b.element_size() for b in pooled) / 2**20
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {"peak_mib": peak_mib, "held": held,
+    dist.all_gather_object(every, {"peak_mib": peak_mib, "held": held, "pooled_mib": pooled_mib,
                                    "total": sum(p.numel() for p in reference.parameters())})
     if dist.get_rank() == 0:
         with open(out, "w") as f:
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         whole, sharded = results["whole"][rank], results["sharded"][rank]
         print(f"{rank:>4} {whole['peak_mib']:>16.1f} {sharded['peak_mib']:>18.1f} "
               f"{whole['peak_mib'] - sharded['peak_mib']:>10.1f} {sharded['held']:>15}")
-    print(f"expected saving: the reference's size x (N-1)/N = {expected:.1f} MiB")
+    print(f"expected saving: the reference's size x (N-1)/N = {expected:.1f} MiB; the sharded reference's gathered-"
+          f"weight buffers pooled for the next step (CPU): {results['sharded'][0]['pooled_mib']:.1f} MiB on rank 0")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python benchmarks/frozen_memory.py " + " ".join(argv or sys.argv[1:]),
