@@ -3,8 +3,9 @@ tests/test_trl_frozen.py:
 
     torchrun --nproc_per_node N tests/trl_frozen_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|kto|reward}[-whole]`` (``-whole``:
-``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank):
+MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|kto|reward}[-whole][-bf16]`` (``-whole``:
+``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``: ``bf16=True``, TRL's
+default, else fp32):
 - ``dpo``: ``DPOTrainer`` with a ``ref_model``; ``trdpo``: the same with ``sync_ref_model=True``
   (``ref_model_sync_steps=2``, ``ref_model_mixup_alpha=0.5``); ``precompute``: ``precompute_ref_log_probs=True``
   (the reference runs over the data set before training);
@@ -13,7 +14,7 @@ MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|kto|reward}[-whole]`` (
 - ``kto``: ``KTOTrainer`` with a ``ref_model``.
 DDP is what the trainer does without commfuse (the policy in DistributedDataParallel, the frozen model whole on
 every rank); the others are ``commfuse_trainer(Trainer)`` with a ``CommFuseCallback`` (every linear fused). Every
-mode builds its models from the same seed and trains 4 steps in fp32. Rank 0 writes, per mode, the logged
+mode builds its models from the same seed and trains 4 steps. Rank 0 writes, per mode, the logged
 figures and, from every rank, how many of the frozen model's elements it holds.
 """
 
@@ -81,13 +82,14 @@ def run(mode: str, tokenizer_dir: str) -> dict:
     import commfuse_dp as cf
     from commfuse_dp.integrations.transformers import CommFuseCallback, commfuse_trainer
 
-    schedule, kind, *whole = mode.split("-")
+    schedule, kind, *flags = mode.split("-")
+    whole = "whole" in flags
     AcceleratorState._reset_state()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     policy = _llama(tokenizer, 0)
     common = dict(output_dir=os.path.join(os.path.dirname(OUT), f"run-{mode}"), use_cpu=True, report_to=[],
-                  bf16=False,  # fp32 (TRL's configs default to bf16 autocast)
+                  bf16="bf16" in flags,  # else fp32 (TRL's configs default to bf16 autocast)
                   learning_rate=1e-3, adam_epsilon=1e-3, lr_scheduler_type="constant", logging_steps=1,
                   save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   max_steps=STEPS)
