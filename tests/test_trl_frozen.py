@@ -95,3 +95,31 @@ def test_sync_ref_model_with_a_whole_reference_is_refused(tmp_path, tokenizer_di
     said = "sync_ref_model=True mixes the policy into ref_model"
     assert all(f"[rank{r}]: ValueError: CommFuseDPOTrainer: {said}" in proc.stderr for r in (0, 1)), \
         proc.stderr[-4000:]
+
+
+def test_frozen_model_sharded_under_commfuse_dp_launch(tmp_path, tokenizer_dir):
+    """An unchanged script with a plain ``DPOTrainer`` under ``commfuse-dp launch``: the Trainer it swaps in shards
+    the reference too, and the run equals the same script under plain ``torchrun`` (DDP) within 1e-5."""
+    config = tmp_path / "launch.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nuse_cpu: true\n"
+                      "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmixed_precision: 'no'\n"
+                      "main_process_port: %d\ncommfuse:\n  schedule: fused\n  min_fuse_numel: 0\n" % free_port())
+    out = tmp_path / "launched.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMFUSE_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", str(config),
+                           os.path.join(HERE, "trl_frozen_worker.py"), str(out), tokenizer_dir, "ddp-dpo"],
+                          cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    launched = json.loads(out.read_text())["ddp-dpo"]
+    (tmp_path / "plain").mkdir()
+    plain_out, plain = _launch(tmp_path / "plain", tokenizer_dir, 2, ["ddp-dpo"])
+    assert plain.returncode == 0, plain.stderr[-6000:]
+    ddp = json.loads(plain_out.read_text())["ddp-dpo"]
+    print(f"\ncommfuse-dp launch: the reference's elements held per rank {launched['held']} of {launched['total']}")
+    assert launched["sharded"] == launched["params"] and sum(launched["held"]) == launched["total"]
+    assert max(launched["held"]) <= launched["most"] < launched["total"]
+    assert ddp["sharded"] == 0
+    for step, (ours, theirs) in enumerate(zip(launched["logs"], ddp["logs"]), 1):
+        for key, value in theirs.items():
+            _close(ours[key], value, f"launched step {step} {key} against DDP")

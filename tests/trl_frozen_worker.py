@@ -165,3 +165,6 @@ if __name__ == "__main__":
     if int(os.environ["RANK"]) == 0:
         with open(OUT, "w") as f:
             json.dump(results, f)
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    drain_gloo_workers()  # gloo's threads free their last works before the interpreter ends (see its Note)
