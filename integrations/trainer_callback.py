@@ -130,7 +130,8 @@ class CommFuseCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """A callback of the Trainer that mixes the trained model into another (TRL's ``SyncRefModelCallback``:
-        ``sync_ref_model=True``) gets two models laid out alike, or an error on every rank before the first step."""
+        ``sync_ref_model=True``) gets two models laid out alike, or an error on every rank before the first step;
+        TRL's ``BEMACallback``, which copies the shards into a whole model, is refused there."""
         trainer = self.trainer
         if self.inert or trainer is None or not ckpt.is_sharded(model):
             return control
@@ -139,6 +140,13 @@ class CommFuseCallback(TrainerCallback):
             if type(callback).__name__ == "SyncRefModelCallback" and isinstance(target, torch.nn.Module):
                 check_same_layout(target, trainer.accelerator.unwrap_model(model),
                                   f"{type(trainer).__name__}: sync_ref_model=True mixes the policy into ref_model")
+            if type(callback).__name__ == "BEMACallback":
+                raise ValueError(
+                    f"{type(trainer).__name__}: TRL's BEMACallback builds a whole copy of the model on every rank, "
+                    "copies the sharded parameters into it and saves it on rank 0 alone, which a sharded model "
+                    "cannot feed. Remove the callback; to average weights, keep detached "
+                    "clones of the sharded parameters, update them with lerp_ after each step (exact, shard against "
+                    "shard), and copy them into the parameters (param.data.copy_(ema)) before saving the average")
         return control
 
     def _parallelism(self, args) -> Parallelism | None:

@@ -89,10 +89,14 @@ def test_frozen_models_of_trl_trainers_are_sharded(tmp_path, tokenizer_dir, worl
             assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (step, a["loss"], b["loss"])
 
 
-def test_sync_ref_model_with_a_whole_reference_is_refused(tmp_path, tokenizer_dir):
-    _, proc = _launch(tmp_path, tokenizer_dir, 2, ["fused-trdpo-whole"])
+@pytest.mark.parametrize("mode, said", [
+    ("fused-trdpo-whole", "sync_ref_model=True mixes the policy into ref_model"),
+    ("fused-dpo-bema", "TRL's BEMACallback builds a whole copy of the model")])
+def test_mixing_a_sharded_model_into_a_whole_one_is_refused(tmp_path, tokenizer_dir, mode, said):
+    """TR-DPO with its reference left whole, and TRL's ``BEMACallback`` (a whole running copy fed from the shards):
+    refused on every rank before the first step, naming what to do."""
+    _, proc = _launch(tmp_path, tokenizer_dir, 2, [mode])
     assert proc.returncode != 0
-    said = "sync_ref_model=True mixes the policy into ref_model"
     assert all(f"[rank{r}]: ValueError: CommFuseDPOTrainer: {said}" in proc.stderr for r in (0, 1)), \
         proc.stderr[-4000:]
 

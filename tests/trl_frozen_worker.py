@@ -3,9 +3,9 @@ tests/test_trl_frozen.py:
 
     torchrun --nproc_per_node N tests/trl_frozen_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|kto|reward}[-whole][-bf16]`` (``-whole``:
+MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|kto|reward}[-whole][-bf16][-bema]`` (``-whole``:
 ``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``: ``bf16=True``, TRL's
-default, else fp32):
+default, else fp32; ``-bema``: TRL's ``BEMACallback`` too):
 - ``dpo``: ``DPOTrainer`` with a ``ref_model``; ``trdpo``: the same with ``sync_ref_model=True``
   (``ref_model_sync_steps=2``, ``ref_model_mixup_alpha=0.5``); ``precompute``: ``precompute_ref_log_probs=True``
   (the reference runs over the data set before training);
@@ -138,6 +138,10 @@ def run(mode: str, tokenizer_dir: str) -> dict:
             frozen_of = lambda trainer: trainer.reward_funcs[0]  # noqa: E731
         else:
             frozen_of = lambda trainer: trainer.ref_model  # noqa: E731
+    if "bema" in flags:  # TRL's BEMACallback: refused with a sharded model
+        from trl import BEMACallback
+
+        callbacks.append(BEMACallback())
     trainer_class = cls if schedule == "ddp" else commfuse_trainer(cls)
     trainer = trainer_class(model=policy, args=args, processing_class=tokenizer, callbacks=callbacks, **kwargs)
     frozen = frozen_of(trainer)
