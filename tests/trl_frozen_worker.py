@@ -3,14 +3,15 @@ tests/test_trl_frozen.py:
 
     torchrun --nproc_per_node N tests/trl_frozen_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|kto|reward}[-whole][-bf16][-bema]`` (``-whole``:
+MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|rloo|kto|reward}[-whole][-bf16][-bema]`` (``-whole``:
 ``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``: ``bf16=True``, TRL's
 default, else fp32; ``-bema``: TRL's ``BEMACallback`` too):
 - ``dpo``: ``DPOTrainer`` with a ``ref_model``; ``trdpo``: the same with ``sync_ref_model=True``
   (``ref_model_sync_steps=2``, ``ref_model_mixup_alpha=0.5``); ``precompute``: ``precompute_ref_log_probs=True``
   (the reference runs over the data set before training);
 - ``grpo``: ``GRPOTrainer`` with ``beta=0.04`` (a reference) and a rule reward; ``reward``: the same with
-  ``beta=0`` and a sequence-classification reward model as its reward function;
+  ``beta=0`` and a sequence-classification reward model as its reward function; ``rloo``: ``RLOOTrainer`` as
+  ``grpo``;
 - ``kto``: ``KTOTrainer`` with a ``ref_model``.
 DDP is what the trainer does without commfuse (the policy in DistributedDataParallel, the frozen model whole on
 every rank); the others are ``commfuse_trainer(Trainer)`` with a ``CommFuseCallback`` (every linear fused). Every
@@ -117,12 +118,12 @@ def run(mode: str, tokenizer_dir: str) -> dict:
         kwargs = dict(ref_model=frozen, train_dataset=data)
         frozen_of = lambda trainer: trainer.ref_model  # noqa: E731
     else:
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
         reward_model = _llama(tokenizer, 7, LlamaForSequenceClassification) if kind == "reward" else None
-        cls = GRPOTrainer
-        args = GRPOConfig(**common, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                          beta=0.04 if kind == "grpo" else 0.0, temperature=1.0)
+        cls, config = (RLOOTrainer, RLOOConfig) if kind == "rloo" else (GRPOTrainer, GRPOConfig)
+        args = config(**common, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                      beta=0.0 if kind == "reward" else 0.04, temperature=1.0)
         # GRPO loads its reference from the policy's path: the policy is saved and given by path
         from accelerate import PartialState
 
