@@ -62,17 +62,17 @@ def load_model(spec: str) -> tuple:
 BENCH_MIN_FUSE_NUMEL = 1 << 16  # what `commfuse-dp bench` ran with before its files recorded it (its default then)
 
 
-def _fixed_cost(by_rate: dict[float, dict[str, dict]]) -> float | None:
-    """The part of communication alone that does not shrink with the link's rate: the least-squares line
-    ``comm_only(rate) = A / rate + C`` through the bench's rates (``C``, seconds per step); None with fewer than
-    two rates."""
+def _fixed_cost(by_rate: dict[float, dict[str, dict]]) -> tuple[float, float] | None:
+    """The least-squares line ``comm_only(rate) = A / rate + C`` through the bench's rates: ``(A, C)``, ``C`` (at
+    least 0) the part of communication alone that does not shrink with the link's rate, in seconds per step. None
+    with fewer than two rates, or where communication alone does not shrink as the rate grows (``A`` <= 0)."""
     points = [(rate, rows["comm_only"]["step_s"]) for rate, rows in by_rate.items() if "comm_only" in rows]
     if len(points) < 2:
         return None
     xs, ys = [1.0 / rate for rate, _ in points], [seconds for _, seconds in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return max(my - slope * mx, 0.0)
+    return (slope, max(my - slope * mx, 0.0)) if slope > 0 else None
 
 
 def calibrate(path: str, latency_us: float | None = None, overhead_path: str | None = None) -> int:
@@ -114,12 +114,13 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
                 if {"concurrent", "compute_only", "comm_only"} <= set(rows)
                 and rows["comm_only"]["step_s"] < rows["compute_only"]["step_s"]]
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
-    fixed = None
-    if latency_us is None:
-        fixed = _fixed_cost(by_rate)
-        if fixed is None:
-            raise SystemExit(f"--calibrate {path}: one link rate only, so the fixed cost of a ring step cannot be "
-                             f"fitted; give --latency-us")
+    fit = _fixed_cost(by_rate) if latency_us is None else None
+    slope, fixed = fit if fit is not None else (None, 0.0)
+    if latency_us is None and fit is None:
+        latency_us = 15.0
+        print(f"fixed cost of a ring step: {latency_us:g} us, the default (the file's communication alone does not "
+              f"shrink over two or more link rates, so none could be fitted; --latency-us sets it)")
+    elif latency_us is None:
         ring_steps = simulate(units, Cluster(world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=direct_bytes,
                                              rows_ring=rows_ring,
                                              min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL)),
@@ -146,7 +147,10 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
         if "compute_only" not in rows or "comm_only" not in rows:
             continue
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
-        f_rate, b_rate = flops / compute, zero3_bytes / (comm - (fixed or 0.0))
+        # the bytes' time at this rate: communication alone less the fixed part, or the fitted line's where noise
+        # leaves too little of it
+        transfer = comm - fixed if slope is None or comm - fixed > 0.5 * slope / rate else slope / rate
+        f_rate, b_rate = flops / compute, zero3_bytes / transfer
         cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
                      cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring,
                      host_on_compute=on_compute, min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL))

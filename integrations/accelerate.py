@@ -28,6 +28,9 @@ What differs from ``Accelerator`` (accelerate 1.15):
   (autocast) and ``torch.compile`` settings are applied as accelerate applies them. An optimizer passed to the same
   ``prepare`` call that was built on the full parameters is re-pointed at the sharded ones, by parameter name (as
   accelerate does for FSDP2); its state -- built at the first ``step`` -- is then sharded too.
+* ``prepare_model(m, evaluation_mode=True)`` -- a reference, reward or teacher model beside the one trained, as TRL
+  prepares them -- shards ``m`` too once a model to train was sharded (:class:`FrozenModels`; nothing of it is
+  reduced, every rank must run its forwards alike); ``CommFuseConfig(shard_frozen=False)`` leaves it whole.
 * ``save_state`` / ``load_state``: the sharded models and their optimizers go to ``<dir>/commfuse`` through
   ``torch.distributed.checkpoint``, every rank writing its own shards (never rank 0's alone); schedulers, RNG
   states, the data loaders' positions, the step and custom objects go through accelerate's own code.
@@ -117,9 +120,10 @@ class FrozenModels:
     """An ``Accelerator`` mixin: ``prepare_model(model, evaluation_mode=True)`` -- how TRL's trainers prepare a
     reference, reward or teacher model beside the one they train -- shards ``model`` with ``commfuse_frozen`` (the
     trained model's config) instead of leaving it whole on every rank, and applies mixed precision as for the
-    trained model (:func:`prepare_sharded`). Nothing of it is reduce-scattered: it takes no gradient, and its
-    ring steps are requested on the same ring as the trained model's, in program order. ``commfuse_frozen`` None:
-    accelerate's own ``prepare_model``. ``CommFuseAccelerator`` is one; a Trainer's Accelerator becomes one in
+    trained model (:func:`prepare_sharded`). Nothing of it is reduce-scattered: its parameters are frozen
+    (``requires_grad_(False)``), and its ring steps are requested on the same ring as the trained model's, in
+    program order. ``commfuse_frozen`` None: accelerate's own ``prepare_model``. ``CommFuseAccelerator`` is one,
+    from the first model it shards to train on; a Trainer's Accelerator becomes one in
     ``CommFuseCallback.on_init_end`` (:func:`shard_frozen_models`)."""
 
     commfuse_frozen: CommFuseConfig | None = None
@@ -135,15 +139,20 @@ class FrozenModels:
             if place and not self.verify_device_map(module):
                 module.to(self.device)
 
+        # It takes no gradient (TRL leaves a teacher's parameters requiring one, and reads its lm_head weight outside
+        # its forward, where a gradient would reach the shard): nothing of it can be reduced or need a reduction.
+        model.requires_grad_(False)
         attach(model, config, who="prepare_model(evaluation_mode=True)", place=to_device)
         return prepare_sharded(self, model)
 
 
 def _shardable(model) -> bool:
-    """A plain module with parameters that nothing has sharded or prepared yet."""
+    """A plain module with parameters that nothing has sharded, prepared or quantised (bitsandbytes and the like:
+    left whole, as accelerate leaves them)."""
     return isinstance(model, torch.nn.Module) and not ckpt.is_sharded(model) \
         and not getattr(model, "_is_accelerate_prepared", False) \
         and not isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        and getattr(model, "hf_quantizer", None) is None and not getattr(model, "is_quantized", False) \
         and any(True for _ in model.parameters())
 
 
@@ -164,13 +173,17 @@ def shard_frozen_models(accelerator: Accelerator, config: CommFuseConfig | None)
     """From now on ``accelerator.prepare_model(m, evaluation_mode=True)`` shards ``m`` with ``config`` (None: leaves
     it whole again). A Trainer builds a plain ``Accelerator`` in its ``__init__`` and prepares its frozen models
     with it right after (TRL): the instance becomes one of a subclass of its own class with :class:`FrozenModels`
-    first, made once per class; nothing else of it changes."""
-    if not isinstance(accelerator, FrozenModels):
+    first, made once per class and named in this module (so that it pickles); nothing else of it changes. Not
+    under DeepSpeed or FSDP, which prepare frozen models their own way."""
+    if config is not None and not isinstance(accelerator, FrozenModels) \
+            and accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         cls = type(accelerator)
         if cls not in _FROZEN_CLASSES:
-            _FROZEN_CLASSES[cls] = type(cls.__name__, (FrozenModels, cls), {"__module__": cls.__module__})
+            name = f"FrozenModels{cls.__name__}"
+            _FROZEN_CLASSES[cls] = globals()[name] = type(name, (FrozenModels, cls), {"__module__": __name__})
         accelerator.__class__ = _FROZEN_CLASSES[cls]
-    accelerator.commfuse_frozen = config
+    if isinstance(accelerator, FrozenModels):
+        accelerator.commfuse_frozen = config
 
 
 class CommFuseAccelerator(FrozenModels, Accelerator):
@@ -190,9 +203,9 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
         self.commfuse_rings = None  # DeepSpeed: the RingCollectives handle, once prepare built the engine
         self.commfuse_active = dist.is_available() and dist.is_initialized() \
             and self.distributed_type != DistributedType.DEEPSPEED
-        # prepare_model(m, evaluation_mode=True): sharded too (FrozenModels), with the trained model's settings
-        self.commfuse_frozen = self.commfuse_config if self.commfuse_active and self.commfuse_config.shard_frozen \
-            else None
+        # prepare_model(m, evaluation_mode=True) shards m too (FrozenModels) once a model to train was sharded
+        # (_shard): before, such a model stays whole, as for a script that only evaluates
+        self.commfuse_frozen = None
         if self.distributed_type != DistributedType.DEEPSPEED and not self.commfuse_active:
             logger.warning("CommFuseAccelerator: no torch.distributed process group (a single process): models are "
                            "prepared as by Accelerator, unsharded. Launch with torchrun, accelerate launch or "
@@ -210,7 +223,7 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
                 module.to(self.device)
 
         attach(model, self.commfuse_config, who="CommFuseAccelerator.prepare", place=to_device)
-        if self.commfuse_frozen is not None:
+        if self.commfuse_frozen is None and self.commfuse_config.shard_frozen and ckpt.is_sharded(model):
             self.commfuse_frozen = frozen_config(self.commfuse_config, model)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,

@@ -531,11 +531,13 @@ def test_plan_says_what_it_does_not_play(capsys):
 def test_calibrate_fits_the_fixed_cost_of_a_ring_step(tmp_path, capsys):
     """Without ``--latency-us``, ``plan --calibrate`` fits what does not shrink with the link's rate from the bench's
     ``comm_only`` rows (a line ``A / rate + C``), spreads ``C`` over the planner's ring steps, and takes each rate's
-    bandwidth from the rest; with one rate it asks for ``--latency-us``. Against this version's stored runs the
-    predictions then hold within 10 %."""
+    bandwidth from the rest; where nothing can be fitted (one rate, or communication alone that does not shrink as
+    the rate grows) it plays with the default and says so. Against this version's stored runs the fitted
+    predictions hold within 10 %."""
     rows = {rate: {"comm_only": {"step_s": 700.0 / rate + 0.06}} for rate in (490.0, 980.0, 1960.0)}
-    assert plan_cli._fixed_cost(rows) == pytest.approx(0.06)
+    assert plan_cli._fixed_cost(rows) == pytest.approx((700.0, 0.06))
     assert plan_cli._fixed_cost({490.0: rows[490.0]}) is None
+    assert plan_cli._fixed_cost({rate: {"comm_only": {"step_s": 0.5}} for rate in rows}) is None  # latency-bound
     results = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results")
     for name in ("2ranks-real-all-variants", "4ranks-emulated-current", "8ranks-emulated-current"):
         assert plan_cli.main(["--calibrate", os.path.join(results, name + ".json")]) == 0
@@ -545,9 +547,13 @@ def test_calibrate_fits_the_fixed_cost_of_a_ring_step(tmp_path, capsys):
         assert worst < 10.0, (name, out)
     with open(os.path.join(results, "2ranks-real-all-variants.json")) as f:
         bench = json.load(f)
-    rate = bench["records"][0]["rate_mbit"]
-    bench["records"] = [r for r in bench["records"] if r["rate_mbit"] == rate]
-    one = tmp_path / "one-rate.json"
-    one.write_text(json.dumps(bench))
-    with pytest.raises(SystemExit, match="one link rate only.*give --latency-us"):
-        plan_cli.main(["--calibrate", str(one)])
+    for flat in (False, True):  # one rate; every rate's communication alone as long as the first's
+        records = [r for r in bench["records"] if r["rate_mbit"] == bench["records"][0]["rate_mbit"] or flat]
+        if flat:
+            first = next(r for r in records if r["schedule"] == "comm_only")["step_s"]
+            records = [{**r, "step_s": first} if r["schedule"] == "comm_only" else r for r in records]
+        one = tmp_path / f"bench-{flat}.json"
+        one.write_text(json.dumps({**bench, "records": records}))
+        assert plan_cli.main(["--calibrate", str(one)]) == 0
+        out = capsys.readouterr().out
+        assert "15 us, the default" in out and "worst error" in out, out

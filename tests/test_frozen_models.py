@@ -98,7 +98,8 @@ def _accelerator_worker(rank, world_size):
     ids = _batch(world_size)
     whole = _model()
     expected = _log_probs(whole, ids).detach()
-    policy = accelerator.prepare(_model())
+    early = accelerator.prepare_model(_model().requires_grad_(False), evaluation_mode=True)  # nothing trained yet
+    accelerator.prepare(_model())  # the model to train
     reference = _model().requires_grad_(False)
     reference = accelerator.prepare_model(reference, evaluation_mode=True)
     with torch.no_grad():
@@ -108,15 +109,37 @@ def _accelerator_worker(rank, world_size):
         again = _log_probs(reference, ids)
     sharded = [type(p).__name__ == "DTensor" for p in reference.parameters()]
     return (torch.allclose(got, expected, rtol=1e-5, atol=1e-5), torch.equal(got, again), all(sharded),
-            sum(p.to_local().numel() for p in reference.parameters()), policy is not reference)
+            sum(p.to_local().numel() for p in reference.parameters()),
+            not any(type(p).__name__ == "DTensor" for p in early.parameters()))
 
 
 def test_commfuse_accelerator_shards_a_model_prepared_for_evaluation():
     """``CommFuseAccelerator.prepare_model(m, evaluation_mode=True)`` (how TRL prepares a reference) shards ``m``
-    like the trained model: each rank holds its share, and its forwards under ``no_grad`` and then
+    like the trained model once one was prepared (before, it stays whole, as for a script that only evaluates):
+    each rank holds its share, and its forwards under ``no_grad`` and then
     ``inference_mode`` equal one process. (A forward under ``no_grad`` after one under ``inference_mode`` fails in
     FSDP2's all-gather of the unfused parameters: its buffers were made inference tensors.)"""
     results = run_ranks(_accelerator_worker, 2, timeout=300)
     total = sum(p.numel() for p in _model().parameters())
-    assert [r[:3] for r in results] == [(True, True, True)] * 2, results
+    assert [r[:3] + r[4:] for r in results] == [(True, True, True, True)] * 2, results
     assert sum(r[3] for r in results) == total
+
+
+def test_a_trainers_accelerator_shards_frozen_models_and_still_pickles():
+    """``shard_frozen_models`` makes a Trainer's plain ``Accelerator`` a ``FrozenModels`` one (a subclass made once
+    per class and named in the module, so that it pickles); ``None`` leaves a plain one as it is."""
+    import pickle
+
+    from accelerate import Accelerator
+
+    import commfuse_dp as cf
+    from commfuse_dp.integrations.accelerate import FrozenModels, shard_frozen_models
+
+    accelerator = Accelerator(cpu=True)
+    shard_frozen_models(accelerator, None)
+    assert type(accelerator) is Accelerator
+    shard_frozen_models(accelerator, cf.CommFuseConfig())
+    assert isinstance(accelerator, FrozenModels) and isinstance(accelerator, Accelerator)
+    assert type(pickle.loads(pickle.dumps(accelerator))) is type(accelerator)
+    shard_frozen_models(accelerator, None)
+    assert accelerator.commfuse_frozen is None

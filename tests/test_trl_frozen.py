@@ -1,11 +1,11 @@
 """TRL's trainers with a second, frozen model (DPO's and KTO's reference, GRPO's and RLOO's reference, a reward
-model) under ``commfuse_trainer(...)`` with a ``CommFuseCallback``, fp32: the frozen model is sharded like the
-policy (each rank holds its 1/N, printed); every logged figure of every step (losses, rewards, margins, log-probs,
-KL, grad norms) equals the same run under DDP, and the same run with ``shard_frozen=False`` (the frozen model whole
-on every rank), within 1e-5 (1e-6 absolute near 0); with ``bf16=True`` (TRL's default) autocast reaches both
-models. ``sync_ref_model=True`` (TR-DPO) runs shard against shard, and is refused on every rank, before the first
-step, when the reference was left whole; TRL's ``BEMACallback`` is refused too (tests/trl_frozen_worker.py runs the
-modes)."""
+model, the distillation trainer's teacher) under ``commfuse_trainer(...)`` with a ``CommFuseCallback``, fp32: the
+frozen model is sharded like the policy (each rank holds its 1/N, printed); every logged figure of every step
+(losses, rewards, margins, log-probs, KL, grad norms) equals the same run under DDP, and the same run with
+``shard_frozen=False`` (the frozen model whole on every rank), within 1e-5 (1e-6 absolute near 0); with
+``bf16=True`` (TRL's default) autocast reaches both models. ``sync_ref_model=True`` (TR-DPO) runs shard against
+shard, and is refused on every rank, before the first step, when the reference was left whole; TRL's
+``BEMACallback`` is refused too (tests/trl_frozen_worker.py runs the modes)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ import pytest
 from harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ("dpo", "trdpo", "precompute", "grpo", "rloo", "reward", "kto")
+KINDS = ("dpo", "trdpo", "precompute", "grpo", "rloo", "reward", "kto", "distill")
 
 
 @pytest.fixture(scope="module")

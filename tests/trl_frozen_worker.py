@@ -3,7 +3,7 @@ tests/test_trl_frozen.py:
 
     torchrun --nproc_per_node N tests/trl_frozen_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|rloo|kto|reward}[-whole][-bf16][-bema]`` (``-whole``:
+MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|rloo|kto|reward|distill}[-whole][-bf16][-bema]`` (``-whole``:
 ``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``: ``bf16=True``, TRL's
 default, else fp32; ``-bema``: TRL's ``BEMACallback`` too):
 - ``dpo``: ``DPOTrainer`` with a ``ref_model``; ``trdpo``: the same with ``sync_ref_model=True``
@@ -12,7 +12,8 @@ default, else fp32; ``-bema``: TRL's ``BEMACallback`` too):
 - ``grpo``: ``GRPOTrainer`` with ``beta=0.04`` (a reference) and a rule reward; ``reward``: the same with
   ``beta=0`` and a sequence-classification reward model as its reward function; ``rloo``: ``RLOOTrainer`` as
   ``grpo``;
-- ``kto``: ``KTOTrainer`` with a ``ref_model``.
+- ``kto``: ``KTOTrainer`` with a ``ref_model``; ``distill``: ``DistillationTrainer`` with a teacher (another
+  seed), completions generated on-policy.
 DDP is what the trainer does without commfuse (the policy in DistributedDataParallel, the frozen model whole on
 every rank); the others are ``commfuse_trainer(Trainer)`` with a ``CommFuseCallback`` (every linear fused). Every
 mode builds its models from the same seed and trains 4 steps. Rank 0 writes, per mode, the logged
@@ -106,6 +107,15 @@ def run(mode: str, tokenizer_dir: str) -> dict:
                          precompute_ref_log_probs=kind == "precompute")
         kwargs = dict(ref_model=frozen, train_dataset=_on_disk(_preferences(64), mode))
         frozen_of = lambda trainer: trainer.ref_model  # noqa: E731
+    elif kind == "distill":
+        from trl import DistillationConfig, DistillationTrainer
+
+        cls = DistillationTrainer
+        args = DistillationConfig(**common, per_device_train_batch_size=2, max_completion_length=8,
+                                  temperature=1.0)
+        kwargs = dict(teacher_model=_llama(tokenizer, 7),
+                      train_dataset=_on_disk(_preferences(32).remove_columns(["chosen", "rejected"]), mode))
+        frozen_of = lambda trainer: trainer.teacher_model  # noqa: E731
     elif kind == "kto":
         from datasets import Dataset
         from trl import KTOConfig, KTOTrainer

@@ -95,7 +95,9 @@ class StepState:
     def register(self, name: str) -> int:
         """A new owner of ring operations (called in the same order on every rank: at ``shard()`` time, or on a
         shared-input group's first call with another input). Its tag field is numbered on the ring, across every
-        model sharded there (a reference beside its policy), so two models' operations never share a tag."""
+        model sharded there (a reference beside its policy), so two models' operations do not share a tag; the
+        field wraps after 1024 owners, as the tag's other fields wrap (then only the check against ranks that call
+        different layers is weaker)."""
         ring = self.engine.ring
         self.names.append(name)
         self.numbers.append(ring.owners)
