@@ -27,7 +27,8 @@ runs the script. With it, before the script runs:
    the ``COMMFUSE_*`` variables) bound to it, or binds the one the script passed in ``callbacks=``, and saves and
    loads every rank's shards -- the same path as a script that writes ``CommFuseTrainer`` itself. That module's
    own ``Accelerator`` name is set back to accelerate's original class: a Trainer is sharded by the callback, not
-   by a CommFuseAccelerator as well (the model reaches ``attach`` once).
+   by a CommFuseAccelerator as well (the model reaches ``attach`` once); the callback then makes that Accelerator
+   shard the models the Trainer prepares for evaluation (``integrations/accelerate.py``, ``FrozenModels``).
 4. The script runs as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT.py ARGS``
    would set them; ``-m``: as ``python -m MODULE ARGS``).
 

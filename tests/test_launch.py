@@ -288,7 +288,9 @@ def test_unchanged_trainer_script_is_sharded(trainer_runs):
     cf, plain = trainer_runs["commfuse"], trainer_runs["plain"]
     for run in (cf, plain):
         assert run["world_size"] == 2 and run["distributed_type"] == "DistributedType.MULTI_CPU"
-        assert run["accelerator_class"] == "Accelerator"
+    # the Trainer's own Accelerator (not a CommFuseAccelerator: the callback shards the model), which the callback
+    # made shard the models the Trainer prepares for evaluation (integrations/accelerate.py, FrozenModels)
+    assert cf["accelerator_class"] == "FrozenModelsAccelerator" and plain["accelerator_class"] == "Accelerator"
     assert cf["callbacks"].count("CommFuseCallback") == 1 and "CommFuseCallback" not in plain["callbacks"]
     assert cf["param_types"] == ["DTensor"] and cf["optimizer_state_types"] == ["DTensor"]
     assert cf["model_type"] != "DistributedDataParallel"
