@@ -133,17 +133,22 @@ class FrozenModels:
         config = self.commfuse_frozen
         if not evaluation_mode or config is None or not _shardable(model):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        place = self.device_placement if device_placement is None else device_placement
-
-        def to_device(module: torch.nn.Module) -> None:
-            if place and not self.verify_device_map(module):
-                module.to(self.device)
-
         # It takes no gradient (TRL leaves a teacher's parameters requiring one, and reads its lm_head weight outside
         # its forward, where a gradient would reach the shard): nothing of it can be reduced or need a reduction.
         model.requires_grad_(False)
-        attach(model, config, who="prepare_model(evaluation_mode=True)", place=to_device)
+        attach(model, config, who="prepare_model(evaluation_mode=True)", place=_placer(self, device_placement))
         return prepare_sharded(self, model)
+
+
+def _placer(accelerator: Accelerator, device_placement: bool | None):
+    """What ``attach`` runs before sharding: the model to ``accelerator.device``, as accelerate places it."""
+    place = accelerator.device_placement if device_placement is None else device_placement
+
+    def to_device(module: torch.nn.Module) -> None:
+        if place and not accelerator.verify_device_map(module):
+            module.to(accelerator.device)
+
+    return to_device
 
 
 def _shardable(model) -> bool:
@@ -216,13 +221,7 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
     def _shard(self, model: torch.nn.Module, device_placement: bool | None) -> None:
         if ckpt.is_sharded(model) or getattr(model, "_is_accelerate_prepared", False):
             return
-        place = self.device_placement if device_placement is None else device_placement
-
-        def to_device(module: torch.nn.Module) -> None:
-            if place and not self.verify_device_map(module):
-                module.to(self.device)
-
-        attach(model, self.commfuse_config, who="CommFuseAccelerator.prepare", place=to_device)
+        attach(model, self.commfuse_config, who="CommFuseAccelerator.prepare", place=_placer(self, device_placement))
         if self.commfuse_frozen is None and self.commfuse_config.shard_frozen and ckpt.is_sharded(model):
             self.commfuse_frozen = frozen_config(self.commfuse_config, model)
 
