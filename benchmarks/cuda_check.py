@@ -99,14 +99,14 @@ def part_linear(args) -> dict:
     import torch.nn as nn
     from commfuse_dp import CommFuseConfig
     from commfuse_dp.runtime.engine import Engine
-    from commfuse_dp.fused import attach_group, compute_for, convert_linear
+    from commfuse_dp.fused import attach_group, convert_linear, step_state
     from commfuse_dp.ring import get_ring
     from torch.distributed.device_mesh import init_device_mesh
 
     device = device_of(args)
     _init_world(device)
     engine = Engine(get_ring(), init_device_mesh(device.type, (1,)), CommFuseConfig())
-    steps, compute = compute_for(engine)
+    steps = step_state(engine)
     cases = [((7,), 5, True, 6), ((12, 6, 6), 10, True, 6), ((1536,), 512, False, 1024), ((384, 128, 128), 384, True, 512)]
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
     worst = {}
@@ -118,7 +118,7 @@ def part_linear(args) -> dict:
             for m, r in zip(mods, refs):
                 m.load_state_dict(r.state_dict())
                 convert_linear(m, engine, False)
-            attach_group(steps, mods, [f"m{i}" for i in range(len(mods))], compute)
+            attach_group(steps, mods, [f"m{i}" for i in range(len(mods))])
             x = torch.randn(2, tokens // 2, fan_in, device=device, dtype=dtype, requires_grad=True)
             xr = x.detach().clone().requires_grad_(True)
             gs = [torch.randn(2, tokens // 2, o, device=device, dtype=dtype) for o in members]

@@ -44,17 +44,17 @@ def hold_freed_buffers() -> None:
     from commfuse_dp.runtime.slicing import SlicingScheduler
 
     held: list = []
-    scatter, end = SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward
+    scatter, end = SlicingScheduler.finish_grads, SlicingScheduler.end_backward
 
-    def reduce_scatter(self, state, parts, *rest):
-        held.append(parts)
-        return scatter(self, state, parts, *rest)
+    def finish_grads(self, state, grads, *rest):
+        held.append(grads.parts)
+        return scatter(self, state, grads, *rest)
 
     def end_backward(self):
         end(self)
         held.clear()
 
-    SlicingScheduler.reduce_scatter, SlicingScheduler.end_backward = reduce_scatter, end_backward
+    SlicingScheduler.finish_grads, SlicingScheduler.end_backward = finish_grads, end_backward
 
     from commfuse_dp.runtime.replicas import Replicas
 

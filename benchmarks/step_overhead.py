@@ -91,10 +91,10 @@ def _identity_cost(ring, world: int, calls: int = 100_000) -> tuple[float, float
     from torch.distributed.device_mesh import init_device_mesh
 
     from commfuse_dp import CommFuseConfig
-    from commfuse_dp.fused import compute_for
+    from commfuse_dp.fused import step_state
     from commfuse_dp.runtime.engine import Engine
 
-    steps, _ = compute_for(Engine(ring, init_device_mesh("cpu", (world,)), CommFuseConfig()))
+    steps = step_state(Engine(ring, init_device_mesh("cpu", (world,)), CommFuseConfig()))
     owners = [steps.register(f"model.layers.{i}.mlp.down_proj") for i in range(256)]
     op = min(timeit.repeat(lambda: steps.ring_op(owners[7], "forward"), number=calls, repeat=5)) / calls
     tag = min(timeit.repeat(ring.next_tag, number=calls, repeat=5)) / calls

@@ -12,7 +12,7 @@ resources per rank, the compute stream and the link, and plays each schedule on 
   final norm, lm_head); the next layer's gather issued one layer ahead, each reduce-scatter when its layer's
   backward ends, on one link in issue order; the root's gather and the first layer's are exposed at the head, the
   first layer's and the root's reduce-scatters at the tail.
-- ``slicing`` (``fused/sliced.py``, as it runs): the same one group ahead, per fused group (``plays.slicing``).
+- ``slicing`` (``runtime/slicing.py``, as it runs): the same one group ahead, per fused group (``plays.slicing``).
 - ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
   N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
   before it; step 0 of the next ``prefetch_depth`` groups goes during a group's last piece.

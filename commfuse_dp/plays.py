@@ -186,7 +186,7 @@ def elastic(units: list[Unit], cl: Cluster) -> float:
 
 
 def slicing(units: list[Unit], cl: Cluster) -> float:
-    """Step time of the ``"slicing"`` schedule as it runs (``fused/sliced.py``), on one FIFO link: each fused group
+    """Step time of the ``"slicing"`` schedule as it runs (``runtime/slicing.py``), on one FIFO link: each fused group
     all-gathers its whole weight in one bucketed ring; when a group starts, the next group's gather (in the recorded
     order) is requested, then the group waits for its own. The first group of the forward is not prefetched; the
     last (the lm_head) keeps its weight for its backward. In the backward a group's reduce-scatter is requested when

@@ -46,7 +46,7 @@ from .choose import resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
-from .fused import attach_group, compute_for, convert_linear
+from .fused import attach_group, convert_linear, step_state
 from .fused.reads import ParamBindings, attach_reads
 from .nonfinite import NonfiniteCheck
 from .ring.fsdp_comm import use_ring_collectives
@@ -114,7 +114,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs)
     world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
     engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
-    steps, compute = compute_for(engine)  # the schedule, and the Function that computes under it
+    steps = step_state(engine)  # drives the schedule the config names
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
 
     data_dependent = lockstep.data_dependent_modules(model)
@@ -129,7 +129,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         fused_params.update(convert_linear(module, engine, transposed))
         bound.append((name, module, {"weight": 1 if transposed else 0, "bias": 0}))
     for members in shared_input_groups(fused):
-        attach_group(steps, [m for _, m, _ in members], [names[id(m)] for _, m, _ in members], compute)
+        attach_group(steps, [m for _, m, _ in members], [names[id(m)] for _, m, _ in members])
     for _, lm_head in tied.values():
         lm_head._cf_group.state.tied = True
     if config.ring_embeddings and not peer:

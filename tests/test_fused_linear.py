@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from commfuse_dp import CommFuseConfig
 from commfuse_dp.runtime.engine import Engine
-from commfuse_dp.fused import attach_group, compute_for, convert_linear
+from commfuse_dp.fused import attach_group, convert_linear, step_state
 from commfuse_dp.ring import get_ring
 from harness import run_ranks
 
@@ -29,7 +29,7 @@ def _worker(rank, world_size, transposed):
 
     mesh = init_device_mesh("cpu", (world_size,))
     engine = Engine(get_ring(), mesh, CommFuseConfig(schedule="fused"))
-    steps, compute = compute_for(engine)
+    steps = step_state(engine)
     checked = 0
     for dtype in (torch.float32, torch.bfloat16):
         for members, in_features, bias in CASES:
@@ -45,7 +45,7 @@ def _worker(rank, world_size, transposed):
             for m, r in zip(mods, refs):
                 m.load_state_dict(r.state_dict())
                 convert_linear(m, engine, transposed)
-            attach_group(steps, mods, [f"member{i}" for i in range(len(mods))], compute)
+            attach_group(steps, mods, [f"member{i}" for i in range(len(mods))])
 
             x, grads = _data(rank, members, in_features, dtype)
             x.requires_grad_(True)

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from commfuse_dp import CommFuseConfig
 from commfuse_dp.runtime.engine import Engine
-from commfuse_dp.fused import attach_group, compute_for, convert_linear
+from commfuse_dp.fused import attach_group, convert_linear, step_state
 from commfuse_dp.ring import get_ring
 from harness import run_ranks
 
@@ -47,14 +47,14 @@ def _check_step(rank, world_size, mods, refs, step, dtype, tol):
 
 def _worker(rank, world_size):
     engine = Engine(get_ring(), init_device_mesh("cpu", (world_size,)), CommFuseConfig(schedule="fused"))
-    steps, compute = compute_for(engine)
+    steps = step_state(engine)
     torch.manual_seed(0)
     refs = [nn.Linear(IN, out) for out in OUTS]
     mods = [nn.Linear(IN, out) for out in OUTS]
     for m, r in zip(mods, refs):
         m.load_state_dict(r.state_dict())
         convert_linear(m, engine, False)
-    attach_group(steps, mods, ["q", "k", "v"], compute)
+    attach_group(steps, mods, ["q", "k", "v"])
     seen = [_one_storage(mods)]  # each shard its own storage until the group's first call
     for step in range(3):  # the first records the layer order, the next ones gather ahead
         _check_step(rank, world_size, mods, refs, step, torch.float32, 1e-5)

@@ -234,7 +234,7 @@ def _piece_shards_worker(rank, world_size):
     """``piece_shards=2``: the forward's outputs and the backward's dx in runs of landed shards (fused/linear.py,
     ``ShardRuns``). At 3 ranks the runs are uneven (rank 1: shards 1-0, then 2) and GPT-2's Conv1D members carry a
     bias; the runs must have been taken (counted), the results equal the single process, and repeat bit for bit."""
-    from commfuse_dp.fused import linear, sliced
+    from commfuse_dp.fused import linear
 
     counted = {"forward": 0, "dx": 0}
     forward_run, dx_run = linear._forward_run, linear._dx_run
@@ -248,7 +248,6 @@ def _piece_shards_worker(rank, world_size):
         return dx_run(*args)
 
     linear._forward_run, linear._dx_run = counting_forward, counting_dx
-    sliced._forward_run, sliced._dx_run = counting_forward, counting_dx
     config = cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, piece_shards=2)
     for kind, schedule in (("gpt2", "fused"), ("llama", "slicing"), ("llama", "fused")):
         before = dict(counted)

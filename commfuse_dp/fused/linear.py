@@ -55,7 +55,7 @@ import torch
 from ..ring import transport
 from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
-from ..runtime.layer_rings import Landing, WeightRing, piece_steps
+from ..runtime.layer_rings import WeightRing, piece_steps
 from ..runtime.layout import GroupLayout, Member, MemberBlocks
 from ..timeline import labelled
 
@@ -155,7 +155,7 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
             sched.before_piece(state, "forward", k)
         if transport._OBSERVERS:
             transport.notify("compute_begin", "forward", k)
-        if runs.size == 1:
+        if runs.piecewise:
             _forward_piece(state.layout, weights, k, x2, outs, engine.ring.shard_held(k))
         elif (run := runs.add(k)) is not None:
             _forward_run(state.layout, weights.slots, *run, x2, outs)
@@ -170,17 +170,26 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
 class ShardRuns:
     """``CommFuseConfig.piece_shards``: the landed shards a piece computes, in runs of consecutive slots of the
     gathered ``(N, numel)`` buffer. Piece k's shard is ``(r - k) mod N``: they come in descending order, so a run
-    ends after ``piece_shards`` of them, at shard 0 (the next is N-1, not adjacent) and at the last piece. Decided
-    by k alone, the same in every run of the program."""
+    ends after ``piece_shards`` of them, at shard 0 (the next is N-1, not adjacent) and at the last piece. A ring
+    that landed whole before the loop (``WeightRing.in_shard_order``, slicing) is computed in runs in shard order
+    instead, the k-th run at piece k. Decided by k alone, the same in every run of the program. ``piecewise``: one
+    row at a time, from the ring's own blocks (``_forward_piece``)."""
 
     def __init__(self, engine: Engine, weights: WeightRing | None) -> None:
         self.ring = engine.ring
         whole = weights is not None and weights.slots is not None
-        self.size = engine.config.piece_shards if whole and self.ring.size > 1 else 1
+        ordered = weights is not None and weights.in_shard_order
+        self.size = engine.config.piece_shards if ordered or (whole and self.ring.size > 1) else 1
+        self.piecewise = self.size == 1 and not ordered
         self._top: int | None = None  # the run's first (highest) shard
+        world = self.ring.size
+        self._ordered = [(low, min(low + self.size, world) - 1) for low in range(0, world, self.size)] if ordered \
+            else None
 
     def add(self, k: int) -> tuple[int, int] | None:
         """Piece k's shard joins the run; returns ``(low, high)`` shards (inclusive) when the run is complete."""
+        if self._ordered is not None:
+            return self._ordered[k] if k < len(self._ordered) else None
         shard = self.ring.shard_held(k)
         if self._top is None:
             self._top = shard
@@ -292,7 +301,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if transport._OBSERVERS:
             transport.notify("compute", "backward", k)
         sched.after_piece(state, "backward", k)
-        if step is not None and not (bw.later and step is grads.last and k == world - 1):
+        if step is not None and not (grads is not None and grads.later and step is grads.last and k == world - 1):
             step.wait()  # (a last step completed later lands in the schedule: ``Landing``)
     if weights is not None:
         sched.release(weights)
@@ -301,8 +310,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
 
 class BackwardCall:
     """One backward of a fused group: its output gradients, its rings (from the schedule) and what each piece
-    computes. ``later``: the gradient ring's last step is waited for by the schedule after this call returns
-    (``Landing``), which then puts the shard into the parameters' grads."""
+    computes."""
 
     def __init__(self, state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
                  grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool, params_need_grad: tuple[bool, ...],
@@ -327,22 +335,17 @@ class BackwardCall:
             # uninitialised travels the ring.
             zeroed = any(m.out_features % engine.ring.size for m in layout.members) or not all(self.train)
             self.grads = sched.grads(state, layout.numel, call.reduce_dtype, x2.device, zeroed, self.sync,
-                                     self.weights)
+                                     self.weights, accumulates(state, call))
         # partials kept by no-sync backwards, added into this synced one's
         self.pending = state.take_unsynced() if self.grads is not None and self.sync else None
         self.pre, self.post = engine.divide_factors() if self.sync else (1.0, 1.0)
-        self.later = (sched.defer_last_reduce and self.grads is not None and self.grads.racc is not None
-                      and accumulates(state, call))
-        if self.later and sched.bundles_grads(state):
-            self.grads.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
-            sched.add_grads(state, self.grads)
         self.dx = InputGrad(x2) if need_dx else None
         self.runs = ShardRuns(engine, self.weights)
 
     def dx_piece(self, k: int) -> None:
         """dx += dy[:, R_s] @ W_s for the shard s held at piece k (or a run of them: ``piece_shards``)."""
         layout, dx = self.layout, self.dx
-        if self.runs.size > 1:
+        if not self.runs.piecewise:
             if (run := self.runs.add(k)) is not None:
                 _dx_run(layout, self.weights.slots, *run, self.dys, dx)
             return
@@ -371,15 +374,10 @@ class BackwardCall:
         dx = self.dx.result() if self.dx is not None else None
         if grads is None or not self.sync:
             return dx, [None] * len(params)
-        if self.later:  # completed by the schedule (``land``), which puts the shard into the parameters' grads
-            state.steps.schedule.land_later(Landing(grads, state, self.post, tuple(p.dtype for p in params),
-                                                    tuple(self.train)))
+        final = state.steps.schedule.finish_grads(state, grads, self.post, tuple(p.dtype for p in params),
+                                                  tuple(self.train))
+        if final is None:  # the schedule puts it into the parameters' grads later
             return dx, [None] * len(params)
-        if grads.last is not None:
-            grads.last.wait()
-        final = grads.final(self.post)
-        if state.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
-            final = state.engine.replicas.exchange_now(final, f"the gradient of {state.name}")
         return dx, unpack_grads(state, final, params, self.train, self.needs)
 
 

@@ -22,16 +22,16 @@ from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
 from ..runtime.layout import GroupLayout
 from ..runtime.step import StepState
-from .linear import Call
+from .linear import Call, FusedRingLinearFn
 from .reads import guarded_class
 
 
 class FusedGroup:
-    """``fn``: the autograd Function the group computes with, the one that goes with the step state's schedule
-    (``fused.compute_for``)."""
+    """Linears that read the same input, computed by one ``FusedRingLinearFn`` under the step state's schedule
+    (module docstring)."""
 
-    def __init__(self, steps: StepState, modules: list[nn.Module], names: list[str], fn: type) -> None:
-        self.steps, self.fn = steps, fn
+    def __init__(self, steps: StepState, modules: list[nn.Module], names: list[str]) -> None:
+        self.steps = steps
         self.modules, self.names = modules, names
         self.state = self._state(modules, "+".join(names))
         self._solo: dict[int, FusedGroupState] = {}
@@ -48,7 +48,7 @@ class FusedGroup:
 
     def __call__(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.modules) == 1:
-            return _apply(self.fn, self.state, x)[0]
+            return _apply(self.state, x)[0]
         if x is self._key and index in self._pending:
             out = self._pending.pop(index)
             if not self._pending:
@@ -60,8 +60,8 @@ class FusedGroup:
             if index not in self._solo:
                 self._solo[index] = self._state([self.modules[index]], f"{self.names[index]} (own input)",
                                                 in_place=False)
-            return _apply(self.fn, self._solo[index], x)[0]
-        outs = _apply(self.fn, self.state, x)
+            return _apply(self._solo[index], x)[0]
+        outs = _apply(self.state, x)
         self._key = x
         self._pending = {j: out for j, out in enumerate(outs) if j != index}
         return outs[index]
@@ -70,7 +70,7 @@ class FusedGroup:
         self._key, self._pending = None, {}
 
 
-def _apply(fn: type, state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     state.adopt_packed()
     params = [p.to_local() for p in state.params()]  # autograd-aware: grads flow back into the DTensor params
     engine, schedule = state.engine, state.steps.schedule
@@ -85,10 +85,10 @@ def _apply(fn: type, state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Ten
         call = Call(compute_dtype, engine.config.reduce_dtype or params[0].dtype, grad_nodes)
         schedule.dtype_hint = compute_dtype
         with torch.autocast(device, enabled=False):
-            return fn.apply(x, state, call, *params)
+            return FusedRingLinearFn.apply(x, state, call, *params)
     compute_dtype = engine.compute_dtype(params[0].dtype)
     schedule.dtype_hint = None
-    return fn.apply(x, state, Call(compute_dtype, engine.reduce_dtype(compute_dtype), grad_nodes), *params)
+    return FusedRingLinearFn.apply(x, state, Call(compute_dtype, engine.reduce_dtype(compute_dtype), grad_nodes), *params)
 
 
 @torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly
@@ -131,8 +131,8 @@ def convert_linear(module: nn.Module, engine: Engine, transposed: bool) -> list[
     return new_params
 
 
-def attach_group(steps: StepState, modules: list[nn.Module], names: list[str], fn: type) -> FusedGroup:
-    group = FusedGroup(steps, modules, names, fn)
+def attach_group(steps: StepState, modules: list[nn.Module], names: list[str]) -> FusedGroup:
+    group = FusedGroup(steps, modules, names)
     for i, m in enumerate(modules):
         m._cf_group, m._cf_index = group, i
     return group

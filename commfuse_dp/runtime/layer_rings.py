@@ -21,12 +21,15 @@ class WeightRing:
     ``slots``: ``(N, numel)`` where every row stays (its own row filled, unless ``own`` holds it), or None for two
     alternating buffers ``pair`` (lockstep: the full weight never exists). ``own``: this rank's row where the
     parameters are views of it (``FusedGroupState.own_packed``): sent and computed with in place, never copied
-    into ``slots``; only the pieces read rows one at a time then (``piece_shards=1``)."""
+    into ``slots``; only the pieces read rows one at a time then (``piece_shards=1``). ``in_shard_order``: every
+    row landed before the layer's loop (slicing's whole gather), so its pieces compute runs of ``piece_shards`` rows
+    in shard order 0 .. N-1 (``ShardRuns``), not in the order a ring brings them."""
 
     def __init__(self, engine: Engine, op: RingOp | None, slots: torch.Tensor | None,
                  pair: tuple[torch.Tensor, torch.Tensor | None] | None = None, own: torch.Tensor | None = None,
-                 views: dict | None = None) -> None:
+                 views: dict | None = None, in_shard_order: bool = False) -> None:
         self.engine, self.op, self.slots, self.pair, self.own = engine, op, slots, pair, own
+        self.in_shard_order = in_shard_order
         self.world = engine.ring.size
         self.pending: dict[int, Pending] = {}
         self.requested = 0  # steps requested so far
@@ -144,6 +147,7 @@ class GradRing:
         self.racc = torch.empty(numel, dtype=dtype, device=device) if communicates and world > 1 else None
         self.last: Pending | None = None
         self.bundled = False  # its steps go later, with its unit's other rings (GradBundle), not beside its pieces
+        self.later = False  # its last step is waited for by the schedule after its layer's backward (``Landing``)
         self._blocks: tuple[MemberBlocks, ...] | None = None
 
     def part(self, k: int) -> torch.Tensor:

@@ -196,14 +196,36 @@ class FusedSchedule:
             self._pool.give(ring.slots)
 
     def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
-              communicates: bool, weights: WeightRing | None) -> GradRing:
+              communicates: bool, weights: WeightRing | None, accumulates: bool) -> GradRing:
         """The gradient ring of one backward of ``state``; it shares the ring op of ``weights`` (the same
-        backward's weight ring) when that travels, as one ring operation of the layer."""
+        backward's weight ring) when that travels, as one ring operation of the layer. ``accumulates``: the
+        gradients may be put into ``.grad`` by us later; then its last step lands after the backward returns
+        (``later``), with its unit's other rings where they share steps (``bundles_grads``)."""
         op = None
         if communicates and self.engine.ring.size > 1:
             op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.op,
                                                                                                       "backward")
-        return GradRing(self.engine, op, numel, reduce_dtype, device, zeroed, communicates, self.elastic)
+        ring = GradRing(self.engine, op, numel, reduce_dtype, device, zeroed, communicates, self.elastic)
+        ring.later = self.defer_last_reduce and ring.racc is not None and accumulates
+        if ring.later and self.bundles_grads(state):
+            ring.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
+            self.add_grads(state, ring)
+        return ring
+
+    def finish_grads(self, state: FusedGroupState, grads: GradRing, post: float, dtypes: tuple,
+                     train: tuple) -> torch.Tensor | None:
+        """At the end of a synced backward of ``state``, after its pieces: this rank's reduced gradient shard to
+        return through autograd, or None when the schedule puts it into the parameters' grads later
+        (``Landing``)."""
+        if grads.later:
+            self.land_later(Landing(grads, state, post, dtypes, train))
+            return None
+        if grads.last is not None:
+            grads.last.wait()
+        final = grads.final(post)
+        if self.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
+            final = self.engine.replicas.exchange_now(final, f"the gradient of {state.name}")
+        return final
 
     def pace(self, state: FusedGroupState, phase: str, pieces_left: int) -> None:
         """Elastic, beside each fused piece: request the next steps of the rings chosen ahead (weight bundles, and

@@ -1,6 +1,21 @@
-"""``SlicingScheduler``: the communication of the ``"slicing"`` schedule (``fused/sliced.py`` has its compute and
-the Note): each layer's weights all-gathered one layer ahead on the ring thread, its gradients reduce-scattered
-behind it and waited for at the end of the backward."""
+"""``SlicingScheduler``: the ``"slicing"`` schedule, data-slicing overlap on the same rings and the same GEMM pieces
+as ``"fused"``, the same autograd Function (``fused/linear.py``) driven by this schedule instead of ``FusedSchedule``.
+
+[Note: the slicing schedule]
+This is the strongest layer-level overlap we build on our transport, kept so that every benchmark compares the
+CommFuse idea itself against it, in one run:
+- forward of layer i: its weight was all-gathered during layer i-1 (prefetch, on the ring thread); layer i+1's
+  all-gather starts before layer i computes. The gathered weights are dropped after use (reshard after forward),
+  except the last layer's, which the backward needs first.
+- backward of layer i: its weight was re-gathered during layer i+1's backward; layer i-1's all-gather starts before
+  layer i computes; layer i's gradient reduce-scatter runs on the ring thread during layer i-1's backward, and all
+  of them are waited for once, when autograd finishes the backward (the tail: nothing hides the last one).
+The order of layers is the one recorded in the previous step (the first step runs without prefetch).
+Compute is the fused layer's loop over the same pieces: ``weights`` hands it the whole gathered ``(N, numel)``
+buffer with nothing left to travel (``WeightRing.in_shard_order``: runs of ``piece_shards`` shards in shard
+order), ``grads`` an ``(N, numel)`` buffer of partials (``WholeGrads``) that ``finish_grads`` reduce-scatters, so
+the two schedules differ only in when communication happens.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +28,8 @@ from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from ..ring.transport import RingCommError
 from .engine import Engine
 from .group import FusedGroupState
+from .layer_rings import WeightRing
+from .layout import GroupLayout, MemberBlocks
 from .step import StepState
 
 
@@ -31,6 +48,30 @@ class Reducing(NamedTuple):
     state: FusedGroupState
     grad_dtypes: tuple[torch.dtype, ...]
     train: tuple[bool, ...]
+
+
+class WholeGrads:
+    """A fused layer's gradient partials under slicing: piece k writes this rank's share of shard
+    ``t = (r - k - 1) mod N`` into row t of one ``(N, numel)`` buffer, which ``finish_grads`` reduce-scatters
+    whole. Nothing travels beside the pieces (``racc`` None); ``later``: the reduce-scatter runs in the
+    background and lands when the backward ends."""
+
+    racc = None
+    bundled = False
+    last = None
+
+    def __init__(self, engine: Engine, numel: int, dtype: torch.dtype, device: torch.device, later: bool) -> None:
+        self.ring, self.later = engine.ring, later
+        self.parts = torch.zeros(engine.ring.size, numel, dtype=dtype, device=device)
+        self._blocks: tuple[MemberBlocks, ...] | None = None
+
+    def part(self, k: int) -> torch.Tensor:
+        return self.parts[self.ring.shard_reduced(k)]
+
+    def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
+        if self._blocks is None:
+            self._blocks = layout.blocks(self.parts)
+        return self._blocks, self.ring.shard_reduced(k)
 
 
 class SlicingScheduler:
@@ -62,10 +103,20 @@ class SlicingScheduler:
         """(Fused schedule only: here each layer's gather prefetches the next one's.)"""
 
     def before_piece(self, state: FusedGroupState, phase: str, k: int, grads=None) -> None:
-        """(Nothing goes beside a piece: a layer's gather is whole, requested one layer ahead by ``gather``.)"""
+        """(Nothing goes beside a piece: a layer's gather is whole, requested one layer ahead by ``weights``.)"""
 
     def after_piece(self, state: FusedGroupState, phase: str, k: int) -> None:
         """(Nothing lands between pieces: the reduce-scatters land when the backward ends.)"""
+
+    def backward_begins(self, state: FusedGroupState) -> None:
+        """(Nothing to start: the gradients of a layer travel whole, after its pieces.)"""
+
+    def keeps_weight(self, state: FusedGroupState) -> bool:
+        """(The last layer's gather is kept for its backward by ``weights`` itself.)"""
+        return False
+
+    def release(self, weights: WeightRing) -> None:
+        """(A gathered buffer is dropped with its layer.)"""
 
     def reset(self) -> None:
         """Drop everything of an aborted step: in-flight gathers and reduce-scatters are waited for (every rank
@@ -102,18 +153,22 @@ class SlicingScheduler:
         if work is not None:
             work.wait()
 
-    def gather(self, state: FusedGroupState, params: list[torch.Tensor], dtype: torch.dtype,
-               phase: str, backward_gathers: bool = True) -> torch.Tensor:
-        """Every rank's shards of ``state``'s group; prefetched if the previous step's order predicted it, and
-        the next group's gather of this phase started before returning. ``backward_gathers`` (forward only):
-        whether this group's backward will need its weight again (it does not when its input needs no grad)."""
-        recompute = phase == "forward" and torch._C._current_graph_task_id() != -1  # checkpointing, in backward
-        if phase == "forward" and not recompute:
-            self._current.append(state)
-            self._backward_gathers[id(state)] = backward_gathers
+    def entered(self, state: FusedGroupState, needs_dx: bool) -> None:
+        """A fused group's forward begins (not one recomputed in the backward): record the order for the next
+        step's prefetch, and whether its backward will need its weight again (not when its input needs no
+        grad)."""
+        self._current.append(state)
+        self._backward_gathers[id(state)] = needs_dx
+
+    def weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
+                recompute: bool = False) -> WeightRing:
+        """Every rank's shards of ``state``'s group, landed: prefetched if the previous step's order predicted it,
+        and the next group's gather of this phase started before returning. ``recompute``: a forward recomputed
+        in the backward (activation checkpointing), which prefetches nothing."""
+        params = list(params)
         got = self._prefetched.pop((id(state), phase), None)
         self.prefetch_hits += got is not None
-        gathered = got[0] if got is not None else self._start_gather(state, params, dtype, phase)
+        gathered = got[0] if got is not None else self._start_gather(state, params, compute_dtype, phase)
         following = self._following(state, phase) if not recompute else None
         if following is not None and (id(following[0]), phase) not in self._prefetched:
             nxt_state, nxt_params = following
@@ -121,9 +176,10 @@ class SlicingScheduler:
             self._prefetched[(id(nxt_state), phase)] = (
                 self._start_gather(nxt_state, nxt_params, nxt_dtype, phase), nxt_params)
         self._wait(gathered.work)
-        if phase == "forward" and backward_gathers and self._order and state is self._order[-1] and not recompute:
+        if (phase == "forward" and not recompute and self._backward_gathers.get(id(state), True) and self._order
+                and state is self._order[-1]):
             self._prefetched[(id(state), "backward")] = (Gathered(None, gathered.flat), params)
-        return gathered.flat
+        return WeightRing(self.engine, None, gathered.flat, in_shard_order=True)
 
     def _following(self, state: FusedGroupState, phase: str) -> tuple[FusedGroupState, list[torch.Tensor]] | None:
         order = self._order if phase == "forward" else self._order[::-1]
@@ -137,22 +193,25 @@ class SlicingScheduler:
 
     # -- reduce-scatter in the background, waited at the end of backward ------------------------------------
 
-    def reduce_scatter(self, state: FusedGroupState, parts: torch.Tensor, grad_dtypes: tuple[torch.dtype, ...],
-                       train: tuple[bool, ...]) -> None:
-        ring = self.engine.ring
-        shard = parts.new_empty(state.layout.numel)
-        op = self.steps.ring_op(state.op, "backward")
-        work = ring_reduce_scatter(shard, parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
-                                   tag=op.tag, label=op, stats=self.engine.stats, **self.engine.config.ring_kwargs)
-        self._reducing.append(Reducing(work, shard, state, grad_dtypes, train))
+    def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
+              communicates: bool, weights: WeightRing | None, accumulates: bool) -> WholeGrads:
+        """The partials of one backward of ``state`` (always zeroed); ``accumulates``: reduce-scattered in the
+        background and put into ``.grad`` when the backward ends, else at once."""
+        return WholeGrads(self.engine, numel, reduce_dtype, device, accumulates)
 
-    def reduce_scatter_now(self, state: FusedGroupState, parts: torch.Tensor) -> torch.Tensor:
-        """The same reduce-scatter, waited for at once (the gradients must be returned through autograd)."""
-        shard = parts.new_empty(state.layout.numel)
+    def finish_grads(self, state: FusedGroupState, grads: WholeGrads, post: float, dtypes: tuple,
+                     train: tuple) -> torch.Tensor | None:
+        """After a synced backward's pieces: the partials' reduce-scatter, in the background (None) or waited for
+        and returned (the gradients must go back through autograd)."""
+        ring = self.engine.ring
+        shard = grads.parts.new_empty(state.layout.numel)
         op = self.steps.ring_op(state.op, "backward")
-        ring_reduce_scatter(shard, parts.view(-1), self.engine.ring.group, dist.ReduceOp.SUM, tag=op.tag, label=op,
-                            stats=self.engine.stats, **self.engine.config.ring_kwargs)
-        _, post = self.engine.divide_factors()
+        work = ring_reduce_scatter(shard, grads.parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
+                                   tag=op.tag, label=op, stats=self.engine.stats, **self.engine.config.ring_kwargs)
+        if grads.later:
+            self._reducing.append(Reducing(work, shard, state, dtypes, train))
+            return None
+        self._wait(work)
         shard = shard.div_(post) if post != 1.0 else shard
         if self.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
             shard = self.engine.replicas.exchange_now(shard, f"the gradient of {state.name}")

@@ -40,9 +40,10 @@ _IDENTIFIED = 1 << 29
 
 class Schedule(Protocol):
     """When the ring steps of a step's fused layers run: ``FusedSchedule`` (elastic or lockstep, ``schedule.py``) and
-    ``SlicingScheduler`` (``slicing.py``). ``shard()`` picks one (``fused.compute_for``); the step state drives it
-    through these members, a fused layer's loop (``fused/linear.py``) through ``before_piece`` and ``after_piece``,
-    and each op through its own (the fused linear: ``weights``, ``grads``; the sliced one: ``gather``, ...)."""
+    ``SlicingScheduler`` (``slicing.py``). ``fused.step_state`` picks one from the config; the step state drives it
+    at the step's edges, and the one fused layer loop (``fused/linear.py``) through the rest: a layer's rings
+    (``weights``, ``grads``), what goes beside each compute piece (``before_piece``, ``after_piece``) and what
+    happens at the layer's end (``release``, ``finish_grads``). Nothing downstream asks which one it is."""
 
     dtype_hint: torch.dtype | None  # the compute dtype under autocast, for buffers requested ahead of a layer
 
@@ -50,11 +51,39 @@ class Schedule(Protocol):
     def packs_params(self) -> bool:
         """Whether a group's local shards may be views of one packed buffer (``FusedGroupState.adopt_packed``)."""
 
+    # -- the step's edges --------------------------------------------------------------------------------------
+
     def begin_step(self) -> None:
         """The root's forward begins: forget the previous step's rings, keep its layer order."""
 
     def start_first(self, phase: str) -> None:
         """Request the first fused layer's ring steps of ``phase`` ahead of it (from the ring embedding's forward)."""
+
+    def end_backward(self) -> None:
+        """Autograd finished the backward: the last deferred gradient steps land."""
+
+    def reset(self) -> None:
+        """A step raised: wait for what is in flight, drop it and everything the schedule kept."""
+
+    # -- one layer call ----------------------------------------------------------------------------------------
+
+    def entered(self, state, needs_dx: bool) -> None:
+        """A fused group's forward begins (not a recomputed one): record the layer order for the next step."""
+
+    def keeps_weight(self, state) -> bool:
+        """Whether ``state``'s forward keeps its gathered weight for its backward (handed back as ``full``)."""
+
+    def backward_begins(self, state) -> None:
+        """A fused group's backward begins, before its rings are asked for."""
+
+    def weights(self, state, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
+                recompute: bool = False):
+        """The layer's weight ring (``layer_rings.WeightRing``): what piece k computes with, and the steps that
+        bring it (none where it landed whole)."""
+
+    def grads(self, state, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
+              communicates: bool, weights, accumulates: bool):
+        """The layer's gradient partials (``GradRing``, ``WholeGrads``): where piece k writes, and its steps."""
 
     def before_piece(self, state, phase: str, k: int, grads=None) -> None:
         """Beside compute piece k of fused group ``state`` in ``phase``, after the piece's own ring steps were
@@ -63,11 +92,12 @@ class Schedule(Protocol):
     def after_piece(self, state, phase: str, k: int) -> None:
         """After piece k's compute, before the piece waits for its own step: what has landed is taken in."""
 
-    def end_backward(self) -> None:
-        """Autograd finished the backward: the last deferred gradient steps land."""
+    def release(self, weights) -> None:
+        """The layer's weight ring is done: its buffer may serve a later one."""
 
-    def reset(self) -> None:
-        """A step raised: wait for what is in flight, drop it and everything the schedule kept."""
+    def finish_grads(self, state, grads, post: float, dtypes: tuple, train: tuple) -> torch.Tensor | None:
+        """The layer's synced backward ended: its reduced gradient shard to return through autograd, or None
+        when the schedule puts it into the parameters' grads later."""
 
 
 class StepState:
