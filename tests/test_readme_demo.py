@@ -4,7 +4,8 @@ command the demo prints. The copy of the repository holds only what git tracks (
 less build outputs), so nothing installed for the test suite leaks in. Each step's wall time is printed.
 
 This is the slowest test (pip install from the local cache, then the demo's 60 steps); it runs the README's own
-line so that the line cannot go stale.
+line so that the line cannot go stale. The run is shared with tests/test_recipe_clm.py, which checks the demo's
+outputs and its saved model (``readme_job`` in conftest.py).
 """
 
 import os
@@ -38,7 +39,10 @@ def _copy_repository(dest: str) -> None:
         shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns("runs", "*.egg-info", "__pycache__", ".venv*"))
 
 
-def test_readme_main_job_runs_in_a_fresh_virtualenv(tmp_path, capsys):
+def run_readme_main_job(tmp_path) -> dict:
+    """README's main-job line, each of its commands timed, in a fresh virtual environment over a copy of the
+    repository; then the generate command the demo prints. Returns the folders, the outputs and the timings
+    (``readme_job`` in conftest.py runs it once per test session: the recipe tests read the same run)."""
     main_line = _readme_lines()[0]
     assert main_line.endswith("commfuse-dp demo"), main_line
     repo, venv = str(tmp_path / "repo"), str(tmp_path / "venv")
@@ -56,17 +60,22 @@ def test_readme_main_job_runs_in_a_fresh_virtualenv(tmp_path, capsys):
         assert proc.returncode == 0, f"`{command}` failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         outputs.append(proc.stdout)
     summary = outputs[-1]
-    loss = re.search(r"eval loss\s+([\d.]+) -> ([\d.]+)", summary)
-    assert loss and float(loss.group(2)) < float(loss.group(1)), summary
     generate = re.search(r"generate\s+(python -m commfuse_dp\.recipes\.generate .*)", summary)
     assert generate, summary
-    model = os.path.join(repo, "runs", "demo", "model")
-    assert os.path.isfile(os.path.join(model, "config.json")), summary
     began = time.monotonic()
     proc = subprocess.run(["bash", "-c", generate.group(1).strip()], cwd=repo, env=env, capture_output=True,
                           text=True, timeout=600)
     timings.append(("generate", time.monotonic() - began))
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-4000:]
+    return {"repo": repo, "demo_out": os.path.join(repo, "runs", "demo"), "stdout": summary, "timings": timings}
+
+
+def test_readme_main_job_runs_in_a_fresh_virtualenv(readme_job, capsys):
+    summary = readme_job["stdout"]
+    loss = re.search(r"eval loss\s+([\d.]+) -> ([\d.]+)", summary)
+    assert loss and float(loss.group(2)) < float(loss.group(1)), summary
+    assert os.path.isfile(os.path.join(readme_job["demo_out"], "model", "config.json")), summary
     with capsys.disabled():
-        print("\nREADME main job in a fresh venv: " + ", ".join(f"`{c}` {s:.0f} s" for c, s in timings)
+        print("\nREADME main job in a fresh venv: "
+              + ", ".join(f"`{c}` {s:.0f} s" for c, s in readme_job["timings"])
               + f"; eval loss {loss.group(1)} -> {loss.group(2)}")

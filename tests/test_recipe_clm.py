@@ -1,11 +1,13 @@
-"""recipes/finetune_clm.py and `commfuse-dp demo`: a short 2-rank run of the demo on the embedded default (a
-narrower decoder than the default, so it takes seconds), its outputs, the saved model reloaded and generating in
-this process; and each bad input refused in one line, exit 2, before anything is written."""
+"""recipes/finetune_clm.py and `commfuse-dp demo`: the outputs of the README's run of the demo on the embedded
+default (2 ranks, its default steps; ``readme_job`` in conftest.py, shared with tests/test_readme_demo.py), the
+saved model reloaded and generating in this process; and each bad input refused in one line, exit 2, before
+anything is written."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,27 +20,17 @@ SMALL = ["--hidden_size", "64", "--num_layers", "2", "--vocab_size", "512", "--b
          "--logging_steps", "2", "--timeline_step", "2"]
 
 
-def _env():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:
-        env.pop(name)
-    return env
-
-
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "demo", "--output_dir", str(out),
-                           "--max_steps", "8", "--", *SMALL], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    return out, proc.stdout
+def demo(readme_job):
+    return Path(readme_job["demo_out"]), readme_job["stdout"]
 
 
 def test_demo_prints_summary_and_loss_falls(demo):
     out, stdout = demo
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 8
+    from commfuse_dp.demo import _parser
+
+    assert summary["world_size"] == 2 and summary["steps"] == _parser().get_default("max_steps")
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     assert summary["tokens_per_s"] > 0 and summary["exposed_comm_s"] >= 0
     tail = stdout[stdout.index("commfuse-dp demo: a Llama"):]

@@ -3,9 +3,10 @@ tests/test_trl_frozen.py:
 
     torchrun --nproc_per_node N tests/trl_frozen_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|rloo|kto|reward|distill}[-whole][-bf16][-bema]`` (``-whole``:
-``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``: ``bf16=True``, TRL's
-default, else fp32; ``-bema``: TRL's ``BEMACallback`` too):
+MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|rloo|kto|reward|distill}[-whole][-bf16][-bema][-refused]``
+(``-whole``: ``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``:
+``bf16=True``, TRL's default, else fp32; ``-bema``: TRL's ``BEMACallback`` too; ``-refused``: the run is expected to
+be refused with a ``ValueError``, whose text every rank reports, and the launch goes on with the next mode):
 - ``dpo``: ``DPOTrainer`` with a ``ref_model``; ``trdpo``: the same with ``sync_ref_model=True``
   (``ref_model_sync_steps=2``, ``ref_model_mixup_alpha=0.5``); ``precompute``: ``precompute_ref_log_probs=True``
   (the reference runs over the data set before training);
@@ -166,6 +167,8 @@ def run(mode: str, tokenizer_dir: str) -> dict:
         most += -(-p.shape[dims[0]] // dist.get_world_size()) * (p.numel() // p.shape[dims[0]]) if dims \
             else p.numel()
     trainer.train()
+    if "refused" in flags:
+        raise AssertionError(f"{mode}: trained, expected a refusal")
     holdings = [None] * dist.get_world_size()
     dist.all_gather_object(holdings, held)
     logs = [e for e in trainer.state.log_history if "step" in e and any(k in e for k in LOGGED)]
@@ -173,10 +176,24 @@ def run(mode: str, tokenizer_dir: str) -> dict:
             "sharded": sharded, "params": sum(1 for _ in frozen.parameters()), "most": most}
 
 
+def refused(mode: str, tokenizer_dir: str) -> dict:
+    """A mode that must be refused on every rank before its first step: what each rank raised."""
+    import torch.distributed as dist
+
+    try:
+        run(mode, tokenizer_dir)
+        said = "no error"
+    except ValueError as err:
+        said = f"{type(err).__name__}: {err}"
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, said)
+    return {"refused": every}
+
+
 if __name__ == "__main__":
     OUT, tokenizer_dir, *modes = sys.argv[1:]
     torch.set_num_threads(1)
-    results = {mode: run(mode, tokenizer_dir) for mode in modes}
+    results = {mode: (refused if mode.endswith("-refused") else run)(mode, tokenizer_dir) for mode in modes}
     if int(os.environ["RANK"]) == 0:
         with open(OUT, "w") as f:
             json.dump(results, f)
