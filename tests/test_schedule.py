@@ -235,3 +235,28 @@ def test_elastic_bundles_the_ring_steps_of_a_unit():
         for g, a, w in zip(got, alone, want):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
+
+
+def test_both_schedules_implement_the_one_schedule_interface():
+    """The fused layer loop (``fused/linear.py``) and the step state drive either schedule through the members of
+    ``runtime.step.Schedule`` alone: ``FusedSchedule`` and ``SlicingScheduler`` each have all of them, with the
+    protocol's parameters in its order, and ``shard()`` picks one by the config (``fused.step_state``)."""
+    import inspect
+
+    from commfuse_dp.runtime.schedule import FusedSchedule
+    from commfuse_dp.runtime.slicing import SlicingScheduler
+    from commfuse_dp.runtime.step import Schedule
+
+    members = [name for name, value in vars(Schedule).items()
+               if not name.startswith("_") and (callable(value) or isinstance(value, property))]
+    assert {"weights", "grads", "before_piece", "after_piece", "finish_grads", "release"} <= set(members)
+    for cls in (FusedSchedule, SlicingScheduler):
+        for name in members:
+            ours, protocol = getattr(cls, name, None), getattr(Schedule, name)
+            assert ours is not None, f"{cls.__name__} lacks {name}"
+            if isinstance(protocol, property):
+                assert isinstance(ours, property), f"{cls.__name__}.{name} is not a property"
+                continue
+            assert list(inspect.signature(ours).parameters) == list(inspect.signature(protocol).parameters), \
+                f"{cls.__name__}.{name}{inspect.signature(ours)} against Schedule.{name}{inspect.signature(protocol)}"
+        assert "self.dtype_hint" in inspect.getsource(cls.__init__), cls

@@ -188,12 +188,12 @@ class FusedSchedule:
         buf = layout.pack(state.pairs(params), compute_dtype)
         return WeightRing(self.engine, op, None, (buf, torch.empty_like(buf) if ring.size > 1 else None))
 
-    def release(self, ring: WeightRing) -> None:
-        """``ring`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
+    def release(self, weights: WeightRing) -> None:
+        """``weights`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
         later ring (CPU: a fresh buffer is first touched, page by page, in every ring of every step)."""
-        if ring.pooled:
-            ring.pooled = False
-            self._pool.give(ring.slots)
+        if weights.pooled:
+            weights.pooled = False
+            self._pool.give(weights.slots)
 
     def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None, accumulates: bool) -> GradRing:
