@@ -35,7 +35,7 @@ def seconds_per_call(fn, device: torch.device, reps: int) -> float:
 
 
 def hold_freed_buffers() -> None:
-    """Keep each async reduce-scatter's input (slicing) and each gradient ring handed to the replicate ring's stream
+    """Keep each reduce-scatter's input (slicing's partials) and each gradient ring handed to the replicate ring's stream
     (HSDP fused) alive until the end of the backward instead of freeing it at once under ``record_stream``. The
     CUDA sanitizer keys accesses by data pointer and forgets only a freed block's base pointer, not the views at
     offsets inside it, so a block reused after ``record_stream`` allowed it reads as a race (its report says "Trace

@@ -121,9 +121,9 @@ class CommFuseConfig:
     step (``choose.py``; 1 on CPU, where pieces cost what whole GEMMs do). ``1``: a piece per ring step. On a GPU a GEMM cut into N
     thin pieces loses 7-41 % at 8 ranks on Llama-3-8B shapes, mostly in the input gradient, and about 2-13 % in
     pieces of 4 shards (docs/performance.md, "On one GPU"); the forward's first piece then waits for that many
-    shards. Takes effect where the gathered weight stays whole (the elastic lookahead, the kept lm_head); lockstep
-    (``lookahead_mb=0``) reuses two buffers and computes per shard. The sums run in another order than with 1:
-    results agree within rounding, and are the same from run to run."""
+    shards. Takes effect where the gathered weight stays whole (the elastic lookahead, the kept lm_head, the slicing
+    schedule, whose runs go in shard order); lockstep (``lookahead_mb=0``) reuses two buffers and computes per
+    shard. The sums run in another order than with 1: results agree within rounding, and repeat from run to run."""
 
     ring_embeddings: bool = True
     """An ``nn.Embedding`` whose table shard has at least ``min_fuse_numel`` elements (and is not tied to another

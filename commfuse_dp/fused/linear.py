@@ -149,7 +149,7 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
     keep = world > 1 and not recompute and sched.keeps_weight(state)
     weights = sched.weights(state, params, compute_dtype, "forward", keep, recompute)
     runs = ShardRuns(engine, weights)
-    for k in range(world):
+    for k in range(runs.pieces):
         step = piece_steps(engine, k, weights, None)  # brings piece k+1's shard
         if not recompute:
             sched.before_piece(state, "forward", k)
@@ -172,8 +172,9 @@ class ShardRuns:
     gathered ``(N, numel)`` buffer. Piece k's shard is ``(r - k) mod N``: they come in descending order, so a run
     ends after ``piece_shards`` of them, at shard 0 (the next is N-1, not adjacent) and at the last piece. A ring
     that landed whole before the loop (``WeightRing.in_shard_order``, slicing) is computed in runs in shard order
-    instead, the k-th run at piece k. Decided by k alone, the same in every run of the program. ``piecewise``: one
-    row at a time, from the ring's own blocks (``_forward_piece``)."""
+    instead, the k-th run at piece k (``pieces``: the forward's pieces, one per run there, else one per shard). Decided
+    by k alone, the same in every run of the program. ``piecewise``: one row at a time, from the ring's own blocks
+    (``_forward_piece``)."""
 
     def __init__(self, engine: Engine, weights: WeightRing | None) -> None:
         self.ring = engine.ring
@@ -185,6 +186,7 @@ class ShardRuns:
         world = self.ring.size
         self._ordered = [(low, min(low + self.size, world) - 1) for low in range(0, world, self.size)] if ordered \
             else None
+        self.pieces = len(self._ordered) if ordered else world
 
     def add(self, k: int) -> tuple[int, int] | None:
         """Piece k's shard joins the run; returns ``(low, high)`` shards (inclusive) when the run is complete."""

@@ -88,7 +88,8 @@ def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return FusedRingLinearFn.apply(x, state, call, *params)
     compute_dtype = engine.compute_dtype(params[0].dtype)
     schedule.dtype_hint = None
-    return FusedRingLinearFn.apply(x, state, Call(compute_dtype, engine.reduce_dtype(compute_dtype), grad_nodes), *params)
+    call = Call(compute_dtype, engine.reduce_dtype(compute_dtype), grad_nodes)
+    return FusedRingLinearFn.apply(x, state, call, *params)
 
 
 @torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly

@@ -1,8 +1,9 @@
 """The rings of one fused layer call, and the steps beside each of its compute pieces: the weight all-gather
 (``WeightRing``: two alternating buffers in lockstep, an ``(N, numel)`` buffer under the elastic lookahead, reused
 on CPU through ``SlotPool``), the gradient reduce-scatter (``GradRing``), a unit's rings sharing their steps
-(``Bundle``, ``GradBundle``), what piece k requests and waits for (``piece_steps``), and a gradient ring completed
-after its layer's backward returned (``Landing``). When they are requested across layers: ``schedule.py``."""
+(``Bundle``, ``GradBundle``), what piece k requests and waits for (``piece_steps``), a gradient ring completed
+after its layer's backward returned (``Landing``), and partials that travel whole after the layer
+(``WholeGrads``, slicing). When they are requested across layers: ``schedule.py``."""
 
 from __future__ import annotations
 
@@ -178,6 +179,31 @@ class GradRing:
         return out
 
 
+class WholeGrads:
+    """A fused layer's gradient partials that travel whole after its pieces (the slicing schedule, whose
+    ``finish_grads`` reduce-scatters them): piece k writes this rank's share of shard ``t = (r - k - 1) mod N`` into
+    row t of one ``(N, numel)`` buffer. The pieces read it as a ``GradRing`` (``part``, ``blocks``); nothing travels
+    beside them (``racc`` None, never ``bundled``, no ``last`` step); ``later``: the reduce-scatter runs in the
+    background and lands when the backward ends."""
+
+    racc = None
+    bundled = False
+    last = None
+
+    def __init__(self, engine: Engine, numel: int, dtype: torch.dtype, device: torch.device, later: bool) -> None:
+        self.ring, self.later = engine.ring, later
+        self.parts = torch.zeros(engine.ring.size, numel, dtype=dtype, device=device)
+        self._blocks: tuple[MemberBlocks, ...] | None = None
+
+    def part(self, k: int) -> torch.Tensor:
+        return self.parts[self.ring.shard_reduced(k)]
+
+    def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
+        if self._blocks is None:
+            self._blocks = layout.blocks(self.parts)
+        return self._blocks, self.ring.shard_reduced(k)
+
+
 class GradBundle:
     """The gradient rings of one unit's backward (elastic; every unit but the backward's last): their partials wait
     in their buffers and travel as one reduce-scatter ring (one ring's latency per unit, as slicing's per-layer
@@ -216,7 +242,8 @@ class GradBundle:
             pending.settle()
 
 
-def piece_steps(engine: Engine, k: int, weights: WeightRing | None, grads: GradRing | None) -> Pending | None:
+def piece_steps(engine: Engine, k: int, weights: WeightRing | None,
+                grads: GradRing | WholeGrads | None) -> Pending | None:
     """Request what goes beside piece k and return what to wait for at its end (the step that brings the row
     of piece k+1, and in lockstep the gradient partial too). ``weights``/``grads``: None where that ring does
     not travel."""

@@ -28,8 +28,7 @@ from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from ..ring.transport import RingCommError
 from .engine import Engine
 from .group import FusedGroupState
-from .layer_rings import WeightRing
-from .layout import GroupLayout, MemberBlocks
+from .layer_rings import WeightRing, WholeGrads
 from .step import StepState
 
 
@@ -48,30 +47,6 @@ class Reducing(NamedTuple):
     state: FusedGroupState
     grad_dtypes: tuple[torch.dtype, ...]
     train: tuple[bool, ...]
-
-
-class WholeGrads:
-    """A fused layer's gradient partials under slicing: piece k writes this rank's share of shard
-    ``t = (r - k - 1) mod N`` into row t of one ``(N, numel)`` buffer, which ``finish_grads`` reduce-scatters
-    whole. Nothing travels beside the pieces (``racc`` None); ``later``: the reduce-scatter runs in the
-    background and lands when the backward ends."""
-
-    racc = None
-    bundled = False
-    last = None
-
-    def __init__(self, engine: Engine, numel: int, dtype: torch.dtype, device: torch.device, later: bool) -> None:
-        self.ring, self.later = engine.ring, later
-        self.parts = torch.zeros(engine.ring.size, numel, dtype=dtype, device=device)
-        self._blocks: tuple[MemberBlocks, ...] | None = None
-
-    def part(self, k: int) -> torch.Tensor:
-        return self.parts[self.ring.shard_reduced(k)]
-
-    def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
-        if self._blocks is None:
-            self._blocks = layout.blocks(self.parts)
-        return self._blocks, self.ring.shard_reduced(k)
 
 
 class SlicingScheduler:
@@ -206,7 +181,7 @@ class SlicingScheduler:
         ring = self.engine.ring
         shard = grads.parts.new_empty(state.layout.numel)
         op = self.steps.ring_op(state.op, "backward")
-        work = ring_reduce_scatter(shard, grads.parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=True,
+        work = ring_reduce_scatter(shard, grads.parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=grads.later,
                                    tag=op.tag, label=op, stats=self.engine.stats, **self.engine.config.ring_kwargs)
         if grads.later:
             self._reducing.append(Reducing(work, shard, state, dtypes, train))
