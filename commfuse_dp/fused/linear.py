@@ -156,7 +156,7 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
         if transport._OBSERVERS:
             transport.notify("compute_begin", "forward", k)
         if runs.piecewise:
-            _forward_piece(state.layout, weights, k, x2, outs, engine.ring.shard_held(k))
+            _forward_piece(state.layout, weights, k, x2, outs, weights.shard(k))
         elif (run := runs.add(k)) is not None:
             _forward_run(state.layout, weights.slots, *run, x2, outs)
         if transport._OBSERVERS:
@@ -174,14 +174,14 @@ class ShardRuns:
     that landed whole before the loop (``WeightRing.in_shard_order``, slicing) is computed in runs in shard order
     instead, the k-th run at piece k (``pieces``: the forward's pieces, one per run there, else one per shard). Decided
     by k alone, the same in every run of the program. ``piecewise``: one row at a time, from the ring's own blocks
-    (``_forward_piece``)."""
+    (``_forward_piece``; ``WeightRing.shard`` says which row)."""
 
     def __init__(self, engine: Engine, weights: WeightRing | None) -> None:
         self.ring = engine.ring
         whole = weights is not None and weights.slots is not None
         ordered = weights is not None and weights.in_shard_order
         self.size = engine.config.piece_shards if ordered or (whole and self.ring.size > 1) else 1
-        self.piecewise = self.size == 1 and not ordered
+        self.piecewise = self.size == 1
         self._top: int | None = None  # the run's first (highest) shard
         world = self.ring.size
         self._ordered = [(low, min(low + self.size, world) - 1) for low in range(0, world, self.size)] if ordered \
@@ -352,7 +352,7 @@ class BackwardCall:
                 _dx_run(layout, self.weights.slots, *run, self.dys, dx)
             return
         blocks, i = held_blocks(layout, self.weights, k, dx.dtype)
-        for (lo, hi), b, dy in zip(layout.spans[self.ring.shard_held(k)], blocks, self.dys):
+        for (lo, hi), b, dy in zip(layout.spans[self.weights.shard(k)], blocks, self.dys):
             if dy is not None and hi > lo:
                 dx.add(dy[:, lo:hi], b.weight[i] if hi - lo == b.chunk else b.weight[i, :hi - lo])
 

@@ -24,7 +24,8 @@ class WeightRing:
     parameters are views of it (``FusedGroupState.own_packed``): sent and computed with in place, never copied
     into ``slots``; only the pieces read rows one at a time then (``piece_shards=1``). ``in_shard_order``: every
     row landed before the layer's loop (slicing's whole gather), so its pieces compute runs of ``piece_shards`` rows
-    in shard order 0 .. N-1 (``ShardRuns``), not in the order a ring brings them."""
+    in shard order 0 .. N-1 (``ShardRuns``; one a piece: piece k computes shard k, ``shard``), not in the order a
+    ring brings them."""
 
     def __init__(self, engine: Engine, op: RingOp | None, slots: torch.Tensor | None,
                  pair: tuple[torch.Tensor, torch.Tensor | None] | None = None, own: torch.Tensor | None = None,
@@ -40,10 +41,14 @@ class WeightRing:
         # buffers outlive a ring (pooled slots, the parameters' own packed row)
         self._views = views if views is not None else {}
 
+    def shard(self, k: int) -> int:
+        """The shard whose row piece k computes with."""
+        return k if self.in_shard_order else self.engine.ring.shard_held(k)
+
     def held(self, k: int) -> torch.Tensor:
         if self.slots is None:
             return self.pair[k % 2]
-        return self.own if k == 0 and self.own is not None else self.slots[self.engine.ring.shard_held(k)]
+        return self.own if k == 0 and self.own is not None else self.slots[self.shard(k)]
 
     def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
         """The members' blocks of the buffer that holds piece k's row, and the row's index in it: views made once
@@ -53,7 +58,7 @@ class WeightRing:
         elif k == 0 and self.own is not None:
             buf, index, key = self.own, 0, ("own", id(layout))  # one own row per group: a new one replaces it
         else:
-            buf, index = self.slots, self.engine.ring.shard_held(k)
+            buf, index = self.slots, self.shard(k)
             key = (id(buf), id(layout))
         made = self._views.get(key)
         if made is None or made[0] is not buf:
