@@ -95,7 +95,7 @@ def run(mode: str, tokenizer_dir: str) -> dict:
                   bf16="bf16" in flags,  # else fp32 (TRL's configs default to bf16 autocast)
                   learning_rate=1e-3, adam_epsilon=1e-3, lr_scheduler_type="constant", logging_steps=1,
                   save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                  max_steps=STEPS)
+                  max_steps=STEPS, ddp_timeout=180)  # a rank left waiting fails in minutes, not at the launch's end
     callbacks = [] if schedule == "ddp" else [CommFuseCallback(cf.CommFuseConfig(
         schedule=schedule, min_fuse_numel=0, shard_frozen=not whole))]
     frozen_of = None

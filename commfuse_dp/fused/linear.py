@@ -30,15 +30,15 @@ piece and the last gradient step landing during the next layer's first piece (``
 two gradient-shard buffers live, never the full W, except for the last layer of the forward (the lm_head), which
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
 partials only. Elastic (the default on 2 ranks or more): the weight ring of a layer is requested ahead, into an
-``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both: ``piece_steps``
-requests piece k's own steps and returns what to wait for at its end; the schedule's ``before_piece`` and
-``after_piece`` add other layers' steps beside it and take in the gradient rings that landed. With ``piece_shards`` = G > 1 and a
-whole gathered buffer, the forward's outputs and the backward's dx are computed G landed shards at a time
-(``ShardRuns``: fewer, wider GEMMs); the steps requested and waited stay those of the loop. The reduction order is
-fixed by the ring and by G, so results repeat bit for bit. All members of a fused group (q/k/v, gate/up) ride the
-same ring steps in one flat buffer (``runtime/layout.py``). When gradient sync is off (accumulation micro-batches),
-the backward keeps each shard's partial sum locally, sends no gradient bytes, and adds them into the parts of the
-next synced backward.
+``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both, and for the
+slicing schedule (``runtime/slicing.py``): ``piece_steps`` requests piece k's own steps and returns what to wait for
+at its end; the schedule's ``before_piece`` and ``after_piece`` add other layers' steps beside it and take in the
+gradient rings that landed. With ``piece_shards`` = G > 1 and a whole gathered buffer, the forward's outputs and
+the backward's dx are computed G landed shards at a time (``ShardRuns``: fewer, wider GEMMs); the steps requested
+and waited stay those of the loop. The reduction order is fixed by the ring and by G, so results repeat bit for
+bit. All members of a fused group (q/k/v, gate/up) ride the same ring steps in one flat buffer
+(``runtime/layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps each shard's
+partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
 
 Words, here and in the runtime: a *step* is a training step (one forward of the sharded root, and its backward); a
 *ring step* (a hop) is one exchange with the neighbours, k in the loops above; a *piece* is the GEMM work beside
