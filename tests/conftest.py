@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def readme_job(tmp_path_factory):
-    """README.md's main job (``commfuse-dp demo`` after a fresh install), run once per session
+    """README.md's main job (``commfuse-dp demo`` after a fresh install), run once per pytest run
     (tests/test_readme_demo.py; the demo's outputs are checked by tests/test_recipe_clm.py too)."""
     from test_readme_demo import run_readme_main_job
 

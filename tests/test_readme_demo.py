@@ -42,7 +42,7 @@ def _copy_repository(dest: str) -> None:
 def run_readme_main_job(tmp_path) -> dict:
     """README's main-job line, each of its commands timed, in a fresh virtual environment over a copy of the
     repository; then the generate command the demo prints. Returns the folders, the outputs and the timings
-    (``readme_job`` in conftest.py runs it once per test session: the recipe tests read the same run)."""
+    (``readme_job`` in conftest.py runs it once per pytest run: the recipe tests read the same run)."""
     main_line = _readme_lines()[0]
     assert main_line.endswith("commfuse-dp demo"), main_line
     repo, venv = str(tmp_path / "repo"), str(tmp_path / "venv")

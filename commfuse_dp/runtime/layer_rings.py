@@ -17,6 +17,10 @@ from .layout import GroupLayout, MemberBlocks
 from .link import Pending
 
 
+def _identity(k: int) -> int:
+    return k
+
+
 class WeightRing:
     """An all-gather ring over same-shape rows: piece k reads ``held(k)``, rank ``(r - k) mod N``'s row.
     ``slots``: ``(N, numel)`` where every row stays (its own row filled, unless ``own`` holds it), or None for two
@@ -32,6 +36,8 @@ class WeightRing:
                  views: dict | None = None, in_shard_order: bool = False) -> None:
         self.engine, self.op, self.slots, self.pair, self.own = engine, op, slots, pair, own
         self.in_shard_order = in_shard_order
+        # shard(k): the shard whose row piece k computes with (bound once: it runs several times a piece)
+        self.shard = _identity if in_shard_order else engine.ring.shard_held
         self.world = engine.ring.size
         self.pending: dict[int, Pending] = {}
         self.requested = 0  # steps requested so far
@@ -40,10 +46,6 @@ class WeightRing:
         # ``blocks`` made so far: {key: (buffer, blocks)}, kept across rings by the schedule (``views``) where the
         # buffers outlive a ring (pooled slots, the parameters' own packed row)
         self._views = views if views is not None else {}
-
-    def shard(self, k: int) -> int:
-        """The shard whose row piece k computes with."""
-        return k if self.in_shard_order else self.engine.ring.shard_held(k)
 
     def held(self, k: int) -> torch.Tensor:
         if self.slots is None:
