@@ -1,5 +1,9 @@
 import os
+import shutil
 import sys
+import tempfile
+import threading
+from pathlib import Path
 
 # Distributed tests pickle module-level workers by name; the ranks import them from this folder.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -8,10 +12,63 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest  # noqa: E402
 
 
+class _Background:
+    """README.md's main job on a thread of its own, at the lowest CPU priority (tests/test_readme_demo.py)."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="commfuse-readme-"))
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="readme-job", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from test_readme_demo import run_readme_main_job
+
+        try:
+            self.result = run_readme_main_job(self.folder, idle=True)
+        except BaseException as err:  # re-raised where a test asks for it
+            self.error = err
+
+    def wait(self) -> dict:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def close(self) -> None:
+        from test_readme_demo import stop_readme_job
+
+        if self.thread.is_alive():
+            stop_readme_job()
+            self.thread.join(60)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_README_JOB: _Background | None = None
+
+
+def pytest_collection_finish(session) -> None:
+    """Start README's main job as soon as the run is known to need it."""
+    global _README_JOB
+    if session.config.option.collectonly or not hasattr(os, "SCHED_IDLE"):
+        return
+    if any("readme_job" in getattr(item, "fixturenames", ()) for item in session.items):
+        _README_JOB = _Background()
+
+
+def pytest_sessionfinish(session) -> None:
+    if _README_JOB is not None:
+        _README_JOB.close()
+
+
 @pytest.fixture(scope="session")
 def readme_job(tmp_path_factory):
     """README.md's main job (``commfuse-dp demo`` after a fresh install), run once per pytest run
-    (tests/test_readme_demo.py; the demo's outputs are checked by tests/test_recipe_clm.py too)."""
+    (tests/test_readme_demo.py; the demo's outputs are checked by tests/test_recipe_clm.py too): started in the
+    background when the run began, or here where the platform has no idle CPU priority."""
+    if _README_JOB is not None:
+        return _README_JOB.wait()
     from test_readme_demo import run_readme_main_job
 
     return run_readme_main_job(tmp_path_factory.mktemp("readme"))
