@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .config import CommFuseConfig
 from .plan import MARGIN, decide
-from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, peer_host_on_cpu, units_for
+from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, peer_host_on_cpu, placed, units_for
 
 __all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
 
@@ -124,6 +124,10 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
         v for k, v in predicted.items() if k != "fsdp2")
     if fixed is not None:
         reason = f"schedule='fused' as given; piece_shards={width}: the shortest predicted fused step"
+    elif schedule == "fused" and not any(u.groups or u.table for u in placed(units, cl, elastic=True)):
+        reason = (f"no layer reaches min_fuse_numel={config.min_fuse_numel}, so none is fused: the FSDP2 units on "
+                  f"the library's rings predicted {fused_s:.3g} s a step, the peer (fsdp2) "
+                  f"{predicted['fsdp2']:.3g} s: {1 - fused_s / predicted['fsdp2']:.0%} faster")
     elif schedule == "fused":
         reason = (f"fused predicted {fused_s:.3g} s a step, the peer (fsdp2) {predicted['fsdp2']:.3g} s: "
                   f"{1 - fused_s / predicted['fsdp2']:.0%} faster")

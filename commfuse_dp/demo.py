@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before any process starts (the recipe checks it too, on every rank)
         check_output_dir(args.output_dir, args.overwrite_output_dir or "--overwrite_output_dir" in extra)
     except RecipeError as e:
-        print(f"commfuse-dp demo: {e} (a demo ran there before: add --overwrite_output_dir, or pass another "
-              f"--output_dir)", file=sys.stderr)
+        print(f"commfuse-dp demo: {e}", file=sys.stderr)
         return 2
     recipe = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),

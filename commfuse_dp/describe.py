@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,9 +177,13 @@ def describe(model: nn.Module) -> ShardReport:
     return report
 
 
-def warn_if_little_fused(model: nn.Module, config: CommFuseConfig) -> None:
+def warn_if_little_fused(model: nn.Module, config: CommFuseConfig, asked_schedule: str = "fused",
+                         predict: Callable[[int], Any] | None = None) -> None:
     """On rank 0 of the group: a WARNING when fewer than half of the parameter bytes were fused, with the figures
-    and the ``min_fuse_numel`` that would fuse the linears it left out for being small."""
+    and the setting that would fuse the linears it left out for being small. ``asked_schedule``: the schedule the
+    user's config named (``"auto"`` settles on fsdp2 where fusing is predicted to lose, so the setting names
+    ``schedule='fused'`` then); ``predict(min_fuse_numel)``: the planner's ``Choice`` for the fused schedule with
+    that threshold, whose predicted step the warning sets beside the one chosen now."""
     engine = model._commfuse_engine
     if engine.ring.rank != 0:
         return
@@ -188,9 +193,12 @@ def warn_if_little_fused(model: nn.Module, config: CommFuseConfig) -> None:
     small = _small_linears(model, engine.ring.size, config)
     hints = []
     if small:
+        least = min(small)
+        setting = (f"schedule='fused', min_fuse_numel={least}" if asked_schedule == "auto"
+                   else f"min_fuse_numel={least}")
         hints.append(f"{len(small)} linears were left out for weight shards below min_fuse_numel="
-                     f"{config.min_fuse_numel} elements (largest {max(small)}, smallest {min(small)}); "
-                     f"CommFuseConfig(min_fuse_numel={min(small)}) would fuse them all")
+                     f"{config.min_fuse_numel} elements (largest {max(small)}, smallest {least}); "
+                     f"CommFuseConfig({setting}) would fuse them all{_predicted(model, config, predict, least)}")
     if report.excluded:
         hints.append(f"{len(report.excluded)} modules are excluded (CommFuseConfig.exclude / exclude_data_dependent; "
                      f"the INFO log of commfuse_dp says why)")
@@ -200,6 +208,18 @@ def warn_if_little_fused(model: nn.Module, config: CommFuseConfig) -> None:
                    "bucketed rings, so CommFuse hides little communication. %s. commfuse_dp.describe(model) "
                    "lists every part", _size(report.fused_param_bytes), _size(report.total_param_bytes),
                    100 * report.fused_fraction, len(report.fused_groups), len(report.ring_embeddings), hint)
+
+
+def _predicted(model: nn.Module, config: CommFuseConfig, predict: Callable[[int], Any] | None, least: int) -> str:
+    """The planner's step with every linear fused against the step chosen now, where it predicted both."""
+    chosen = getattr(model, "_commfuse_choice", None)
+    now = chosen.predicted_s.get(f"fused, piece_shards={config.piece_shards}") if chosen is not None else None
+    lower = predict(least) if predict is not None and now is not None else None
+    if lower is None or not lower.predicted_s:
+        return ""
+    then = lower.predicted_s[f"fused, piece_shards={lower.piece_shards}"]
+    verdict = "; layers this small cost more in ring steps than they hide here" if then > now else ""
+    return f" (the planner predicts {then:.3g} s a step with them fused, against {now:.3g} s now{verdict})"
 
 
 # ---- the parts -------------------------------------------------------------------------------------------

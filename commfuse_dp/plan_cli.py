@@ -10,7 +10,9 @@ ranks, links and tokens, and calibration against a ``commfuse-dp bench`` file.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import sys
 from dataclasses import replace
 
 from . import costs, plan
@@ -46,17 +48,20 @@ def load_model(spec: str) -> tuple:
         with open(spec) as f:
             c = json.load(f)
     except OSError:
-        raise SystemExit(f"plan: --model {spec!r} is neither a known shape ({', '.join(KNOWN_MODELS)}) nor a "
-                         f"readable HF config.json") from None
+        close = difflib.get_close_matches(spec, KNOWN_MODELS, n=1)
+        print(f"commfuse-dp plan: --model {spec!r} is neither a known shape ({', '.join(KNOWN_MODELS)}) nor a "
+              f"readable HF config.json" + (f"; did you mean {close[0]!r}?" if close else ""), file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         hidden = c.get("hidden_size", c.get("n_embd"))
         heads = c.get("num_attention_heads", c.get("n_head"))
         return (hidden, c.get("intermediate_size", c.get("n_inner") or 4 * hidden),
                 c.get("num_hidden_layers", c.get("n_layer")), heads, c.get("num_key_value_heads", heads),
                 c["vocab_size"])
-    except (KeyError, TypeError):
-        raise SystemExit(f"plan: {spec} lacks hidden_size / num_hidden_layers / num_attention_heads / "
-                         f"vocab_size") from None
+    except (KeyError, TypeError, AttributeError):
+        print(f"commfuse-dp plan: --model {spec} lacks hidden_size / num_hidden_layers / num_attention_heads / "
+              f"vocab_size", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 BENCH_MIN_FUSE_NUMEL = 1 << 16  # what `commfuse-dp bench` ran with before its files recorded it (its default then)
@@ -266,18 +271,18 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=(rest + "\n" + model).replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-7b", help=f"known shape ({', '.join(KNOWN_MODELS)}) or an HF "
-                                                            f"config.json path")
-    parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks")
-    parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes)")
+                                                            f"config.json path (default %(default)s)")
+    parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default %(default)s)")
+    parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes; default %(default)s)")
     parser.add_argument("--latency-us", type=float, default=None,
                         help="fixed cost of one ring step, microseconds (default 15; with --calibrate, fitted from the "
                              "bench's comm_only rows over its link rates)")
-    parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank")
+    parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank (default %(default)s)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the hardware's peak TFLOP/s per rank, for MFU (default 989: an H100 SXM, dense bf16)")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length")
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step (default %(default)s)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default %(default)s)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element (default %(default)s)")
     parser.add_argument("--nodes", type=int, default=1,
                         help="nodes the --ranks are split into (HSDP against one flat ring; default 1)")
     parser.add_argument("--inter-gbps", type=float, default=50.0,

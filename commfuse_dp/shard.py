@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import lockstep
 from .checks import check_not_sharded_elsewhere, check_ranks_agree
-from .choose import resolve
+from .choose import choose, resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
@@ -107,6 +107,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     everyone = mesh.mesh.flatten().tolist()
     one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
     # "auto" settings from the planner's plays (choose.py): the same on every rank, which the check below confirms
+    asked_schedule = config.schedule
     config, choice = resolve(model, config, dist.get_world_size(group), device, one_node)
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
     replicas = None
@@ -173,7 +174,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
                 len(fused), config.schedule, choice.reason, len(unit_modules), engine.ring.size)
     if not peer:
-        warn_if_little_fused(model, config)
+        fused_at = lambda least: choose(model, config.replace(schedule="fused", piece_shards="auto",  # noqa: E731
+                                                              min_fuse_numel=least), engine.ring.size, device, one_node)
+        warn_if_little_fused(model, config, asked_schedule, fused_at)
     return model
 
 
@@ -202,7 +205,9 @@ def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device:
 
 
 def step_stats(model: nn.Module) -> StepStats:
-    """Timing of the last completed step of this rank (the current one if none completed yet)."""
+    """Timing of the last completed step of this rank (the current one if none completed yet). Steps count from 0,
+    and a step lasts from one forward of the model to the next, so the step run last is complete only once the
+    next forward begins: after three training steps this is step 1."""
     engine = getattr(model, "_commfuse_engine", None)
     if engine is None:
         raise ValueError("step_stats: this model was not sharded with commfuse_dp.shard()")

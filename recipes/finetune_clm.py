@@ -135,6 +135,9 @@ def load_model_and_tokenizer(args: ClmArguments, docs: list[str]):
     try:
         AutoConfig.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError) as exc:
+        if not os.path.exists(args.model):
+            raise common.RecipeError(f"--model {args.model}: no such folder, and no model of that name in the Hugging "
+                                     f"Face cache (nothing is downloaded); pass a local model folder") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise common.RecipeError(f"--model {args.model} is not a Hugging Face model folder ({first})") from None
     try:

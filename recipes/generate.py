@@ -7,17 +7,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a local Hugging Face causal-LM folder with its tokenizer")
-    parser.add_argument("--prompt", default="The assert statement")
-    parser.add_argument("--max_new_tokens", type=int, default=40)
-    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy decoding")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", default="The assert statement", help="the text to continue (default: %(default)r)")
+    parser.add_argument("--max_new_tokens", type=int, default=40, help="tokens to generate (default %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0: greedy decoding (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max_new_tokens {args.max_new_tokens}: must be at least 1")
+    if args.temperature < 0:
+        parser.error(f"--temperature {args.temperature}: must be 0 (greedy) or more")
+    if not os.path.exists(args.model):
+        parser.error(f"{args.model}: no such folder (a local Hugging Face causal-LM folder with its tokenizer)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -2,6 +2,7 @@
 of hf_models (hidden 32, kv heads 2 (k/v 16 rows), intermediate 56, vocab 96, 2 layers, untied lm_head)."""
 
 import json
+import re
 
 import pytest
 import torch.nn as nn
@@ -16,10 +17,11 @@ def _describe_worker(rank, world_size):
     # must reach stderr through logging's last-resort handler).
     quiet = cf.shard(hf_models.build("llama"))
     assert cf.describe(quiet).fused_groups == []
+    quiet_text = str(cf.describe(quiet))
     report = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0)))
     excluding = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
                                                                                   exclude=("lm_head",))))
-    return report.as_dict(), str(report), excluding.as_dict()
+    return report.as_dict(), str(report), excluding.as_dict(), quiet_text
 
 
 def _chunk(rows, world):
@@ -37,11 +39,17 @@ def test_describe_and_little_fused_warning(world_size):
     line = next(line for line in results[0].log.splitlines() if warning in line)
     # 2 layers x (q, k, v, o, gate, up, down) + lm_head; the smallest weight shard is k's / v's: 16 x 32 / N
     smallest, largest = 16 * 32 // world_size, 96 * 32 // world_size
+    # the default schedule "auto" keeps the peer where fusing is predicted to lose, so the setting names the schedule
     assert (f"15 linears were left out for weight shards below min_fuse_numel=65536 elements (largest {largest}, "
-            f"smallest {smallest}); CommFuseConfig(min_fuse_numel={smallest}) would fuse them all") in line
+            f"smallest {smallest}); CommFuseConfig(schedule='fused', min_fuse_numel={smallest}) would fuse them all "
+            f"(the planner predicts ") in line
+    then, now = map(float, re.search(r"predicts ([\d.e-]+) s a step with them fused, against ([\d.e-]+) s now",
+                                     line).groups())
+    assert ("cost more in ring steps than they hide" in line) == (then > now), line
+    assert "no layer reaches min_fuse_numel=65536, so none is fused" in results[0].value[3], results[0].value[3]
     assert results[0].log.count("commfuse_dp.shard: only") == 1, "min_fuse_numel=0 fuses ~99%: no second warning"
 
-    report, text, excluding = results[0].value
+    report, text, excluding, _ = results[0].value
     assert all(r.value[0] == report for r in results), "every rank describes the same model"
     json.dumps(report)
     n, f32 = world_size, 4

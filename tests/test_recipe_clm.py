@@ -74,7 +74,8 @@ def _bad(tmp_path, monkeypatch, capsys, *args):
 
 @pytest.mark.parametrize("case, word", [("missing", "does not exist"), ("empty", "no text"),
                                         ("notjson", "is not JSON"), ("model", "not a Hugging Face model"),
-                                        ("batch", "no full batch"), ("outdir", "not empty")])
+                                        ("nomodel", "no such folder"), ("batch", "no full batch"),
+                                        ("outdir", "not empty")])
 def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, case, word):
     args = []
     if case == "missing":
@@ -89,6 +90,8 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
         (tmp_path / "notamodel").mkdir()
         (tmp_path / "notamodel" / "weights.bin").write_text("x")
         args = ["--model", str(tmp_path / "notamodel")]
+    elif case == "nomodel":
+        args = ["--model", str(tmp_path / "no" / "such" / "model")]
     elif case == "batch":
         (tmp_path / "small.txt").write_text("a few words of text " * 40)
         args = ["--data", str(tmp_path / "small.txt"), "--per_device_train_batch_size", "64"]
@@ -102,6 +105,17 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
     else:
         assert not (tmp_path / "out").exists(), "nothing may be written for bad input"
 
+
+@pytest.mark.parametrize("folder, argv, word", [("model", ["--max_new_tokens", "-3"], "must be at least 1"),
+                                                ("model", ["--temperature", "-1"], "must be 0 (greedy) or more"),
+                                                ("no-such-model", [], "no such folder")])
+def test_generate_bad_input_is_one_line_exit_2(demo, folder, argv, word, capsys):
+    from commfuse_dp.recipes import generate
+
+    with pytest.raises(SystemExit) as exited:
+        generate.main([str(demo[0] / folder), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and word in err[-1], err
 
 
 def test_demo_again_into_its_folder_is_one_line_before_any_process(tmp_path):
