@@ -15,6 +15,8 @@ figures went, and the command that generates text from the saved model.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -72,6 +74,24 @@ def summary_lines(summary: dict, log_path: str, summary_path: str, elapsed: floa
     return lines
 
 
+def _refused(recipe_args: list[str]) -> str | None:
+    """What the recipe's own parser says of ``recipe_args`` (its one error line), or None if it takes them."""
+    from commfuse_dp.recipes.finetune_clm import parse
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            parse(recipe_args)
+    except SystemExit as exc:
+        if not exc.code:
+            return None
+        errors = [line for line in said.getvalue().splitlines() if ": error: " in line]
+        return errors[-1].split(": error: ", 1)[1] if errors else said.getvalue().strip()[-300:]
+    except ValueError as exc:  # TrainingArguments' own checks
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     extra = [a for a in args.recipe_args if a != "--"]
@@ -85,13 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"commfuse-dp demo: {e}", file=sys.stderr)
         return 2
+    recipe_args = ["--output_dir", args.output_dir, "--max_steps", str(args.max_steps)]
+    if args.overwrite_output_dir:
+        recipe_args.append("--overwrite_output_dir")
+    recipe_args += extra
+    refused = _refused(recipe_args)
+    if refused:  # before any process starts, rather than once per rank under the launcher's report
+        print(f"commfuse-dp demo: the recipe's arguments: {refused} (python -m commfuse_dp.recipes.finetune_clm "
+              f"--help lists them)", file=sys.stderr)
+        return 2
     recipe = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-              "-m", "commfuse_dp.recipes.finetune_clm", "--output_dir", args.output_dir,
-              "--max_steps", str(args.max_steps)]
-    if args.overwrite_output_dir:
-        recipe.append("--overwrite_output_dir")
-    recipe += extra
+              "-m", "commfuse_dp.recipes.finetune_clm", *recipe_args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -43,6 +43,11 @@ def check_output_dir(path: str, overwrite: bool) -> None:
 def check_batches(split: str, samples: int, world_size: int, per_device: int, accumulation: int = 1) -> int:
     """Every rank must get at least one full batch (a sharded model runs its collectives in lockstep: a rank
     without a batch would leave the others waiting). Returns the number of batches per rank."""
+    flag = "train" if split in ("train", "training") else "eval"
+    if per_device < 1:
+        raise RecipeError(f"--per_device_{flag}_batch_size {per_device}: must be at least 1")
+    if accumulation < 1:
+        raise RecipeError(f"--gradient_accumulation_steps {accumulation}: must be at least 1")
     per_rank = samples // (world_size * per_device)
     if per_rank < accumulation or per_rank < 1:
         raise RecipeError(f"the {split} split has {samples} samples: with {world_size} ranks x batch size "

@@ -75,7 +75,7 @@ def _bad(tmp_path, monkeypatch, capsys, *args):
 @pytest.mark.parametrize("case, word", [("missing", "does not exist"), ("empty", "no text"),
                                         ("notjson", "is not JSON"), ("model", "not a Hugging Face model"),
                                         ("nomodel", "no such folder"), ("batch", "no full batch"),
-                                        ("outdir", "not empty")])
+                                        ("zerobatch", "must be at least 1"), ("outdir", "not empty")])
 def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, case, word):
     args = []
     if case == "missing":
@@ -95,6 +95,8 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
     elif case == "batch":
         (tmp_path / "small.txt").write_text("a few words of text " * 40)
         args = ["--data", str(tmp_path / "small.txt"), "--per_device_train_batch_size", "64"]
+    elif case == "zerobatch":
+        args = ["--per_device_train_batch_size", "0"]
     elif case == "outdir":
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "keep.txt").write_text("mine")
@@ -132,3 +134,16 @@ def test_demo_again_into_its_folder_is_one_line_before_any_process(tmp_path):
     assert "--overwrite_output_dir" in err and "not empty" in err, err
     assert "torch.distributed.run" not in proc.stdout, proc.stdout   # no launch line: nothing was started
     assert os.listdir(out) == ["summary.json"]
+
+
+@pytest.mark.parametrize("recipe_args, words", [(["--learning_rate", "abc"], ["invalid float value: 'abc'"]),
+                                                (["--no_such_flag", "3"], ["not used", "--no_such_flag"])])
+def test_demo_refuses_bad_recipe_arguments_in_one_line_before_any_process(tmp_path, recipe_args, words):
+    """Arguments passed on to the recipe (after ``--``) that its parser refuses: one line, exit 2, no worker started
+    (rather than the parser's usage and error once per rank under the launcher's failure report)."""
+    proc = subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "demo", "--", *recipe_args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, (proc.returncode, proc.stdout[-2000:], err)
+    assert err.startswith("commfuse-dp demo: the recipe's arguments: ") and all(w in err for w in words), err
+    assert "torch.distributed.run" not in proc.stdout and not (tmp_path / "runs").exists()
