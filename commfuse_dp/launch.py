@@ -164,7 +164,12 @@ def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
         if hasattr(args, "nondefault"):
             checked.nondefault = set(args.nondefault)
         with _environment(env):
-            checked, _, _ = accelerate_launch._validate_launch_command(checked)
+            try:
+                checked, _, _ = accelerate_launch._validate_launch_command(checked)
+            except (TypeError, ValueError) as e:  # a value of the wrong kind in the config file's accelerate part
+                raise LaunchError(f"accelerate refused the options of {path or 'its default config'}: "
+                                  f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+                                  f"(check each value's type against `accelerate launch --help`)") from None
             _refuse_other_sharding(checked, cpu)
             if cpu and not getattr(checked, "mpirun_hostfile", None):
                 _launch_cpu(checked)
