@@ -75,21 +75,21 @@ def summary_lines(summary: dict, log_path: str, summary_path: str, elapsed: floa
 
 
 def _refused(recipe_args: list[str]) -> str | None:
-    """What the recipe's own parser says of ``recipe_args`` (its one error line), or None if it takes them."""
-    from commfuse_dp.recipes.finetune_clm import parse
+    """What the recipe's own argument parser says of ``recipe_args`` (its one error line), or None if it takes them.
+    Only the parsing: the ranks build the arguments (``TrainingArguments`` sets up devices and accelerate's state,
+    which this process must not). ``--help`` prints the recipe's help and exits 0 here."""
+    from commfuse_dp.recipes.finetune_clm import parser
 
-    said = io.StringIO()
+    recipe_parser, said = parser(), io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            parse(recipe_args)
+            _, left = recipe_parser.parse_known_args(recipe_args)
     except SystemExit as exc:
         if not exc.code:
-            return None
+            raise
         errors = [line for line in said.getvalue().splitlines() if ": error: " in line]
         return errors[-1].split(": error: ", 1)[1] if errors else said.getvalue().strip()[-300:]
-    except ValueError as exc:  # TrainingArguments' own checks
-        return str(exc).strip().splitlines()[0]
-    return None
+    return f"not the recipe's: {' '.join(left)}" if left else None
 
 
 def main(argv: list[str] | None = None) -> int:

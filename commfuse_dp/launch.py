@@ -166,10 +166,12 @@ def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
         with _environment(env):
             try:
                 checked, _, _ = accelerate_launch._validate_launch_command(checked)
-            except (TypeError, ValueError) as e:  # a value of the wrong kind in the config file's accelerate part
-                raise LaunchError(f"accelerate refused the options of {path or 'its default config'}: "
-                                  f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
-                                  f"(check each value's type against `accelerate launch --help`)") from None
+            except (TypeError, ValueError) as e:  # e.g. num_processes: two, or options that conflict
+                said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                where = f"the accelerate part of {path} and the command line" if path else "the command line"
+                kind = " (a value of the wrong type?)" if isinstance(e, TypeError) else ""
+                raise LaunchError(f"accelerate refused the launch options ({where}): {type(e).__name__}: "
+                                  f"{said}{kind}") from None
             _refuse_other_sharding(checked, cpu)
             if cpu and not getattr(checked, "mpirun_hostfile", None):
                 _launch_cpu(checked)

@@ -132,9 +132,9 @@ class ScalarParams:
                         label="the 0-d parameters' gradient mean after the backward")
         rows = everyone.view(ring.size, 2, len(params))
         means = rows[:, 0].sum(0) / ring.size
-        present = rows[:, 1].sum(0) > 0
+        present = (rows[:, 1].sum(0) > 0).tolist()  # which got a gradient on some rank (a host read, once)
         for i, p in enumerate(params):
-            if not bool(present[i]):
+            if not present[i]:
                 continue
             if p.grad is None:
                 p.grad = DTensor.from_local(torch.zeros((), dtype=p.dtype, device=device), self.mesh,

@@ -135,10 +135,10 @@ def load_model_and_tokenizer(args: ClmArguments, docs: list[str]):
     try:
         AutoConfig.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError) as exc:
-        if not os.path.exists(args.model):
-            raise common.RecipeError(f"--model {args.model}: no such folder, and no model of that name in the Hugging "
-                                     f"Face cache (nothing is downloaded); pass a local model folder") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not os.path.exists(args.model):
+            raise common.RecipeError(f"--model {args.model}: no such folder, and not loadable from the Hugging Face "
+                                     f"cache ({first}); nothing is downloaded: pass a local model folder") from None
         raise common.RecipeError(f"--model {args.model} is not a Hugging Face model folder ({first})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -194,11 +194,11 @@ def prepare_inputs(args: ClmArguments, world: int, train_batch: int, accumulatio
     return model, tokenizer, train, evaluation, {"data": source, "model": model_source}
 
 
-def parse(argv: list[str] | None):
+def parser():
+    """The recipe's argument parser (``parse`` builds its dataclasses; ``commfuse-dp demo`` checks arguments with it
+    before starting any process, building nothing)."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")   # several CPU ranks under torchrun (DESIGN: accelerate)
     parser = HfArgumentParser((ClmArguments, TrainingArguments), description=__doc__.split("\n\n")[0])
     defaults = {"output_dir": "runs/clm", "max_steps": 60, "per_device_train_batch_size": 4,
                 "per_device_eval_batch_size": 4, "learning_rate": 2e-3, "warmup_steps": 5, "logging_steps": 5,
@@ -207,7 +207,13 @@ def parse(argv: list[str] | None):
                 # pinned host memory only helps a copy to a GPU; without one torch warns once per rank
                 "dataloader_pin_memory": torch.cuda.is_available()}
     parser.set_defaults(**defaults)
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parser
+
+
+def parse(argv: list[str] | None):
+    if not torch.cuda.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")   # several CPU ranks under torchrun (DESIGN: accelerate)
+    return parser().parse_args_into_dataclasses(args=argv)
 
 
 def main(argv: list[str] | None = None) -> int:

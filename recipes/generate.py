@@ -24,8 +24,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max_new_tokens {args.max_new_tokens}: must be at least 1")
     if args.temperature < 0:
         parser.error(f"--temperature {args.temperature}: must be 0 (greedy) or more")
-    if not os.path.exists(args.model):
-        parser.error(f"{args.model}: no such folder (a local Hugging Face causal-LM folder with its tokenizer)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -33,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
     except (OSError, ValueError) as exc:
+        if not os.path.exists(args.model):  # (a name in the Hugging Face cache would have loaded)
+            parser.error(f"{args.model}: no such folder, and no model of that name in the Hugging Face cache "
+                         f"(nothing is downloaded)")
         print(f"error: {args.model} is not a Hugging Face causal-LM folder with a tokenizer "
               f"({str(exc).strip().splitlines()[0]})", file=sys.stderr)
         return 2

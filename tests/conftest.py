@@ -17,8 +17,11 @@ class _Background:
 
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="commfuse-readme-"))
+        self.environ = dict(os.environ)  # now, before any test changes it
         self.result: dict | None = None
         self.error: BaseException | None = None
+        # Set when the job ended (Thread.is_alive() is not to be trusted after a KeyboardInterrupt in join())
+        self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="readme-job", daemon=True)
         self.thread.start()
 
@@ -26,12 +29,14 @@ class _Background:
         from test_readme_demo import run_readme_main_job
 
         try:
-            self.result = run_readme_main_job(self.folder, idle=True)
+            self.result = run_readme_main_job(self.folder, idle=True, environ=self.environ)
         except BaseException as err:  # re-raised where a test asks for it
             self.error = err
+        finally:
+            self.done.set()
 
     def wait(self) -> dict:
-        self.thread.join()
+        self.done.wait()
         if self.error is not None:
             raise self.error
         return self.result
@@ -39,9 +44,9 @@ class _Background:
     def close(self) -> None:
         from test_readme_demo import stop_readme_job
 
-        if self.thread.is_alive():
+        if not self.done.is_set():
             stop_readme_job()
-            self.thread.join(60)
+            self.done.wait()  # its command ended: nothing writes into the folder any more
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -51,8 +56,8 @@ _README_JOB: _Background | None = None
 def pytest_collection_finish(session) -> None:
     """Start README's main job as soon as the run is known to need it."""
     global _README_JOB
-    if session.config.option.collectonly or not hasattr(os, "SCHED_IDLE"):
-        return
+    if session.config.option.collectonly or session.testsfailed or not hasattr(os, "SCHED_IDLE"):
+        return  # (testsfailed: collection errors, after which the run stops)
     if any("readme_job" in getattr(item, "fixturenames", ()) for item in session.items):
         _README_JOB = _Background()
 

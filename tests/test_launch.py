@@ -96,7 +96,7 @@ def test_stray_commfuse_variable_refused_before_start(tmp_path, capsys, monkeypa
     ({"distributed_type": "FSDP"}, [], "asks for FSDP"),
     ({"distributed_type": "DEEPSPEED"}, [], "runs DeepSpeed only on GPUs"),
     ({}, ["--no_python"], "--no_python"),
-    ({"num_processes": "two"}, [], "accelerate refused the options of"),
+    ({"num_processes": "two"}, [], "accelerate refused the launch options (the accelerate part of"),
 ])
 def test_other_wrong_uses_exit_2(tmp_path, capsys, monkeypatch, marker_script, accelerate_keys, argv_extra,
                                  fragment):

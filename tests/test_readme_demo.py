@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,48 +46,72 @@ def _copy_repository(dest: str) -> None:
 
 # Started by conftest.py in the background at the lowest CPU priority (``SCHED_IDLE``): it runs on the core time
 # the other tests leave idle, and ``stop_readme_job`` ends it if the run ends first.
+_LOCK = threading.Lock()
 _RUNNING: list[subprocess.Popen] = []
-_IDLE = ("import os, sys; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+_STOPPED = threading.Event()
+_IDLE = ("import os, sys\ntry:\n    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+         "except OSError:\n    pass  # not allowed here: it runs at the normal priority\n"
          "os.execvp('bash', ['bash', '-c', sys.argv[1]])")
 
 
 def _run(command: str, cwd: str, env: dict, timeout: float, idle: bool) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-c", _IDLE, command] if idle else ["bash", "-c", command]
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    _RUNNING.append(proc)
+    with _LOCK:  # nothing starts once the job was stopped
+        if _STOPPED.is_set():
+            raise RuntimeError("README's main job was stopped: the test run ended before it")
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        _RUNNING.append(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _end(proc)
         proc.communicate()
         raise
     finally:
-        _RUNNING.remove(proc)
+        with _LOCK:
+            _RUNNING.remove(proc)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (torchrun's agent then ends its workers, which it starts in sessions
+    of their own), SIGKILL to what is left after 15 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def stop_readme_job() -> None:
-    """End what the job is running (its whole process group): the test run ended before the job did."""
-    for proc in list(_RUNNING):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """End the job: the test run ended before it did."""
+    with _LOCK:
+        _STOPPED.set()
+        running = list(_RUNNING)
+    for proc in running:
+        _end(proc)
 
 
-def run_readme_main_job(tmp_path, idle: bool = False) -> dict:
+def run_readme_main_job(tmp_path, idle: bool = False, environ: dict | None = None) -> dict:
     """README's main-job line, each of its commands timed, in a fresh virtual environment over a copy of the
     repository; then the generate command the demo prints. Returns the folders, the outputs and the timings
     (``readme_job`` in conftest.py runs it once per pytest run: the recipe tests read the same run). ``idle``: each
-    command at the lowest CPU priority."""
+    command at the lowest CPU priority; ``environ``: the environment to start from (default: this process's)."""
     main_line = _readme_lines()[0]
     assert main_line.endswith("commfuse-dp demo"), main_line
     repo, venv = str(tmp_path / "repo"), str(tmp_path / "venv")
     _copy_repository(repo)
-    made = _run(shlex.join([sys.executable, "-m", "venv", venv]), repo, dict(os.environ), 300, idle)
+    environ = dict(os.environ if environ is None else environ)
+    made = _run(shlex.join([sys.executable, "-m", "venv", venv]), repo, environ, 300, idle)
     assert made.returncode == 0, made.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "COMMFUSE_", "ACCELERATE_"))}
+    env = {k: v for k, v in environ.items() if not k.startswith(("PYTHON", "COMMFUSE_", "ACCELERATE_"))}
     env.update(VIRTUAL_ENV=venv, PATH=os.path.join(venv, "bin") + os.pathsep + env["PATH"], OMP_NUM_THREADS="1")
     timings = []
     outputs = []

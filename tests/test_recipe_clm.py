@@ -137,7 +137,7 @@ def test_demo_again_into_its_folder_is_one_line_before_any_process(tmp_path):
 
 
 @pytest.mark.parametrize("recipe_args, words", [(["--learning_rate", "abc"], ["invalid float value: 'abc'"]),
-                                                (["--no_such_flag", "3"], ["not used", "--no_such_flag"])])
+                                                (["--no_such_flag", "3"], ["not the recipe's: --no_such_flag 3"])])
 def test_demo_refuses_bad_recipe_arguments_in_one_line_before_any_process(tmp_path, recipe_args, words):
     """Arguments passed on to the recipe (after ``--``) that its parser refuses: one line, exit 2, no worker started
     (rather than the parser's usage and error once per rank under the launcher's failure report)."""
