@@ -2,7 +2,7 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Distributed tests pickle module-level workers by name; the ranks import them from this folder.
@@ -16,37 +16,23 @@ class _Background:
     """README.md's main job on a thread of its own, at the lowest CPU priority (tests/test_readme_demo.py)."""
 
     def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="commfuse-readme-"))
-        self.environ = dict(os.environ)  # now, before any test changes it
-        self.result: dict | None = None
-        self.error: BaseException | None = None
-        # Set when the job ended (Thread.is_alive() is not to be trusted after a KeyboardInterrupt in join())
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="readme-job", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
         from test_readme_demo import run_readme_main_job
 
-        try:
-            self.result = run_readme_main_job(self.folder, idle=True, environ=self.environ)
-        except BaseException as err:  # re-raised where a test asks for it
-            self.error = err
-        finally:
-            self.done.set()
+        self.folder = Path(tempfile.mkdtemp(prefix="commfuse-readme-"))
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="readme-job")
+        # the environment as it is now, before any test changes it
+        self.job = self._pool.submit(run_readme_main_job, self.folder, idle=True, environ=dict(os.environ))
 
     def wait(self) -> dict:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result
+        return self.job.result()  # (the job's error, if it failed)
 
     def close(self) -> None:
         from test_readme_demo import stop_readme_job
 
-        if not self.done.is_set():
+        if not self.job.done():
             stop_readme_job()
-            self.done.wait()  # its command ended: nothing writes into the folder any more
+            self.job.exception()  # its command ended: nothing writes into the folder any more
+        self._pool.shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

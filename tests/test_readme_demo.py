@@ -75,8 +75,8 @@ def _run(command: str, cwd: str, env: dict, timeout: float, idle: bool) -> subpr
 
 
 def _end(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group (torchrun's agent then ends its workers, which it starts in sessions
-    of their own), SIGKILL to what is left after 15 s."""
+    """SIGTERM to the command's process group (torchrun's agent then ends its workers, which it starts in process
+    groups of their own), SIGKILL to what is left after 15 s."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(15)
