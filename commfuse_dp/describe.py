@@ -16,9 +16,11 @@ With N ranks, for
   reduce-scatter ``(N-1)·s`` gradient elements. The last fused group of the forward (usually the lm_head) keeps its
   gathered weight for its backward (``slicing``; ``fused`` with ``prefetch_next``), from the second step on: its
   backward all-gather is 0. Which group is last is taken from module order here.
-- an FSDP2 unit (its own parameters, without fused ones or nested units', each padded to a multiple of N rows):
-  all-gather forward and backward and reduce-scatter, ``(N-1)/N`` of the unit's padded bytes each. The root is
-  not resharded after forward (FSDP2's default), so it gathers once.
+- an FSDP2 unit (its own parameters, without fused ones or nested units', each padded to a multiple of N rows;
+  ``fully_shard([a, b])`` is one unit, named ``a+b``): all-gather forward and backward and reduce-scatter,
+  ``(N-1)/N`` of the unit's padded bytes each. The root is not resharded after forward (FSDP2's default), nor is a
+  unit made with ``reshard_after_forward=False`` (the peer's last layer, final norm and lm_head), so they gather
+  once.
 - a ring embedding: it depends on the tokens. The figures are those of its *table* path (all-gather the table
   shards, reduce-scatter the table gradient), an upper bound: the *rows* path, taken where it moves less, receives
   at most ``T·H`` elements each way with ``T`` tokens per rank (one direct exchange).
@@ -41,6 +43,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .config import CommFuseConfig
+from .ring.fsdp_comm import param_groups
 from .runtime.layout import conv1d_class
 
 logger = logging.getLogger("commfuse_dp")
@@ -168,9 +171,12 @@ def describe(model: nn.Module) -> ShardReport:
     for i, members in enumerate(groups.values()):
         members.sort(key=lambda t: t[0])
         report.fused_groups.append(_group_info(members, world, config, keeps_last and i == len(groups) - 1))
+    units: dict[int, list[tuple[str, nn.Module]]] = {}  # fully_shard([a, b]): one unit, one state
     for name, m in named:
         if isinstance(m, FSDPModule):
-            report.fsdp_units.append(_unit_info(name, m, model, fused_params, world, config))
+            units.setdefault(id(m._get_fsdp_state()), []).append((name, m))
+    for members in units.values():
+        report.fsdp_units.append(_unit_info(members, model, fused_params, world, config))
     params = list(model.parameters())
     report.total_param_bytes = sum(_bytes(p) for p in params)
     report.fused_param_bytes = sum(_bytes(p) for p in params if id(p) in fused_params)
@@ -254,19 +260,26 @@ def _embedding_info(name: str, m: nn.Module, world: int, config: CommFuseConfig)
     return EmbeddingInfo(name, (rows, hidden), shard, gather, 0, reduce)
 
 
-def _unit_info(name: str, unit: nn.Module, model: nn.Module, fused: set[int], world: int,
+def _unit_info(members: list[tuple[str, nn.Module]], model: nn.Module, fused: set[int], world: int,
                config: CommFuseConfig) -> UnitInfo:
-    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    mine = {id(m) for _, m in members}
+    nested = {id(p) for _, unit in members for m in unit.modules()
+              if id(m) not in mine and isinstance(m, FSDPModule) for p in m.parameters()}
     # 0-d parameters are no unit's: replicated, averaged after backward (scalars.py)
-    own = [p for p in unit.parameters() if id(p) not in fused and id(p) not in nested and p.dim() > 0]
+    own = list({id(p): p for _, unit in members for p in unit.parameters()
+                if id(p) not in fused and id(p) not in nested and p.dim() > 0}.values())
     gather = reduce = 0
     for p in own:
         padded = (world - 1) * _padded_shard(p, world)
         gather += padded * _compute(config, p.dtype).itemsize
         reduce += padded * _reduce(config, p.dtype).itemsize if p.requires_grad else 0
-    root = unit is model
-    return UnitInfo(name, len(own), sum(p.numel() for p in own), gather, 0 if root else gather, reduce,
-                    "root: stays gathered from forward to backward" if root else "")
+    root = members[0][1] is model
+    groups = param_groups(members[0][1]._get_fsdp_state())
+    kept = not root and bool(groups) and groups[0].post_forward_mesh_info is None  # reshard_after_forward=False
+    note = ("root: stays gathered from forward to backward" if root else
+            "kept gathered from forward to backward (reshard_after_forward=False)" if kept else "")
+    return UnitInfo("+".join(name for name, _ in members), len(own), sum(p.numel() for p in own), gather,
+                    0 if root or kept else gather, reduce, note)
 
 
 def _padded_shard(p: torch.Tensor, world: int) -> int:

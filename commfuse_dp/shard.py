@@ -11,6 +11,8 @@
 3. Everything else (norms, small embeddings, small or tied linears, other modules) is sharded by stock FSDP2
    ``fully_shard``, unit by unit (the model's ``_no_split_modules`` classes, else the entries of its layer list),
    with the fused parameters passed as ``ignored_params``, and its collectives switched to the bucketed rings.
+   Under ``schedule="fsdp2"`` nothing is fused and the units are torchtitan's (``fsdp_units.py``: the embedding,
+   each layer, the final norm with the lm_head).
 4. The model gains ``set_requires_gradient_sync(flag)`` / ``no_sync()`` covering both parts (gradient accumulation),
    and ``commfuse_dp.step_stats(model)`` reports the last step's timing; ``commfuse_dp.describe(model)`` what was
    fused and what each part moves.
@@ -40,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from . import lockstep
+from . import fsdp_units, lockstep
 from .checks import check_not_sharded_elsewhere, check_ranks_agree
 from .choose import choose, resolve
 from .config import CommFuseConfig
@@ -149,12 +151,11 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     kept_out = fused_params | scalars.params  # what fully_shard leaves alone
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     bundle_units(steps, unit_modules)
-    if units is None and not peer:  # (FSDP2's shape: every decoder layer a unit of its own)
+    if units is None and not peer:  # (the peer's shape: every decoder layer a unit of its own)
         unit_modules = [u for u in unit_modules
                         if unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
-    for unit in unit_modules:
-        if any(p not in kept_out for p in unit.parameters()):
-            fully_shard(unit, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
+    plans = (fsdp_units.peer_plan if peer else fsdp_units.coarse_plan)(model, unit_modules, kept_out)
+    fsdp_units.apply(plans, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(p not in kept_out for p in model.parameters()):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -172,7 +173,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     model._commfuse_excluded = dict(excluded.reasons)
     model._commfuse_choice = choice
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
-                len(fused), config.schedule, choice.reason, len(unit_modules), engine.ring.size)
+                len(fused), config.schedule, choice.reason, len(plans), engine.ring.size)
     if not peer:
         fused_at = lambda least: choose(model, config.replace(schedule="fused", piece_shards="auto",  # noqa: E731
                                                               min_fuse_numel=least), engine.ring.size, device, one_node)

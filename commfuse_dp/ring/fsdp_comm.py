@@ -17,8 +17,11 @@ on a GPU, also on CPU where FSDP2 itself waits for every collective at once:
 - forward: unit i's pre-forward issues unit i+1's all-gather asynchronously (``set_modules_to_forward_prefetch``,
   units in module order; the root prefetches the first), so it travels while unit i computes. On a GPU the host
   running ahead of the device gives the same one-unit lookahead.
-- backward: each unit's pre-backward issues the previous unit's all-gather asynchronously (FSDP2's default
-  backward prefetch, made asynchronous with ``_set_unshard_async_op(True)``).
+- backward: the forward's end issues the all-gather of the last unit that was resharded after the forward (the
+  units after it stay gathered: ``reshard_after_forward=False``), the first the backward waits for; on a GPU the
+  host running ahead into the backward issues it about then. Each unit's pre-backward issues the previous unit's
+  all-gather asynchronously (FSDP2's default backward prefetch, made asynchronous with
+  ``_set_unshard_async_op(True)``).
 - reduce-scatters: issued from each unit's post-backward on the ring thread and not waited for there; the
   gradients are views of their output (FSDP2 builds them so), and the backward's last autograd callback waits for
   all of them, as FSDP2's ``finalize_backward`` makes the compute stream wait for its reduce-scatter stream. Where
@@ -36,6 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.utils._pytree import tree_leaves
 
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
@@ -182,7 +187,7 @@ def _check_replaceable(unit: str, kind: str, comm: object) -> None:
             f"unit.set_custom_reduce_scatter(RingReduceScatter(config)).")
 
 
-def _param_groups(state) -> list:
+def param_groups(state) -> list:
     """The unit's FSDP2 parameter groups: a list from torch 2.13 on; one group or None before (torch 2.11, which
     the GPU check of ``benchmarks/cuda_check.py`` met)."""
     if hasattr(state, "_fsdp_param_groups"):
@@ -230,7 +235,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N)) returned (with "
             "dp_replicate_size * fsdp_size > 1; a DistributedConfig with only tp_size applies no FSDP2)")
     for unit, module, state in units:
-        groups = _param_groups(state)
+        groups = param_groups(state)
         if len(groups) > 1:
             raise ValueError(
                 f"use_ring_collectives: module '{unit}' ({type(module).__name__}) has {len(groups)} parameter "
@@ -247,7 +252,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
     deferred = DeferredReductions() if overlap else None
     gathering = []  # the units with parameters, in module order
     for unit, module, state in units:
-        groups = _param_groups(state)
+        groups = param_groups(state)
         if not groups:  # a unit whose parameters all went to inner units: nothing to gather
             continue
         gathering.append(module)
@@ -262,5 +267,25 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
         for module, following in zip(gathering, gathering[1:] + [None]):
             module._set_unshard_async_op(overlap)
             module.set_modules_to_forward_prefetch([following] if overlap and following is not None else [])
+    hook = getattr(model, "_commfuse_backward_gather", None)
+    if hook is not None:
+        hook.remove()
+    model._commfuse_backward_gather = (model.register_forward_hook(_gather_for_backward)
+                                       if overlap and isinstance(model, FSDPModule) else None)
     model._commfuse_deferred_reductions = deferred
     return model
+
+
+def _gather_for_backward(root: nn.Module, args, output) -> None:
+    """The root's forward ended: issue the all-gather of the last unit of the forward that was resharded after it,
+    the first the backward waits for, as a GPU's host does by running ahead into the backward ([Note: FSDP2's GPU
+    schedule on the rings]). Only when a backward can follow (gradients on, an output that requires grad); FSDP2's
+    own backward prefetch then finds it issued."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+        return
+    for group in reversed(root._get_fsdp_state()._comm_ctx.post_forward_order):
+        if not group.is_unsharded:
+            FSDPParamGroup._prefetch_unshard(group, "backward")
+            return
