@@ -1,24 +1,28 @@
 """What ``CommFuseConfig``'s ``"auto"`` settings become for one model on its ranks.
 
 ``schedule="auto"`` (the default) runs the fused schedule only where the planner's plays (``plays.py``, the same
-that ``commfuse-dp plan`` prints) predict it faster than the peer, stock FSDP2 as it runs on a GPU
-(``schedule="fsdp2"``), by at least ``MARGIN``; elsewhere the model runs the peer's shape. ``piece_shards="auto"``
-takes the piece width with the shortest predicted fused step (on a GPU thin GEMM pieces cost time; on a CPU
-they do not, and 1 is kept). The plays read:
+that ``commfuse-dp plan`` prints) predict it faster than the peer, stock FSDP2 over torchtitan's units as it runs
+on a GPU (``schedule="fsdp2"``), by at least ``MARGIN``; elsewhere the model runs the peer. ``piece_shards="auto"``
+takes the piece width with the shortest predicted fused step (on a GPU thin GEMM pieces cost time; on a CPU they do
+not, and 1 is kept). ``fsdp2_collectives="auto"``: the peer's units on NCCL's own collectives on CUDA unless the
+plays predict the rings faster by ``MARGIN``; the rings on CPU. The plays read:
 
 - the model's shapes: its transformers config (hidden, intermediate and vocabulary sizes, layers, heads);
 - the ranks of the shard group;
-- the device: a CUDA device plays the GEMM-piece cost and host time measured on an H200 (the host issuing ahead of
-  the device), bf16/fp16 at 400 TFLOP/s and fp32 at 50; the CPU plays whole-GEMM pieces, this library's host time
-  and FSDP2's copies into and out of its flat buffers on the computing thread (both measured on this project's
-  2-core machines), at 50 GFLOP/s per rank;
-- the link: ``CommFuseConfig.link_gbps`` where given; else NVLink's 450 GB/s on CUDA inside one node, 50 GB/s
-  across nodes, and 1.25 GB/s (10 Gb Ethernet) on CPU;
-- the tokens of one rank's step: ``CommFuseConfig.tokens_per_rank`` where given, else the model's context
-  (``max_position_embeddings``, at most 4096).
+- the link: ``CommFuseConfig.link_gbps`` and ``ring_latency_us`` where given, else measured at ``shard()`` on the
+  shard group (``measure.py``; without a group, as ``commfuse-dp plan`` and the tests call ``choose``: NVLink's
+  450 GB/s on CUDA inside one node, 50 GB/s across nodes, 1.25 GB/s on CPU, assumed);
+- the GEMM rate: ``CommFuseConfig.tflops`` where given, else measured on the model's layer shapes (without a group:
+  400 TFLOP/s in bf16/fp16 and 50 in fp32 on CUDA, 50 GFLOP/s on CPU, assumed);
+- the device's other costs: on CUDA the GEMM-piece cost and host time measured on an H200 (the host issuing ahead
+  of the device); on CPU whole-GEMM pieces, this library's host time and FSDP2's copies into and out of its flat
+  buffers on the computing thread (both measured on this project's 2-core machines);
+- the tokens of one rank's step: ``CommFuseConfig.tokens_per_rank`` where given, else the first batch where the
+  Trainer integrations shard the model, else the model's context (``max_position_embeddings``, at most 4096).
 
-The choice depends on nothing measured at run time, so every rank makes the same one (``shard()`` checks that the
-ranks agree after it). ``describe(model)`` prints it with its predictions; an explicit setting is kept as given.
+Measured figures are the slowest rank's, so every rank makes the same choice (``shard()`` checks before that the
+ranks agree on the config and the model). ``describe(model)`` prints the choice with its predictions and says of
+each input whether it was given, measured or assumed; an explicit setting is kept as given.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch
 import torch.nn as nn
 
 from .config import CommFuseConfig
-from .plan import MARGIN, decide
+from .measure import Measured, layer_shapes, measure_machine
+from .plan import MARGIN, decide, peer_step
 from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, peer_host_on_cpu, placed, units_for
 
 __all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
@@ -45,11 +50,13 @@ class Choice:
     piece_shards: int
     reason: str
     predicted_s: dict[str, float] = field(default_factory=dict)  # step seconds per candidate
-    machine: str = ""  # the cluster the plays ran on, in words
+    machine: str = ""  # the cluster the plays ran on, in words, each input with where it came from
+    collectives: str = "rings"  # the fsdp2 schedule's: "rings" or "torch" (FSDP2 as shipped)
+    measured: Measured | None = field(default=None, compare=False)  # what the plays read that was measured
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "piece_shards": self.piece_shards, "reason": self.reason,
-                "predicted_s": dict(self.predicted_s), "machine": self.machine}
+                "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives}
 
 
 def model_shape(model: nn.Module) -> tuple[int, int, int, int, int, int] | None:
@@ -66,62 +73,119 @@ def model_shape(model: nn.Module) -> tuple[int, int, int, int, int, int] | None:
     return hidden, intermediate, layers, heads, get("num_key_value_heads") or heads, vocab
 
 
-def tokens_of(model: nn.Module, config: CommFuseConfig) -> int:
+def tokens_of(model: nn.Module, config: CommFuseConfig) -> tuple[int, str]:
+    """A rank's tokens per step and where they came from: given, a Trainer's first batch (``batch_tokens``), or
+    assumed from the model's context."""
     if config.tokens_per_rank is not None:
-        return config.tokens_per_rank
+        return config.tokens_per_rank, "given"
+    from_batch = getattr(model, BATCH_TOKENS, None)
+    if from_batch is not None:
+        return from_batch
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return min(context, DEFAULT_TOKENS_CAP) if isinstance(context, int) and context > 0 else 2048
+    if isinstance(context, int) and context > 0:
+        return min(context, DEFAULT_TOKENS_CAP), "assumed: the model's context"
+    return 2048, "assumed"
 
 
-def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: torch.dtype,
-            one_node: bool) -> tuple[Cluster, str]:
-    """The cluster the plays run on, and how it was described."""
+BATCH_TOKENS = "_commfuse_batch_tokens"  # (tokens, where from): set on a model by the Trainer integrations
+
+
+def batch_tokens(model: nn.Module, tokens: int, where: str) -> None:
+    """Tell ``shard()``'s defaults a rank's tokens per step, read off a batch (``where`` says which), for a model
+    about to be sharded with ``tokens_per_rank`` unset."""
+    setattr(model, BATCH_TOKENS, (int(tokens), where))
+
+
+def needs_machine(config: CommFuseConfig, ranks: int, model: nn.Module, device: torch.device) -> tuple[bool, bool]:
+    """Whether ``choose`` will decide something from the machine, and so wants the link and the GEMM rate measured:
+    (link, GEMMs), each only where not given. The schedule under ``"auto"``; under ``"fused"`` the piece width on
+    CUDA (on a CPU pieces cost what whole GEMMs do: 1); under ``"fsdp2"`` the collectives on CUDA."""
+    if ranks == 1 or model_shape(model) is None:
+        return False, False
+    cuda = device.type == "cuda"
+    plans = {"auto": config.replicate == 1, "fused": config.piece_shards == "auto" and cuda,
+             "fsdp2": config.fsdp2_collectives == "auto" and cuda}.get(config.schedule, False)
+    return plans and (config.link_gbps is None or config.ring_latency_us is None), plans and config.tflops is None
+
+
+def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: torch.dtype, one_node: bool,
+            measured: Measured | None = None) -> tuple[Cluster, str]:
+    """The cluster the plays run on, and how it was described (each input given, measured or assumed)."""
     nbytes = torch.empty((), dtype=config.param_dtype or dtype).element_size()
     low = nbytes <= 2
-    if device.type == "cuda":
-        link = config.link_gbps if config.link_gbps is not None else (450.0 if one_node else 50.0)
-        flops = 400e12 if low else 50e12
-        cl = Cluster(ranks, link * 1e9, 15e-6, flops, nbytes, nbytes, piece_fit=H200_PIECE_FIT,
-                     host_fit=H200_HOST_FIT, min_fuse_numel=config.min_fuse_numel)
-        where = "given" if config.link_gbps is not None else ("NVLink, one node" if one_node else "across nodes")
+    link = measured.link if measured is not None else None
+    gemm = measured.gemm if measured is not None else None
+    cuda = device.type == "cuda"
+    if config.link_gbps is not None:
+        bandwidth, b_from = config.link_gbps * 1e9, "given"
+    elif link is not None:
+        bandwidth, b_from = link.bytes_per_s, f"measured: ring steps of {link.sizes}"
     else:
-        link = config.link_gbps if config.link_gbps is not None else 1.25
-        cl = Cluster(ranks, link * 1e9, 100e-6, 50e9, nbytes, nbytes, host_fit=CPU_HOST_FIT, host_on_compute=True,
+        bandwidth = (450e9 if one_node else 50e9) if cuda else 1.25e9
+        b_from = ("assumed: NVLink, one node" if one_node else "assumed: across nodes") if cuda else \
+            "assumed: 10 Gb Ethernet"
+    if config.ring_latency_us is not None:
+        latency, l_from = config.ring_latency_us * 1e-6, "given"
+    elif link is not None:
+        latency, l_from = link.latency_s, "measured"
+    else:
+        latency, l_from = (15e-6 if cuda else 100e-6), "assumed"
+    if config.tflops is not None:
+        flops, f_from = config.tflops * 1e12, "given"
+    elif gemm is not None:
+        flops, f_from = gemm.flops_per_s, f"measured: {gemm.rows} rows on the model's layer shapes"
+    else:
+        flops, f_from = (400e12 if low else 50e12) if cuda else 50e9, "assumed"
+    if cuda:
+        cl = Cluster(ranks, bandwidth, latency, flops, nbytes, nbytes, piece_fit=H200_PIECE_FIT,
+                     host_fit=H200_HOST_FIT, min_fuse_numel=config.min_fuse_numel)
+    else:
+        cl = Cluster(ranks, bandwidth, latency, flops, nbytes, nbytes, host_fit=CPU_HOST_FIT, host_on_compute=True,
                      min_fuse_numel=config.min_fuse_numel)
-        where = "given" if config.link_gbps is not None else "assumed: 10 Gb Ethernet"
     cl = replace(cl, lookahead_bytes=None if config.lookahead_mb == "auto" else config.lookahead_mb * 2**20,
                  prefetch_depth=config.prefetch_depth)
-    return cl, (f"{device.type}, {ranks} ranks, link {link:g} GB/s ({where}), {cl.flops_per_s / 1e12:g} TFLOP/s, "
+    return cl, (f"{device.type}, {ranks} ranks, link {bandwidth / 1e9:.3g} GB/s ({b_from}), "
+                f"{latency * 1e6:.0f} us a ring step ({l_from}), {flops / 1e12:.3g} TFLOP/s ({f_from}), "
                 f"{nbytes}-byte elements")
 
 
-def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True
-           ) -> Choice:
-    """The schedule and piece width that ``config``'s ``"auto"`` settings stand for on this model and machine."""
+def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True,
+           measured: Measured | None = None) -> Choice:
+    """The schedule, piece width and the fsdp2 schedule's collectives that ``config``'s ``"auto"`` settings stand
+    for on this model and machine (``measured``: what ``shard()`` measured of it, ``measure.py``)."""
     explicit_pieces = config.piece_shards != "auto"
     pieces = config.piece_shards if explicit_pieces else 1
     fixed = config.schedule if config.schedule != "auto" else None
-    if fixed not in (None, "fused") or (fixed is not None and explicit_pieces):
+    collectives = _collectives(config, device)
+    if fixed not in (None, "fused", "fsdp2") or (fixed == "fused" and explicit_pieces):
         return Choice(fixed, pieces, f"schedule={fixed!r} as given")
     if ranks == 1:
-        return Choice(fixed or "fused", pieces, "one rank: nothing moves")
+        return Choice(fixed or "fused", pieces, "one rank: nothing moves", collectives=collectives or "rings")
     if config.replicate > 1 and fixed is None:
         return Choice("fused", pieces, "HSDP (replicate > 1): the fused rings inside each copy, gradients across them")
     shape = model_shape(model)
     if shape is None:
+        if fixed == "fsdp2":
+            return Choice("fsdp2", pieces, "schedule='fsdp2' as given", collectives=collectives or "torch")
         return Choice(fixed or "fused", pieces, "the model has no transformers config giving its shapes: "
                                                 "fused, not planned")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    cl, described = machine(config, ranks, device, dtype, one_node)
-    tokens = tokens_of(model, config)
+    cl, described = machine(config, ranks, device, dtype, one_node, measured)
+    tokens, t_from = tokens_of(model, config)
     seq = min(tokens, getattr(model.config, "max_position_embeddings", tokens) or tokens)
-    described += f", {tokens} tokens per rank" + ("" if config.tokens_per_rank is not None else " (assumed)")
+    described += f", {tokens} tokens per rank ({t_from})"
     units = units_for(*shape, tokens=tokens, seq=seq)
     if device.type != "cuda":  # FSDP2's copies on the computing thread
         cl = replace(cl, peer_host_s=peer_host_on_cpu(units, cl))
+    cl = replace(cl, peer_nccl=collectives is None)
+    if fixed == "fsdp2":
+        predicted: dict[str, float] = {}
+        peer_step(units, cl, predicted)
+        return Choice("fsdp2", pieces, "schedule='fsdp2' as given" + _on(predicted), predicted, described,
+                      _collectives_chosen(collectives, predicted), measured)
     schedule, width, predicted = decide(units, cl, config.schedule, config.piece_shards)
     fused_s = predicted[f"fused, piece_shards={width}"] if schedule == "fused" else min(
-        v for k, v in predicted.items() if k != "fsdp2")
+        v for k, v in predicted.items() if k.startswith("fused"))
     if fixed is not None:
         reason = f"schedule='fused' as given; piece_shards={width}: the shortest predicted fused step"
     elif schedule == "fused" and not any(u.groups or u.table for u in placed(units, cl, elastic=True)):
@@ -133,12 +197,49 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
                   f"{1 - fused_s / predicted['fsdp2']:.0%} faster")
     else:
         reason = (f"the peer (fsdp2) predicted {predicted['fsdp2']:.3g} s a step, fused at best {fused_s:.3g} s: "
-                  f"fusing does not win by {MARGIN:.0%} here")
-    return Choice(schedule, width, reason, predicted, described)
+                  f"fusing does not win by {MARGIN:.0%} here" + _on(predicted))
+    return Choice(schedule, width, reason, predicted, described,
+                  _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured)
 
 
-def resolve(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True
-            ) -> tuple[CommFuseConfig, Choice]:
-    """``config`` with its ``"auto"`` schedule and piece width replaced by what ``choose`` picks."""
-    choice = choose(model, config, ranks, device, one_node)
-    return config.replace(schedule=choice.schedule, piece_shards=choice.piece_shards), choice
+def _collectives(config: CommFuseConfig, device: torch.device) -> str | None:
+    """The fsdp2 schedule's collectives where they need no play: as given, or the rings on CPU (None: CUDA's
+    "auto", played)."""
+    if config.fsdp2_collectives != "auto":
+        return config.fsdp2_collectives
+    return None if device.type == "cuda" else "rings"
+
+
+def _collectives_chosen(known: str | None, predicted: dict[str, float]) -> str:
+    if known is not None:
+        return known
+    return "rings" if predicted["fsdp2 on the rings"] <= (1 - MARGIN) * predicted["fsdp2 on NCCL"] else "torch"
+
+
+def _on(predicted: dict[str, float]) -> str:
+    """Which collectives the peer plays on, where both were played."""
+    if "fsdp2 on NCCL" not in predicted:
+        return ""
+    nccl, rings = predicted["fsdp2 on NCCL"], predicted["fsdp2 on the rings"]
+    if rings <= (1 - MARGIN) * nccl:
+        return f"; on the rings ({rings:.3g} s), {1 - rings / nccl:.0%} faster than on NCCL's collectives ({nccl:.3g} s)"
+    return (f"; on NCCL's own collectives ({nccl:.3g} s; the rings {rings:.3g} s: N-1 host-issued ring steps per "
+            f"collective against one kernel, at the same bandwidth)")
+
+
+def resolve(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True,
+            group=None) -> tuple[CommFuseConfig, Choice]:
+    """``config`` with its ``"auto"`` schedule, piece width and fsdp2 collectives replaced by what ``choose`` picks.
+    ``group``: the shard group, on which what is not given is measured first (every rank calls this alike)."""
+    measured = None
+    if group is not None:
+        link, gemm = needs_machine(config, ranks, model, device)
+        if link or gemm:
+            shape = model_shape(model)
+            dtype = config.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                                               torch.float32)
+            measured = measure_machine(group, device, dtype, layer_shapes(*shape[:2], *shape[3:5]),
+                                       tokens_of(model, config)[0], link, gemm)
+    choice = choose(model, config, ranks, device, one_node, measured)
+    return config.replace(schedule=choice.schedule, piece_shards=choice.piece_shards,
+                          fsdp2_collectives=choice.collectives), choice

@@ -21,6 +21,7 @@ import torch
 ENV_PREFIX = "COMMFUSE_"
 
 SCHEDULES = ("auto", "fused", "slicing", "fsdp2")
+FSDP2_COLLECTIVES = ("auto", "rings", "torch")
 MIN_FUSE_NUMEL = 1 << 16  # CommFuseConfig.min_fuse_numel's default (also the planner's)
 GRAD_DIVIDES = ("post", "pre", "split")
 NONFINITE_MODES = ("auto", "raise", "skip", "off")
@@ -139,13 +140,30 @@ class CommFuseConfig:
     ``(Replicate(), Shard(d))`` on a 2-D mesh ``("replicate", "shard")``. 1 (default): one group, no HSDP. Passing
     ``shard(model, config, mesh=<2-D DeviceMesh>)`` sets the groups instead."""
 
+    fsdp2_collectives: str = "auto"
+    """What the ``"fsdp2"`` schedule's units all-gather and reduce-scatter with: ``"rings"`` (this library's, with
+    FSDP2's GPU schedule run on any device: ``use_ring_collectives(overlap=True)``) or ``"torch"`` (FSDP2 exactly as
+    shipped: NCCL's collectives on CUDA, gloo's on CPU, where FSDP2 waits for each). ``"auto"`` (default): the rings
+    on CPU; on CUDA NCCL's own, unless the planner predicts the rings faster there by 2 % (``describe(model)`` says
+    which ran and why). The other schedules' FSDP2 units always run on the rings."""
+
     link_gbps: float | None = None
-    """Each rank's link, GB/s (bytes), where known: what ``schedule="auto"`` plans with. ``None``: NVLink's 450 on
-    CUDA inside one node, 50 across nodes, 1.25 (10 Gb Ethernet) on CPU."""
+    """Each rank's link, GB/s (bytes), where known: what ``schedule="auto"`` plans with. ``None``: measured at
+    ``shard()`` (ring steps at two sizes on the shard group, ``commfuse_dp/measure.py``), with the fixed cost of a
+    ring step."""
+
+    ring_latency_us: float | None = None
+    """The fixed cost of one ring step, microseconds, where known: what ``schedule="auto"`` plans with. ``None``:
+    measured at ``shard()`` with the link."""
+
+    tflops: float | None = None
+    """The device's GEMM rate per rank, TFLOP/s, where known: what ``schedule="auto"`` plans with. ``None``:
+    measured at ``shard()`` on the model's own layer shapes in its compute dtype."""
 
     tokens_per_rank: int | None = None
     """Tokens of one rank's micro-batch (batch x sequence), where known: what ``schedule="auto"`` plans with.
-    ``None``: the model's context (``max_position_embeddings``), at most 4096."""
+    ``None``: from the first batch where the ``Trainer`` integrations shard the model (``CommFuseTrainer``), else
+    the model's context (``max_position_embeddings``), at most 4096."""
 
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
@@ -229,11 +247,15 @@ class CommFuseConfig:
                                  f"integer >= 1 (weight shards per compute piece; 1: one per ring step)")
         else:
             self.piece_shards = "auto"
-        if self.link_gbps is not None:
-            self.link_gbps = _number("link_gbps", self.link_gbps, float)
-            if not self.link_gbps > 0:
-                raise ValueError(f"CommFuseConfig.link_gbps={self.link_gbps!r}: must be a number of GB/s > 0, or "
-                                 f"None (unknown)")
+        if self.fsdp2_collectives not in FSDP2_COLLECTIVES:
+            raise ValueError(f"CommFuseConfig.fsdp2_collectives={self.fsdp2_collectives!r}: allowed values are "
+                             f"{FSDP2_COLLECTIVES}")
+        for name, unit in (("link_gbps", "GB/s"), ("ring_latency_us", "microseconds"), ("tflops", "TFLOP/s")):
+            if getattr(self, name) is not None:
+                setattr(self, name, _number(name, getattr(self, name), float))
+                if not getattr(self, name) > 0:
+                    raise ValueError(f"CommFuseConfig.{name}={getattr(self, name)!r}: must be a number of {unit} "
+                                     f"> 0, or None (measured at shard())")
         if self.tokens_per_rank is not None:
             self.tokens_per_rank = _number("tokens_per_rank", self.tokens_per_rank, int)
             if self.tokens_per_rank < 1:
@@ -432,10 +454,10 @@ def _parse_env(name: str, raw: str) -> Any:
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
     if name in ("lookahead_mb", "forward_bundles", "piece_shards") and text.lower() == "auto":
         return "auto"
-    if name in ("link_gbps", "tokens_per_rank") and text.lower() in ("none", ""):
+    if name in ("link_gbps", "ring_latency_us", "tflops", "tokens_per_rank") and text.lower() in ("none", ""):
         return None
     if name in ("bucket_mb", "direct_kb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
-                "piece_shards", "link_gbps", "tokens_per_rank"):
+                "piece_shards", "link_gbps", "ring_latency_us", "tflops", "tokens_per_rank"):
         try:
             return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate", "piece_shards",
                                                "tokens_per_rank") else int(float(text))

@@ -72,6 +72,10 @@ class Cluster:
     rows_ring: bool = False  # the ring embedding's rows as a dense ring (``Unit.exchange``)
     # CommFuseConfig.min_fuse_numel: smaller groups (and ring embedding tables) are not fused (``placed``)
     min_fuse_numel: int = MIN_FUSE_NUMEL
+    # The peer's FSDP2 units on NCCL's own all-gather and reduce-scatter (one kernel each) instead of the rings
+    # (``peer_collective_seconds``), and the fixed cost of one such collective
+    peer_nccl: bool = False
+    nccl_latency_s: float = 20e-6
 
 
 def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
@@ -163,9 +167,37 @@ CPU_HOST_FIT = (2.59e-3, 0.08e-3)
 CPU_PEER_COPY_S_PER_BYTE = 0.081 / (3 * 68.2e6)
 
 
-def peer_host_on_cpu(units: list[Unit], cl: Cluster) -> float:
-    """Seconds of the peer's host work per step on CPU: three copies of the model's parameters."""
-    return CPU_PEER_COPY_S_PER_BYTE * 3 * sum(u.fused_numel + u.other_numel for u in units) * cl.param_bytes
+def peer_host_on_cpu(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
+    """Seconds of the peer's host work per step on CPU: a copy of each unit's parameters per all-gather (two, or one
+    for a unit kept gathered after the forward) and per reduce-scatter."""
+    return CPU_PEER_COPY_S_PER_BYTE * cl.param_bytes * sum(
+        sum(units[i].fused_numel + units[i].other_numel for i in members) * (2 if kept else 3)
+        for members, kept in peer_units(units, coarse))
+
+
+def peer_units(units: list[Unit], coarse: bool = False) -> list[tuple[list[int], bool]]:
+    """The peer's FSDP2 units over ``units`` (``fsdp_units.py``), as (indices into ``units``, kept gathered after
+    the forward). torchtitan's: what precedes the first decoder layer (the embedding), each layer (the last one
+    kept), what follows the last (the final norm and the lm_head, kept), and a root for anything between layers.
+    ``coarse``: the root holds every part that is not a layer (kept, as FSDP2 keeps its root), then each layer.
+    The planner's models are untied (a tied table would make the embedding and the lm_head one kept unit)."""
+    layers = [i for i, u in enumerate(units) if u.layer]
+    others = [i for i, u in enumerate(units) if not u.layer]
+    if coarse or not layers:
+        return ([(others, True)] if others else []) + [([i], False) for i in layers]
+    head = [i for i in others if i < layers[0]]
+    tail = [i for i in others if i > layers[-1]]
+    between = [i for i in others if layers[0] < i < layers[-1]]
+    return (([(head, False)] if head else []) + [([i], i == layers[-1]) for i in layers]
+            + ([(tail, True)] if tail else []) + ([(between, True)] if between else []))
+
+
+def peer_collective_seconds(numel: float, cl: Cluster, nbytes: int) -> float:
+    """One all-gather or reduce-scatter of a peer's FSDP2 unit: the bucketed rings (``bucketed_seconds``), or with
+    ``cl.peer_nccl`` NCCL's own collective, one kernel at the link's rate after ``cl.nccl_latency_s``."""
+    if not cl.peer_nccl:
+        return bucketed_seconds(numel, cl, nbytes)
+    return cl.nccl_latency_s + (cl.ranks - 1) * numel / cl.ranks * nbytes / cl.bytes_per_s
 
 
 def host_seconds(units: list[Unit], cl: Cluster) -> float:

@@ -8,10 +8,14 @@ compute ``2·T·out·in / F`` and backward twice that; a ring step costs ``α + 
 resources per rank, the compute stream and the link, and plays each schedule on them:
 - ``no_overlap``: every collective, then the compute that needs it.
 - ``fsdp2`` (the peer, also ``unit_slicing``): stock FSDP2 as it runs on a GPU (``plays.fsdp2``, the bench's
-  ``fsdp2_overlap``, ``CommFuseConfig(schedule="fsdp2")``): a unit per decoder layer and the root (embedding,
-  final norm, lm_head); the next layer's gather issued one layer ahead, each reduce-scatter when its layer's
-  backward ends, on one link in issue order; the root's gather and the first layer's are exposed at the head, the
-  first layer's and the root's reduce-scatters at the tail.
+  ``fsdp2_overlap``, ``CommFuseConfig(schedule="fsdp2")``) over torchtitan's units: the embedding, each decoder
+  layer (the last kept gathered after the forward), the final norm with the lm_head (kept); the next unit's
+  gather issued one unit ahead, the backward's first as the forward ends, each reduce-scatter when its unit's
+  backward ends, on one link in issue order; the embedding's gather and the first layer's are exposed at the head,
+  the first layer's and the embedding's reduce-scatters at the tail. On the rings, or on NCCL's own collectives
+  (``Cluster.peer_nccl``, what ``"auto"`` runs on CUDA unless the rings are predicted faster).
+- ``fsdp2_coarse``: the same over each layer and a root holding the embedding, the final norm and the lm_head
+  (gathered at the step's head, reduce-scattered at its tail); the bench's ``fsdp2_coarse``.
 - ``slicing`` (``runtime/slicing.py``, as it runs): the same one group ahead, per fused group (``plays.slicing``).
 - ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
   N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
@@ -84,7 +88,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         r = simulate(units, slow, schedule)
         return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slow.flops_per_s / cl.flops_per_s}
 
-    if cl.host_on_compute and cl.peer_host_s and n > 1 and schedule == "fsdp2":
+    if cl.host_on_compute and cl.peer_host_s and n > 1 and schedule in PEERS:
         # FSDP2's own host work (its copies in and out of the flat buffers) on the thread that computes
         return {**slowed(cl.peer_host_s, host_on_compute=False, peer_host_s=0.0), "host_s": cl.peer_host_s}
     if cl.host_on_compute and cl.host_fit is not None and n > 1 and schedule in ("slicing", "lockstep", "fused"):
@@ -94,7 +98,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     if cl.cpu_s_per_byte and n > 1:
         # Overlapped communication takes CPU from the compute it runs beside (gloo threads, the kernel's network
         # stack): the compute of an overlapping schedule slows by that much.
-        total = plays.fsdp2_bytes(units, cl) if schedule == "fsdp2" else sum(
+        total = plays.fsdp2_bytes(units, cl, schedule == "fsdp2_coarse") if schedule in PEERS else sum(
             u.exchange(n, cl.rows_ring)[1] * (cl.param_bytes + cl.grad_bytes) if u.table else
             (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
             for u in units)  # bytes one rank sends per step
@@ -112,8 +116,8 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         t = plays.slicing(units, cl) if n > 1 else compute
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops,
                 "pieces_s": costs.piece_extra(units, cl, cl.piece_shards), "host_s": host}
-    if schedule == "fsdp2":  # the peer: stock FSDP2's units and its GPU schedule (plays.fsdp2)
-        t = plays.fsdp2(units, cl)
+    if schedule in PEERS:  # the peer: stock FSDP2's units and its GPU schedule (plays.fsdp2)
+        t = plays.fsdp2(units, cl, coarse=schedule == "fsdp2_coarse")
         return {"step_s": max(t, cl.peer_host_s), "device_s": t, "compute_s": compute, "flops": flops,
                 "host_s": cl.peer_host_s}
     if schedule in ("fused", "lockstep"):
@@ -127,6 +131,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
 
 SCHEDULES = ("no_overlap", "fsdp2", "slicing", "lockstep", "fused")
 ALIASES = {"unit_slicing": "fsdp2"}  # another name of the peer (stock FSDP2's shape)
+PEERS = ("fsdp2", "fsdp2_coarse")  # the peer over torchtitan's units, and over each layer and a root holding the rest
 PLACED = ("slicing", "lockstep", "fused")  # this library's schedules: they fuse what shard() fuses
 
 
@@ -168,10 +173,23 @@ def decide(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int |
     best = min(widths, key=lambda g: (round(predicted[f"fused, piece_shards={g}"], 6), g))
     if schedule != "auto":
         return schedule, best, predicted
-    predicted["fsdp2"] = simulate(units, cl, "fsdp2")["step_s"]
+    predicted["fsdp2"] = peer_step(units, cl, predicted)
     if predicted[f"fused, piece_shards={best}"] <= (1 - MARGIN) * predicted["fsdp2"]:
         return "fused", best, predicted
     return "fsdp2", 1 if piece_shards == "auto" else piece_shards, predicted
+
+
+def peer_step(units: list, cl: Cluster, predicted: dict[str, float] | None = None) -> float:
+    """The peer's predicted step on ``cl``: on the rings, or where ``cl.peer_nccl`` on NCCL's own collectives
+    unless the rings are predicted faster by ``MARGIN`` (both then go into ``predicted``, as ``fsdp2 on NCCL`` and
+    ``fsdp2 on the rings``)."""
+    rings = simulate(units, replace(cl, peer_nccl=False), "fsdp2")["step_s"]
+    if not cl.peer_nccl:
+        return rings
+    nccl = simulate(units, cl, "fsdp2")["step_s"]
+    if predicted is not None:
+        predicted.update({"fsdp2 on NCCL": nccl, "fsdp2 on the rings": rings})
+    return rings if rings <= (1 - MARGIN) * nccl else nccl
 
 
 def predict(model: tuple, cl: Cluster, tokens: int, seq: int, peak_flops_per_s: float | None = None

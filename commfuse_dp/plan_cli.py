@@ -106,7 +106,10 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
                       3 * (u.fused_numel + u.other_numel) * 4 * (world - 1) / world for u in units)
     # no_overlap has no measured twin: stock FSDP2 is unoverlapped on CPU but runs gloo's own collectives, which
     # are slower than the rings the planner models.
-    names = {"fused": "fused", "fsdp2": "fsdp2_overlap", "slicing": "slicing", "lockstep": "fused_lockstep"}
+    names = {"fused": "fused", "fsdp2": "fsdp2_overlap", "fsdp2_coarse": "fsdp2_coarse", "slicing": "slicing",
+             "lockstep": "fused_lockstep"}
+    if m.get("peer_units") != "torchtitan":  # a file from before the peer took torchtitan's units: it ran the coarse
+        names = {**{k: v for k, v in names.items() if k != "fsdp2"}, "fsdp2_coarse": "fsdp2_overlap"}
     print(f"calibration against {path}: {world} ranks, fp32, {tokens} tokens per rank")
     # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
     # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
@@ -165,7 +168,7 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
             # a schedule the overhead file measured plays with that (as a + b N per fused group), the others with
             # the planner's CPU model
             host = (extra[schedule] / groups, 0.0) if schedule in extra else costs.CPU_HOST_FIT
-            peer = extra.get("fsdp2", costs.peer_host_on_cpu(units, cl))
+            peer = extra.get(schedule, costs.peer_host_on_cpu(units, cl, coarse=schedule == "fsdp2_coarse"))
             predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=peer), schedule)["step_s"]
             measured = rows[measured_name]["step_s"]
             error = predicted / measured - 1
@@ -232,7 +235,7 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
     for ranks in SWEEP_RANKS:
         for gbps in SWEEP_LINKS_GBPS:
             cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
-                         piece_fit=piece_fit, host_fit=host_fit, min_fuse_numel=min_fuse_numel)
+                         piece_fit=piece_fit, host_fit=host_fit, min_fuse_numel=min_fuse_numel, peer_nccl=True)
             cells = []
             for tokens in SWEEP_TOKENS:
                 units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model)
     cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
                  args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit,
-                 min_fuse_numel=args.min_fuse_numel)
+                 min_fuse_numel=args.min_fuse_numel, peer_nccl=True)
     if args.nodes != 1:
         if args.nodes < 1 or args.ranks % args.nodes:
             parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
@@ -359,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         print_nodes(args, model, cl)
         return 0
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
-    chosen, best, _ = decide(units_for(*model, tokens=args.tokens, seq=args.seq), cl)
+    results = {**{k: v for k, v in results.items() if k != "fsdp2"}, "fsdp2 NCCL": results["fsdp2"],
+               "fsdp2 rings": predict(model, replace(cl, peer_nccl=False), args.tokens, args.seq,
+                                      args.peak_tflops * 1e12)["fsdp2"]}
+    chosen, best, predicted = decide(units_for(*model, tokens=args.tokens, seq=args.seq), cl)
     if best != args.piece_shards:  # what the recommended config below would give, beside what was asked
         results[f"fused, ps={best}"] = predict(model, replace(cl, piece_shards=best), args.tokens, args.seq,
                                                args.peak_tflops * 1e12)["fused"]
@@ -381,17 +387,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.piece_fit})")
     print(f"host: the host's time to issue the fused groups' ring steps and pieces (--host-fit {args.host_fit}); "
           f"a step is at least that long")
-    print("fsdp2: the peer, stock FSDP2 as it runs on a GPU (a unit per decoder layer and the root, the next "
-          "layer gathered one ahead, reduce-scatters behind the backward; CommFuseConfig(schedule='fsdp2'))")
+    print("fsdp2: the peer, stock FSDP2 over torchtitan's units as it runs on a GPU (the embedding, each decoder "
+          "layer, the final norm with the lm_head; the next unit gathered one ahead, reduce-scatters behind the "
+          "backward; CommFuseConfig(schedule='fsdp2')), on NCCL's own collectives or on the rings "
+          f"({args.latency_us:g} us a ring step, {Cluster.nccl_latency_s * 1e6:g} us a NCCL "
+          "collective, the same bandwidth)")
     if best != args.piece_shards:
         pieces = max(1, args.ranks // best)
         print(f"fused, ps={best}: the fused schedule with piece_shards={best} (each GEMM "
               f"{f'in {pieces} pieces' if pieces > 1 else 'whole, once its weight is gathered'}), the recommended "
               f"one below; --piece-shards {best} plays it throughout")
     rec = recommend(cl)
+    on = ("rings" if predicted["fsdp2"] == predicted["fsdp2 on the rings"] else "NCCL") if chosen == "fsdp2" else ""
     print(f"CommFuseConfig()'s defaults on this cluster: schedule={chosen!r}"
-          + (f", piece_shards={best}" if chosen == "fused" else "") + " (commfuse_dp/choose.py: fused only where "
-          "predicted at least 2% faster than fsdp2)")
+          + (f", piece_shards={best}" if chosen == "fused" else f" on {on}'s collectives") + " (commfuse_dp/choose.py: "
+          "fused only where predicted at least 2% faster than fsdp2)")
     print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}"
           + (f", piece_shards={best})" if chosen == "fused" else ", schedule='fsdp2')"))
     return 0

@@ -9,7 +9,7 @@ builds predictions, calibration and the sweep on these.
 from __future__ import annotations
 
 from .config import forward_bundles_auto
-from .costs import Cluster, Unit, bucketed_seconds, edges, gemm_items, own_unit_between
+from .costs import Cluster, Unit, edges, gemm_items, own_unit_between, peer_collective_seconds, peer_units
 
 
 def elastic(units: list[Unit], cl: Cluster) -> float:
@@ -226,68 +226,66 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
     return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
 
 
-def fsdp2_units(units: list[Unit]) -> tuple[float, list[int]]:
-    """Stock FSDP2's units over ``units``: the root (everything that is not a decoder layer: the embedding table,
-    the final norm, the lm_head), gathered whole; and each decoder layer with all of its parameters."""
-    root = sum(u.fused_numel + u.other_numel for u in units if not u.layer)
-    return root, [i for i, u in enumerate(units) if u.layer]
-
-
-def fsdp2(units: list[Unit], cl: Cluster) -> float:
-    """Step time of the peer, stock FSDP2 as it runs on a GPU (``use_ring_collectives(overlap=True)``, the bench's
-    ``fsdp2_overlap``), on one FIFO link: nothing fused, whole GEMMs. The root unit (``fsdp2_units``) is gathered
-    before anything computes and layer 0's gather is issued with it; each layer's pre-forward waits for its gather
-    and issues the next layer's. The root keeps its parameters for the backward, whose pre-backward issues the last
-    layer's gather; each layer's pre-backward waits for its own and issues the one before, and its reduce-scatter
-    is issued when its backward compute ends; the root's goes last. The step ends when the compute and the link
-    are both done (the backward waits for every reduce-scatter)."""
+def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
+    """Step time of the peer, stock FSDP2 as it runs on a GPU over its units (``costs.peer_units``: torchtitan's
+    wrapping, or the coarse one), on one FIFO link: nothing fused, whole GEMMs (``use_ring_collectives(overlap=True)``,
+    the bench's ``fsdp2_overlap`` and ``fsdp2_coarse``). The first unit of the forward is gathered before anything
+    computes, with the next issued behind it; each unit's pre-forward waits for its gather and issues the next
+    unit's. The forward's end issues the gather of the last unit resharded after it (the units after it stay
+    gathered). Each unit's pre-backward waits for its gather (unless it stayed gathered) and issues that of the unit
+    that ended its forward before it; its reduce-scatter is issued when its backward compute ends. The step ends
+    when the compute and the link are both done (the backward waits for every reduce-scatter). The collectives are
+    the rings', or NCCL's where ``cl.peer_nccl`` (``costs.peer_collective_seconds``)."""
     if cl.ranks == 1:
         return sum(3 * u.flops for u in units) / cl.flops_per_s
-    root, layers = fsdp2_units(units)
-    size = {i: units[i].fused_numel + units[i].other_numel for i in layers}
+    peers = peer_units(units, coarse)
+    size = [sum(units[i].fused_numel + units[i].other_numel for i in members) for members, _ in peers]
+    of = {i: k for k, (members, _) in enumerate(peers) for i in members}
+    first, last = [min(m) for m, _ in peers], [max(m) for m, _ in peers]
+    forward_order = sorted(range(len(peers)), key=first.__getitem__)
+    ended_order = sorted(range(len(peers)), key=last.__getitem__)  # FSDP2's post-forward order
+    held = {k for k, (_, kept) in enumerate(peers) if kept}  # not resharded after the forward
     link = [0.0]
+    ready: dict[int, float] = {}  # gathers issued and not yet waited for
 
-    def send(at: float, seconds: float) -> float:
-        link[0] = max(at, link[0]) + seconds
-        return link[0]
+    def gather(k: int, at: float) -> None:
+        link[0] = max(at, link[0]) + peer_collective_seconds(size[k], cl, cl.param_bytes)
+        ready[k] = link[0]
 
-    def gather(i: int, at: float) -> float:
-        return send(at, bucketed_seconds(size[i], cl, cl.param_bytes))
-
-    t = send(0.0, bucketed_seconds(root, cl, cl.param_bytes))
-    ready = {layers[0]: gather(layers[0], t)} if layers else {}
+    t = 0.0
+    gather(forward_order[0], t)
     for i, u in enumerate(units):  # forward
-        if u.layer:
-            t = max(t, ready.pop(i))
-            at = layers.index(i)
-            if at + 1 < len(layers):
-                ready[layers[at + 1]] = gather(layers[at + 1], t)
+        k = of[i]
+        if i == first[k]:
+            t = max(t, ready.pop(k))
+            at = forward_order.index(k)
+            if at + 1 < len(forward_order):
+                gather(forward_order[at + 1], t)
         t += u.flops / cl.flops_per_s
-    if layers:  # the root's pre-backward
-        ready[layers[-1]] = gather(layers[-1], t)
+    resharded = [k for k in ended_order if k not in held]
+    if resharded:  # the backward's first gather, issued as the forward ends
+        gather(resharded[-1], t)
     for i in reversed(range(len(units))):  # backward: twice the forward's compute
-        u = units[i]
-        if u.layer:
-            t = max(t, ready.pop(i))
-            at = layers.index(i)
-            if at > 0:
-                ready[layers[at - 1]] = gather(layers[at - 1], t)
-        t += 2 * u.flops / cl.flops_per_s
-        if u.layer:
-            send(t, bucketed_seconds(size[i], cl, cl.grad_bytes))
-    send(t, bucketed_seconds(root, cl, cl.grad_bytes))
+        k = of[i]
+        if i == last[k]:
+            if k not in held:
+                t = max(t, ready.pop(k))
+            at = ended_order.index(k)
+            before = ended_order[at - 1] if at > 0 else None
+            if before is not None and before not in held and before not in ready:
+                gather(before, t)
+        t += 2 * units[i].flops / cl.flops_per_s
+        if i == first[k]:
+            link[0] = max(t, link[0]) + peer_collective_seconds(size[k], cl, cl.grad_bytes)
     return max(t, link[0])
 
 
-def fsdp2_bytes(units: list[Unit], cl: Cluster) -> float:
-    """Bytes one rank sends in a step of the peer: every unit gathered twice (the root once) and reduce-scattered
-    once."""
-    root, layers = fsdp2_units(units)
+def fsdp2_bytes(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
+    """Bytes one rank sends in a step of the peer: each unit gathered in the forward and again in the backward
+    unless it stayed gathered, and reduce-scattered once."""
     n = cl.ranks
-    per = lambda numel, times: numel * (n - 1) / n * times  # noqa: E731
-    return (per(root, 1) * cl.param_bytes + per(root, 1) * cl.grad_bytes
-            + sum(per(units[i].fused_numel + units[i].other_numel, 1) * (2 * cl.param_bytes + cl.grad_bytes)
-                  for i in layers))
+    return sum(sum(units[i].fused_numel + units[i].other_numel for i in members) * (n - 1) / n
+               * ((1 if kept else 2) * cl.param_bytes + cl.grad_bytes) for members, kept in peer_units(units, coarse))
 
 
 def lockstep(units: list[Unit], cl: Cluster) -> float:

@@ -108,10 +108,11 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
     everyone = mesh.mesh.flatten().tolist()
     one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
-    # "auto" settings from the planner's plays (choose.py): the same on every rank, which the check below confirms
-    asked_schedule = config.schedule
-    config, choice = resolve(model, config, dist.get_world_size(group), device, one_node)
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
+    # "auto" settings from the planner's plays (choose.py) on what was given or is measured now (the slowest rank's
+    # figures: every rank chooses alike)
+    asked_schedule = config.schedule
+    config, choice = resolve(model, config, dist.get_world_size(group), device, one_node, group)
     replicas = None
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs)
@@ -158,7 +159,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     fsdp_units.apply(plans, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(p not in kept_out for p in model.parameters()):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    if any(isinstance(m, FSDPModule) for m in model.modules()) and not (peer and config.fsdp2_collectives == "torch"):
         use_ring_collectives(model, config, recorder=engine.stats, overlap=peer)
     if isinstance(model, FSDPModule) and callable(getattr(model, "generate", None)):
         # generate() may call submodules directly (T5's encoder): the root's parameters must be gathered for it
@@ -176,7 +177,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
                 len(fused), config.schedule, choice.reason, len(plans), engine.ring.size)
     if not peer:
         fused_at = lambda least: choose(model, config.replace(schedule="fused", piece_shards="auto",  # noqa: E731
-                                                              min_fuse_numel=least), engine.ring.size, device, one_node)
+                                                              min_fuse_numel=least), engine.ring.size, device, one_node,
+                                        choice.measured)
         warn_if_little_fused(model, config, asked_schedule, fused_at)
     return model
 

@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.checks import check_same_layout
+from commfuse_dp.choose import batch_tokens
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.integrations.accelerate import frozen_config, prepare_sharded, shard_frozen_models
 from commfuse_dp.integrations.attach import Parallelism, attach, resolve_config
@@ -23,6 +24,28 @@ _USE_INSTEAD = ("write CommFuseTrainer(...) instead of Trainer(...): `from commf
                 "(or commfuse=CommFuseConfig(...) in its place). For TRL's or another Trainer class: "
                 "`commfuse_trainer(SFTTrainer)(...)` (from the same module). `commfuse-dp launch` does this for "
                 "every Trainer")
+
+
+def first_batch_tokens(trainer, args) -> tuple[int, str] | None:
+    """A rank's tokens per step from the Trainer's first batch, for the defaults' plan: its data collator on the
+    first ``per_device_train_batch_size`` examples of a map-style ``train_dataset`` (with the columns the model does
+    not take removed, as the Trainer's data loader removes them), the elements of ``input_ids``. None where that
+    cannot be read (an iterable data set, no ``input_ids``, a collator that refuses): the defaults then assume."""
+    dataset, collator = getattr(trainer, "train_dataset", None), getattr(trainer, "data_collator", None)
+    if dataset is None or collator is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return None
+    try:
+        if getattr(args, "remove_unused_columns", False) and hasattr(dataset, "column_names"):  # datasets
+            dataset = trainer._remove_unused_columns(dataset, description="training")
+        batch = collator([dataset[i] for i in range(min(args.per_device_train_batch_size, len(dataset)))])
+        ids = batch["input_ids"]
+    except Exception as err:  # (a hint only: the defaults fall back to the model's context)
+        logger.debug("CommFuseCallback: the first batch's tokens could not be read (%r); the defaults assume them",
+                     err)
+        return None
+    if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+        return None
+    return ids.numel(), f"the Trainer's first batch, {' x '.join(map(str, ids.shape))}"
 
 
 def _needs_trainer(args) -> list[str]:
@@ -113,6 +136,10 @@ class CommFuseCallback(TrainerCallback):
                            "beside it (TRL's reference, reward or teacher model) stay whole on every rank. To save "
                            "and shard those, %s; or call commfuse_dp.checkpoint.save_pretrained(trainer.model, "
                            "folder) on every rank", _USE_INSTEAD)
+        if trainer is not None and self.cfg.tokens_per_rank is None:
+            first = first_batch_tokens(trainer, args)
+            if first is not None:  # what the defaults plan with (commfuse_dp/choose.py)
+                batch_tokens(model, *first)
         done = attach(model, self.cfg, who="CommFuseCallback", parallelism=self._parallelism(args))
         if trainer is not None:
             # accelerate's mixed precision is applied in prepare_model, which returns a model flagged as prepared

@@ -21,7 +21,13 @@ def _describe_worker(rank, world_size):
     report = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0)))
     excluding = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
                                                                                   exclude=("lm_head",))))
-    return report.as_dict(), str(report), excluding.as_dict(), quiet_text
+    from commfuse_dp import measure
+    links = len(measure._LINKS)  # measured once, by the first shard() above, for this group and device
+    peer = cf.describe(cf.shard(hf_models.build("llama", num_hidden_layers=3), cf.CommFuseConfig(schedule="fsdp2")))
+    hinted = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(link_gbps=1.0, ring_latency_us=50, tflops=0.05,
+                                                                 tokens_per_rank=24, min_fuse_numel=0))
+    inputs = (quiet._commfuse_choice.machine, hinted._commfuse_choice.machine, links, len(measure._LINKS))
+    return report.as_dict(), str(report), excluding.as_dict(), quiet_text, peer.as_dict(), inputs
 
 
 def _chunk(rows, world):
@@ -49,7 +55,22 @@ def test_describe_and_little_fused_warning(world_size):
     assert "no layer reaches min_fuse_numel=65536, so none is fused" in results[0].value[3], results[0].value[3]
     assert results[0].log.count("commfuse_dp.shard: only") == 1, "min_fuse_numel=0 fuses ~99%: no second warning"
 
-    report, text, excluding, _ = results[0].value
+    report, text, excluding, _, peer, (measured, given, links, links_after) = results[0].value
+    # the defaults' inputs: measured where not told (the link at two ring-step sizes, the GEMM rate on the model's
+    # layer shapes), given where told; the link measured once per group
+    assert re.search(r"link [\d.e+-]+ GB/s \(measured: ring steps of 4 KiB and \d+ [KM]iB\), \d+ us a ring step "
+                     r"\(measured\), [\d.e+-]+ TFLOP/s \(measured: \d+ rows on the model's layer shapes\)", measured), \
+        measured
+    assert "32 tokens per rank (assumed: the model's context)" in measured, measured
+    assert given.count("(given)") == 4 and "measured" not in given, given
+    assert links == links_after == 1
+    # the peer's units (schedule="fsdp2"): torchtitan's; the root holds nothing
+    kept = {u["module"]: "kept gathered" in u["note"] for u in peer["fsdp_units"]}
+    assert kept == {"": False, "model.embed_tokens": False, "model.layers.0": False, "model.layers.1": False,
+                    "model.layers.2": True, "model.norm+lm_head": True}, kept
+    by_name = {u["module"]: u for u in peer["fsdp_units"]}
+    assert by_name[""]["params"] == 0 and by_name["model.norm+lm_head"]["numel"] == 32 + 96 * 32
+    assert by_name["model.layers.2"]["backward_gather_bytes"] == 0 < by_name["model.layers.1"]["backward_gather_bytes"]
     assert all(r.value[0] == report for r in results), "every rank describes the same model"
     json.dumps(report)
     n, f32 = world_size, 4

@@ -1,0 +1,166 @@
+"""What ``CommFuseConfig()``'s ``"auto"`` settings measure where nothing told them (``choose.py``): the rings'
+bandwidth and fixed cost per ring step on the shard group, and the device's GEMM rate on the model's own layer
+shapes.
+
+``measure_machine`` runs inside ``shard()`` on every rank of the shard group (it runs ring steps on it, so every
+rank calls it at the same point). Each figure is the slowest rank's (an all-reduce of the times), so that every
+rank plans with the same numbers and makes the same choice. Results are cached per process group and device (the
+link) and per device, dtype and shapes (the GEMMs); a second ``shard()`` on the same group measures nothing new.
+
+- The link: ring all-gathers (``ring_all_gather``, N-1 ring steps each) of 4 KiB a step, then of 16 times more
+  until a step takes at least 4 times the small one's (its bytes outweigh its fixed cost) and more than a host's
+  timing noise (5 ms on a CPU), or 50 ms; the line ``seconds per step = latency + bytes / bandwidth`` through the
+  smallest and the last. The fastest of five rounds of the small size and of two of each larger one, after one
+  untimed. About 0.1 s on this project's 2-core machines.
+- The GEMMs: per linear of a decoder layer (q/k/v, o, gate/up, down), its forward product and the backward's two
+  (input and weight gradients) on the compute dtype, with a rank's tokens as rows (fewer on a CPU, so that the
+  three stay about 1 GFLOP), after one untimed round.
+  The device's work is waited for (``torch.cuda.synchronize``; an emulated accelerator's clock,
+  ``ring.topology.device_ready``). About 0.05 s on a CPU core.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .ring.collectives import ring_all_gather
+from .ring.topology import device_ready, get_ring, wait_until
+
+SMALL_STEP_BYTES = 4 << 10
+GROWTH = 16
+BANDWIDTH_BOUND = 4.0  # a step this many times the small one's is mostly bytes
+STEP_CAP_S = 0.05
+NOISE_S = {"cpu": 5e-3, "cuda": 2e-4}  # a step shorter than this is within a host's timing noise: grow it
+MAX_STEP_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+CPU_GEMM_FLOPS = 1e9  # rows are cut so that one linear's three products stay near this on a CPU
+GPU_MAX_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class Link:
+    bytes_per_s: float
+    latency_s: float  # fixed cost of one ring step
+    step_bytes: tuple[int, int]  # the two sizes the line goes through
+
+    @property
+    def sizes(self) -> str:
+        return f"{_size(self.step_bytes[0])} and {_size(self.step_bytes[1])}"
+
+
+@dataclass(frozen=True)
+class Gemm:
+    flops_per_s: float
+    rows: int  # rows of each product timed
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``measure_machine`` found; ``None`` where it was not asked to measure (a given hint)."""
+
+    link: Link | None = None
+    gemm: Gemm | None = None
+
+
+_LINKS: dict[tuple, Link] = {}
+_GEMMS: dict[tuple, Gemm] = {}
+
+
+def measure_machine(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                    shapes: list[tuple[int, int]] | None, tokens: int, link: bool, gemm: bool) -> Measured:
+    """The link (``link``) and the GEMM rate on ``shapes`` ((in, out) of a layer's linears, ``gemm``), measured on
+    ``group`` and ``device`` or taken from the cache. Collective over ``group``: every rank calls it alike."""
+    ring = get_ring(group, op="shard")
+    device = torch.device(device)
+    key = (tuple(dist.get_process_group_ranks(group)), ring.backend, str(device))
+    gemm_key = (str(device), dtype, tuple(shapes or ()), tokens)
+    wanted = [link and key not in _LINKS, gemm and shapes is not None and gemm_key not in _GEMMS]
+    wanted = [bool(w) for w in _slowest(group, device, [float(w) for w in wanted])]  # measure where any rank must
+    if wanted[0]:
+        _LINKS[key] = _measure_link(group, device, ring.size)
+    if wanted[1]:
+        _GEMMS[gemm_key] = _measure_gemm(group, device, dtype, shapes, tokens)
+    return Measured(_LINKS.get(key) if link else None, _GEMMS.get(gemm_key) if gemm and shapes else None)
+
+
+def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+    """(in, out) of a decoder layer's linears as the planner groups them: q/k/v, o, gate/up, down."""
+    kv = hidden * kv_heads // heads
+    return [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
+
+
+def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) -> Link:
+    def step_seconds(nbytes: int) -> float:
+        numel = max(nbytes // 4, 1)
+        shard = torch.zeros(numel, dtype=torch.float32, device=device)
+        whole = torch.empty(world * numel, dtype=torch.float32, device=device)
+        bucket_mb = 2 * nbytes / 2**20 + 1  # one bucket: the steps are not cut into chunks
+
+        def ring() -> float:
+            _sync(device)
+            began = time.perf_counter()
+            ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)
+            _sync(device)
+            return (time.perf_counter() - began) / (world - 1)
+
+        ring()  # untimed: buffers, connections
+        return _slowest(group, device, [min(ring() for _ in range(rounds))])[0]
+
+    kind = device.type if device.type in MAX_STEP_BYTES else "cpu"
+    rounds = 5
+    small = step_seconds(SMALL_STEP_BYTES)
+    nbytes, seconds, rounds = SMALL_STEP_BYTES, small, 2
+    while ((seconds < BANDWIDTH_BOUND * small or seconds < NOISE_S[kind]) and seconds < STEP_CAP_S
+           and nbytes * GROWTH <= MAX_STEP_BYTES[kind]):
+        nbytes *= GROWTH
+        seconds = step_seconds(nbytes)
+    per_byte = (seconds - small) / (nbytes - SMALL_STEP_BYTES) if nbytes > SMALL_STEP_BYTES else 0.0
+    per_byte = max(per_byte, 1e-15)  # (a link faster than the host can time: next to free)
+    return Link(1.0 / per_byte, max(small - SMALL_STEP_BYTES * per_byte, 0.0), (SMALL_STEP_BYTES, nbytes))
+
+
+def _measure_gemm(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                  shapes: list[tuple[int, int]], tokens: int) -> Gemm:
+    if device.type == "cuda":
+        rows = min(tokens, GPU_MAX_ROWS)
+    else:
+        rows = max(64, min(tokens, int(CPU_GEMM_FLOPS / (6 * max(i * o for i, o in shapes)))))
+    weights = [torch.randn(o, i, device=device).to(dtype) for i, o in shapes]
+    x = {n: torch.randn(rows, n, device=device).to(dtype) for n in {n for shape in shapes for n in shape}}
+
+    def run() -> float:
+        _sync(device)
+        began = time.perf_counter()
+        for w in weights:
+            out, inp = w.shape
+            torch.mm(x[inp], w.t())  # y = x W^T
+            torch.mm(x[out], w)  # dx = dy W
+            torch.mm(x[out].t(), x[inp])  # dW = dy^T x
+        _sync(device)
+        return time.perf_counter() - began
+
+    with torch.no_grad():
+        run()  # untimed: thread pools, kernels chosen, pages touched
+        seconds = min(run(), run())
+    flops = sum(6.0 * rows * i * o for i, o in shapes)
+    return Gemm(flops / _slowest(group, device, [seconds])[0], rows)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wait_until(device_ready())  # an emulated accelerator's work issued so far (ring/topology.py)
+
+
+def _slowest(group: dist.ProcessGroup, device: torch.device, values: list[float]) -> list[float]:
+    """The largest of each value over the ranks of ``group`` (the same list on every rank)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
