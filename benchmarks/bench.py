@@ -47,8 +47,11 @@ from .worker import EXTRA_VARIANTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
 
 CPU_NOTES = {
     "defaults": "CommFuseConfig() told the link and the tokens: its \"auto\" schedule chose {chosen}",
-    "fsdp2_overlap": "the peer: stock FSDP2 as it runs on a GPU (next unit gathered one ahead, async; "
-                     "reduce-scatters waited at the backward's end), on the same rings",
+    "defaults_nohints": "CommFuseConfig() told nothing (measures the link and GEMMs): it chose {chosen}",
+    "fsdp2_overlap": "the peer: stock FSDP2 over torchtitan's units as it runs on a GPU (next unit gathered one "
+                     "ahead, async; reduce-scatters waited at the backward's end), on the same rings",
+    "fsdp2_coarse": "the same over each layer and a root holding embedding, norm and lm_head",
+    "fsdp2_torch": "the peer's units and schedule on torch's own gloo collectives (no commfuse_dp code)",
     "fsdp2": "CPU artefact: stock FSDP2 runs its collectives synchronously on the main thread on CPU (no overlap)",
     "deepspeed_zero3": "CPU: DeepSpeed's gloo collectives; its prefetch/overlap as on CPU",
     "ddp": "DDP keeps the full model and optimizer on every rank (no sharding)",
@@ -333,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                                                            "vocab", "seq", "batch", "min_fuse_numel")},
                          "direct_kb": CommFuseConfig().direct_kb,  # fused_ring: 0
                          # the ring embedding's rows in one round (a file without it: a ring)
-                         "embedding_rows": "direct"},
+                         "embedding_rows": "direct",
+                         # fsdp2_overlap's units (a file without it: each layer and a root, now fsdp2_coarse)
+                         "peer_units": "torchtitan"},
                "notes": {**CPU_NOTES, "shaping": SHAPING_NOTE.format(burst=args.burst_kb)}, "wall_s": time.monotonic() - started}
     if args.json:
         with open(args.json, "w") as f:

@@ -27,6 +27,8 @@ Parts (each in its own process, with its own timeout, so that one failure or han
 - ``gemm``: one GEMM cut into N shard-sized pieces (as the fused linear cuts it: output columns in the forward,
   ``dx`` accumulated piece by piece, ``dW`` shard by shard) against the whole GEMM, Llama-3-8B shapes, bf16, timed
   with CUDA events.
+- ``collectives`` (2 GPUs or more): NCCL's all-gather and reduce-scatter against the rings at FSDP2 units' sizes,
+  and the link ``shard()``'s defaults measure (``cuda_collectives.py``).
 """
 
 from __future__ import annotations
@@ -44,16 +46,19 @@ import torch.distributed as dist
 
 try:
     from .cuda_gemm import device_of, hold_freed_buffers, part_gemm, seconds_per_call  # noqa: F401 (--one gemm)
+    from .cuda_collectives import part_collectives  # noqa: F401 (--one collectives)
 except ImportError:  # run as a script: python benchmarks/cuda_check.py
     from cuda_gemm import device_of, hold_freed_buffers, part_gemm, seconds_per_call  # noqa: F401
+    from cuda_collectives import part_collectives  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.environ.get("CUDA_CHECK_PACKAGE") or os.path.dirname(HERE),  # the package
                 os.path.join(os.path.dirname(HERE), "tests")]  # hf_models
-PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer", "host")
+PARTS = ("env", "linear", "shard", "fake", "gemm", "pieces", "sanitizer", "host", "collectives")
 # CUDA_CHECK_SYNC_ERRORS=1: a synchronisation inside a step raises (with TORCH_SHOW_CPP_STACKTRACES=1, its C++ stack)
 SYNC_MODE = "error" if os.environ.get("CUDA_CHECK_SYNC_ERRORS") else "warn"
-TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240, "host": 180}
+TIMEOUT_S = {"env": 60, "linear": 120, "shard": 180, "fake": 120, "gemm": 120, "pieces": 240, "host": 180,
+             "collectives": 180}
 
 
 def _init_world(device: torch.device, fake_world: int = 0) -> None:

@@ -15,11 +15,18 @@ more ranks than cores, not for training).
 Variants (``bench --help`` and docs/performance.md say more):
 - ``defaults``: ``shard`` with ``CommFuseConfig()`` told the link (``link_gbps``) and a rank's tokens
   (``tokens_per_rank``); its ``"auto"`` schedule is fused or the peer's, and the result says which (``chosen``).
+  ``defaults_nohints``: told nothing (it measures the link and the GEMM rate at ``shard()``, assumes the tokens).
+  Under ``--compute emulated`` every variant is built with the emulated accelerator on, so that what the defaults
+  measure is its rate.
 - ``fused``, ``slicing``: ``shard`` with that schedule; ``fused_noprefetch``, ``fused_lockstep`` (``lookahead_mb=0``),
   ``fused_bundles`` (``forward_bundles=True``), ``fused_ring`` (``direct_kb=0``): variants of it, when asked for.
-- ``fsdp2_overlap``, the peer: stock ``fully_shard`` per decoder layer and root on the same rings, run as FSDP2
-  runs on a GPU (``use_ring_collectives(model, overlap=True)``: gathers one unit ahead, asynchronous, in forward
-  and backward; reduce-scatters behind the backward's compute, waited for at its end).
+- ``fsdp2_overlap``, the peer: stock ``fully_shard`` over torchtitan's units (the embedding, each decoder layer, the
+  final norm with the lm_head; ``fsdp_units.peer_plan``, what ``schedule="fsdp2"`` runs) on the same rings, run as
+  FSDP2 runs on a GPU (``use_ring_collectives(model, overlap=True)``: gathers one unit ahead, asynchronous, in
+  forward and backward, the backward's first at the forward's end; reduce-scatters behind the backward's compute,
+  waited for at its end). ``fsdp2_coarse``: the same over each layer and a root holding the embedding, the final
+  norm and the lm_head. ``fsdp2_torch``: torchtitan's units and the same schedule on torch's own gloo collectives,
+  no code of commfuse_dp (``fsdp2_torch.py``).
 - ``fsdp2``: stock ``fully_shard`` with its own gloo collectives, synchronous on CPU (a CPU artefact).
 - ``deepspeed_zero3``: a DeepSpeed ZeRO-3 engine (gloo, torch AdamW); ``ddp``: ``DistributedDataParallel``.
 - ``compute_only``: the unsharded model, same batch, no communication, the optimizer on 1/N of the parameters (the
@@ -52,11 +59,11 @@ from .bench_model import MODEL_DEFAULTS, build_model, make_batch
 from .probes import MMAP_ENV, CollectorClock, peak_step_bytes, resident_bytes
 
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
-VARIANTS = ("defaults", "fused", "fsdp2_overlap", "slicing", "fsdp2", "deepspeed_zero3", "ddp", "compute_only",
-            "comm_only")
+VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsdp2", "deepspeed_zero3", "ddp",
+            "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
-EXTRA_VARIANTS = ("fused_noprefetch", "fused_lockstep", "fused_bundles", "fused_ring", "concurrent", "hsdp_fused",
-                  "hsdp_slicing", "fsdp2_hsdp")
+EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
+                  "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
@@ -78,7 +85,11 @@ class Runner:
 
             self.accelerator = EmulatedAccelerator(args.tflops,
                                                    host_ahead=getattr(args, "emulated_host", "sync") == "ahead")
-        getattr(self, f"_build_{name}")()
+            with self.accelerator:  # (what shard() measures of the device is the emulated one's)
+                getattr(self, f"_build_{name}")()
+                self._synchronize()
+        else:
+            getattr(self, f"_build_{name}")()
 
     def _optimizer(self, params):
         # fused: torch's one-kernel AdamW, the Trainer's default (optim="adamw_torch_fused"); foreach: torch's
@@ -96,14 +107,17 @@ class Runner:
         self.model = cf.shard(build_model(self.args), config)
         self.opt = self._optimizer(self.model.parameters())
 
-    def _build_defaults(self):
+    def _build_defaults(self, hints=True):
         import commfuse_dp as cf
 
-        config = cf.CommFuseConfig(timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
-                                   tokens_per_rank=self.args.batch * self.args.seq,
-                                   link_gbps=self.args.link_mbit / 8000 if self.args.link_mbit else None)
+        told = dict(tokens_per_rank=self.args.batch * self.args.seq,
+                    link_gbps=self.args.link_mbit / 8000 if self.args.link_mbit else None) if hints else {}
+        config = cf.CommFuseConfig(timeout_s=600, min_fuse_numel=self.args.min_fuse_numel, **told)
         self.model = cf.shard(build_model(self.args), config)
         self.opt = self._optimizer(self.model.parameters())
+
+    def _build_defaults_nohints(self):
+        self._build_defaults(hints=False)
 
     def _build_hsdp_fused(self, schedule="fused"):
         self._build_fused(schedule, replicate=self.args.nodes)
@@ -150,12 +164,28 @@ class Runner:
         fully_shard(self.model)
         self.opt = self._optimizer(self.model.parameters())
 
-    def _build_fsdp2_overlap(self):
+    def _build_fsdp2_overlap(self, coarse=False):
+        from torch.distributed.fsdp import fully_shard
+
         import commfuse_dp as cf
+        from commfuse_dp import fsdp_units
         from commfuse_dp.integrations.fsdp import use_ring_collectives
 
-        self._build_fsdp2()
+        self.model = build_model(self.args)
+        layers = list(self.model.model.layers)[::-1]  # (innermost first, as shard() lists units)
+        fsdp_units.apply((fsdp_units.coarse_plan if coarse else fsdp_units.peer_plan)(self.model, layers, set()))
+        fully_shard(self.model)
         use_ring_collectives(self.model, cf.CommFuseConfig(timeout_s=600), overlap=True)
+        self.opt = self._optimizer(self.model.parameters())
+
+    def _build_fsdp2_coarse(self):
+        self._build_fsdp2_overlap(coarse=True)
+
+    def _build_fsdp2_torch(self):
+        from .fsdp2_torch import build
+
+        self.model = build(build_model(self.args))
+        self.opt = self._optimizer(self.model.parameters())
 
     def _build_ddp(self):
         from torch.nn.parallel import DistributedDataParallel
