@@ -18,9 +18,10 @@ plays predict the rings faster by ``MARGIN``; the rings on CPU. The plays read:
   of the device); on CPU whole-GEMM pieces, this library's host time and FSDP2's copies into and out of its flat
   buffers on the computing thread (both measured on this project's 2-core machines);
 - the tokens of one rank's step: ``CommFuseConfig.tokens_per_rank`` where given, else the first batch where the
-  Trainer integrations shard the model, else the model's context (``max_position_embeddings``, at most 4096).
+  Trainer integrations shard the model, else 8 sequences of the model's context (``max_position_embeddings``: the
+  Trainer's default per-device batch of full sequences), at most 8192.
 
-Measured figures are the slowest rank's, so every rank makes the same choice (``shard()`` checks before that the
+Measured figures are the median rank's, so every rank makes the same choice (``shard()`` checks before that the
 ranks agree on the config and the model). ``describe(model)`` prints the choice with its predictions and says of
 each input whether it was given, measured or assumed; an explicit setting is kept as given.
 """
@@ -39,7 +40,8 @@ from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, peer_ho
 
 __all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
 
-DEFAULT_TOKENS_CAP = 4096
+DEFAULT_BATCH = 8  # sequences per micro-batch where nothing says: the Trainer's per_device_train_batch_size
+DEFAULT_TOKENS_CAP = 8192
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def model_shape(model: nn.Module) -> tuple[int, int, int, int, int, int] | None:
 
 def tokens_of(model: nn.Module, config: CommFuseConfig) -> tuple[int, str]:
     """A rank's tokens per step and where they came from: given, a Trainer's first batch (``batch_tokens``), or
-    assumed from the model's context."""
+    assumed: ``DEFAULT_BATCH`` sequences of the model's context, at most ``DEFAULT_TOKENS_CAP``."""
     if config.tokens_per_rank is not None:
         return config.tokens_per_rank, "given"
     from_batch = getattr(model, BATCH_TOKENS, None)
@@ -83,7 +85,8 @@ def tokens_of(model: nn.Module, config: CommFuseConfig) -> tuple[int, str]:
         return from_batch
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(context, int) and context > 0:
-        return min(context, DEFAULT_TOKENS_CAP), "assumed: the model's context"
+        return (min(DEFAULT_BATCH * context, DEFAULT_TOKENS_CAP),
+                f"assumed: {DEFAULT_BATCH} sequences of the model's context, at most {DEFAULT_TOKENS_CAP}")
     return 2048, "assumed"
 
 
@@ -177,7 +180,7 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
     units = units_for(*shape, tokens=tokens, seq=seq)
     if device.type != "cuda":  # FSDP2's copies on the computing thread
         cl = replace(cl, peer_host_s=peer_host_on_cpu(units, cl))
-    cl = replace(cl, peer_nccl=collectives is None)
+    cl = replace(cl, peer_nccl=device.type == "cuda" and collectives != "rings")  # (plays NCCL's and the rings)
     if fixed == "fsdp2":
         predicted: dict[str, float] = {}
         peer_step(units, cl, predicted)

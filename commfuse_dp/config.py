@@ -163,7 +163,8 @@ class CommFuseConfig:
     tokens_per_rank: int | None = None
     """Tokens of one rank's micro-batch (batch x sequence), where known: what ``schedule="auto"`` plans with.
     ``None``: from the first batch where the ``Trainer`` integrations shard the model (``CommFuseTrainer``), else
-    the model's context (``max_position_embeddings``), at most 4096."""
+    8 sequences of the model's context (the Trainer's default per-device batch; ``max_position_embeddings``), at
+    most 8192."""
 
     timeout_s: float = 300.0
     """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise

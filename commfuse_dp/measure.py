@@ -3,15 +3,16 @@ bandwidth and fixed cost per ring step on the shard group, and the device's GEMM
 shapes.
 
 ``measure_machine`` runs inside ``shard()`` on every rank of the shard group (it runs ring steps on it, so every
-rank calls it at the same point). Each figure is the slowest rank's (an all-reduce of the times), so that every
-rank plans with the same numbers and makes the same choice. Results are cached per process group and device (the
+rank calls it at the same point). Each figure is the median rank's (a gather of the times), so that every rank
+plans with the same numbers and makes the same choice. Results are cached per process group and device (the
 link) and per device, dtype and shapes (the GEMMs); a second ``shard()`` on the same group measures nothing new.
 
-- The link: ring all-gathers (``ring_all_gather``, N-1 ring steps each) of 4 KiB a step, then of 16 times more
+- The link: ring all-gathers (``ring_all_gather``, N-1 ring steps each) of 4 KiB a step, then of 4 times more
   until a step takes at least 4 times the small one's (its bytes outweigh its fixed cost) and more than a host's
   timing noise (5 ms on a CPU), or 50 ms; the line ``seconds per step = latency + bytes / bandwidth`` through the
-  smallest and the last. The fastest of five rounds of the small size and of two of each larger one, after one
-  untimed. About 0.1 s on this project's 2-core machines.
+  smallest and the last. Each size is timed as a few ring all-gathers back to back (5 of the small, 3 of the
+  others), twice, started together on every rank, the faster run kept. About 0.1-0.5 s on this project's 2-core
+  machines, more on a slow link with many ranks.
 - The GEMMs: per linear of a decoder layer (q/k/v, o, gate/up, down), its forward product and the backward's two
   (input and weight gradients) on the compute dtype, with a rank's tokens as rows (fewer on a CPU, so that the
   three stay about 1 GFLOP), after one untimed round.
@@ -31,7 +32,7 @@ from .ring.collectives import ring_all_gather
 from .ring.topology import device_ready, get_ring, wait_until
 
 SMALL_STEP_BYTES = 4 << 10
-GROWTH = 16
+GROWTH = 4
 BANDWIDTH_BOUND = 4.0  # a step this many times the small one's is mostly bytes
 STEP_CAP_S = 0.05
 NOISE_S = {"cpu": 5e-3, "cuda": 2e-4}  # a step shorter than this is within a host's timing noise: grow it
@@ -78,7 +79,7 @@ def measure_machine(group: dist.ProcessGroup, device: torch.device, dtype: torch
     key = (tuple(dist.get_process_group_ranks(group)), ring.backend, str(device))
     gemm_key = (str(device), dtype, tuple(shapes or ()), tokens)
     wanted = [link and key not in _LINKS, gemm and shapes is not None and gemm_key not in _GEMMS]
-    wanted = [bool(w) for w in _slowest(group, device, [float(w) for w in wanted])]  # measure where any rank must
+    wanted = [bool(w) for w in _any(group, device, [float(w) for w in wanted])]  # measure where any rank must
     if wanted[0]:
         _LINKS[key] = _measure_link(group, device, ring.size)
     if wanted[1]:
@@ -93,30 +94,34 @@ def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> l
 
 
 def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) -> Link:
-    def step_seconds(nbytes: int) -> float:
+    def step_seconds(nbytes: int, calls: int) -> float:
+        """Seconds per ring step: the faster of two runs of ``calls`` ring all-gathers back to back, each run
+        started together on every rank (a barrier), so that neither a late neighbour nor a link's burst credit
+        after an idle spell (``tc tbf``) weighs much in it; the median rank's."""
         numel = max(nbytes // 4, 1)
         shard = torch.zeros(numel, dtype=torch.float32, device=device)
         whole = torch.empty(world * numel, dtype=torch.float32, device=device)
         bucket_mb = 2 * nbytes / 2**20 + 1  # one bucket: the steps are not cut into chunks
 
-        def ring() -> float:
+        def run() -> float:
             _sync(device)
+            dist.barrier(group)
             began = time.perf_counter()
-            ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)
+            for _ in range(calls):
+                ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)
             _sync(device)
-            return (time.perf_counter() - began) / (world - 1)
+            return (time.perf_counter() - began) / (calls * (world - 1))
 
-        ring()  # untimed: buffers, connections
-        return _slowest(group, device, [min(ring() for _ in range(rounds))])[0]
+        ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)  # untimed: buffers, connections
+        return _agreed(group, device, [min(run(), run())])[0]
 
     kind = device.type if device.type in MAX_STEP_BYTES else "cpu"
-    rounds = 5
-    small = step_seconds(SMALL_STEP_BYTES)
-    nbytes, seconds, rounds = SMALL_STEP_BYTES, small, 2
+    small = step_seconds(SMALL_STEP_BYTES, 5)
+    nbytes, seconds = SMALL_STEP_BYTES, small
     while ((seconds < BANDWIDTH_BOUND * small or seconds < NOISE_S[kind]) and seconds < STEP_CAP_S
            and nbytes * GROWTH <= MAX_STEP_BYTES[kind]):
         nbytes *= GROWTH
-        seconds = step_seconds(nbytes)
+        seconds = step_seconds(nbytes, 3)
     per_byte = (seconds - small) / (nbytes - SMALL_STEP_BYTES) if nbytes > SMALL_STEP_BYTES else 0.0
     per_byte = max(per_byte, 1e-15)  # (a link faster than the host can time: next to free)
     return Link(1.0 / per_byte, max(small - SMALL_STEP_BYTES * per_byte, 0.0), (SMALL_STEP_BYTES, nbytes))
@@ -146,7 +151,7 @@ def _measure_gemm(group: dist.ProcessGroup, device: torch.device, dtype: torch.d
         run()  # untimed: thread pools, kernels chosen, pages touched
         seconds = min(run(), run())
     flops = sum(6.0 * rows * i * o for i, o in shapes)
-    return Gemm(flops / _slowest(group, device, [seconds])[0], rows)
+    return Gemm(flops / _agreed(group, device, [seconds])[0], rows)
 
 
 def _sync(device: torch.device) -> None:
@@ -155,11 +160,20 @@ def _sync(device: torch.device) -> None:
     wait_until(device_ready())  # an emulated accelerator's work issued so far (ring/topology.py)
 
 
-def _slowest(group: dist.ProcessGroup, device: torch.device, values: list[float]) -> list[float]:
+def _any(group: dist.ProcessGroup, device: torch.device, values: list[float]) -> list[float]:
     """The largest of each value over the ranks of ``group`` (the same list on every rank)."""
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
+
+
+def _agreed(group: dist.ProcessGroup, device: torch.device, values: list[float]) -> list[float]:
+    """The median over the ranks of ``group`` of each value (the same list on every rank): one rank that a shared
+    core held up does not set the figure."""
+    t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, t, group=group)
+    return torch.stack(everyone).median(dim=0).values.tolist()  # (the lower middle of an even count)
 
 
 def _size(n: int) -> str:

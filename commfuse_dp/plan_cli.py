@@ -221,7 +221,9 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
     fused step is at least the host's time to issue it."""
     against = ALIASES.get(against, against)
     model = load_model(model_name)
-    print(f"{model_name}: CommFuseConfig()'s defaults, step time / {against}'s; {latency_us:g} us per ring step, "
+    peer = " (torchtitan's units, on NCCL's collectives or the rings, whichever is predicted faster)"
+    print(f"{model_name}: CommFuseConfig()'s defaults, step time / {against}'s{peer if against == 'fsdp2' else ''}; "
+          f"{latency_us:g} us per ring step, "
           f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}, min_fuse_numel {min_fuse_numel}; tokens per "
           f"rank across, ranks x GB/s down; f: fused chosen, =: the peer chosen"
           + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}" if piece_fit else "")

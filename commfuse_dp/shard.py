@@ -109,7 +109,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     everyone = mesh.mesh.flatten().tolist()
     one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
-    # "auto" settings from the planner's plays (choose.py) on what was given or is measured now (the slowest rank's
+    # "auto" settings from the planner's plays (choose.py) on what was given or is measured now (the median rank's
     # figures: every rank chooses alike)
     asked_schedule = config.schedule
     config, choice = resolve(model, config, dist.get_world_size(group), device, one_node, group)

@@ -39,7 +39,7 @@ def first_batch_tokens(trainer, args) -> tuple[int, str] | None:
             dataset = trainer._remove_unused_columns(dataset, description="training")
         batch = collator([dataset[i] for i in range(min(args.per_device_train_batch_size, len(dataset)))])
         ids = batch["input_ids"]
-    except Exception as err:  # (a hint only: the defaults fall back to the model's context)
+    except Exception as err:  # (a hint only: the defaults assume then)
         logger.debug("CommFuseCallback: the first batch's tokens could not be read (%r); the defaults assume them",
                      err)
         return None

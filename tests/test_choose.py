@@ -47,6 +47,12 @@ def test_the_peer_where_fusing_cannot_win(ranks, one_node):
     fused = min(v for k, v in c.predicted_s.items() if k.startswith("fused"))
     assert fused > (1 - MARGIN) * c.predicted_s["fsdp2"]
     assert ("NVLink" if one_node else "across nodes") in c.machine and "does not win" in c.reason
+    # the peer's collectives: NCCL's own (FSDP2 as shipped), the rings' N-1 host-issued steps predicted no faster
+    assert c.collectives == "torch" and "on NCCL's own collectives" in c.reason, c
+    assert c.predicted_s["fsdp2"] == c.predicted_s["fsdp2 on NCCL"] <= c.predicted_s["fsdp2 on the rings"]
+    given = choose(_meta(**LLAMA3_8B), cf.CommFuseConfig(tokens_per_rank=8192, fsdp2_collectives="rings"), ranks,
+                   torch.device("cuda"), one_node)
+    assert given.schedule == "fsdp2" and given.collectives == "rings", given
 
 
 def test_gpu_pieces_are_widened_where_fused_is_kept():

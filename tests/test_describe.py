@@ -61,7 +61,7 @@ def test_describe_and_little_fused_warning(world_size):
     assert re.search(r"link [\d.e+-]+ GB/s \(measured: ring steps of 4 KiB and \d+ [KM]iB\), \d+ us a ring step "
                      r"\(measured\), [\d.e+-]+ TFLOP/s \(measured: \d+ rows on the model's layer shapes\)", measured), \
         measured
-    assert "32 tokens per rank (assumed: the model's context)" in measured, measured
+    assert "256 tokens per rank (assumed: 8 sequences of the model's context, at most 8192)" in measured, measured
     assert given.count("(given)") == 4 and "measured" not in given, given
     assert links == links_after == 1
     # the peer's units (schedule="fsdp2"): torchtitan's; the root holds nothing
