@@ -6,7 +6,7 @@ whose collectives are the rings).
   norm with the lm_head, not resharded after the forward; the root.
 - all-gathers asynchronous (``_set_unshard_async_op(True)``: gloo returns a ``Work`` that FSDP2 waits for at its
   copy-out), each unit prefetching the next in the forward (``set_modules_to_forward_prefetch``), FSDP2's own
-  one-ahead prefetch in the backward, and the backward's first all-gather issued as the forward ends;
+  one-ahead prefetch in the backward, and the backward's first all-gather issued as the backward begins;
 - reduce-scatters issued asynchronously (``dist.reduce_scatter_tensor(..., async_op=True)``) and waited for at
   the backward's end, as a GPU's reduce-scatter stream is. FSDP2 on CPU would wait for each at once.
 
@@ -63,12 +63,17 @@ def build(model: torch.nn.Module) -> torch.nn.Module:
         if following is not None:
             unit.set_modules_to_forward_prefetch([following])
 
-    def gather_for_backward(root, args, output) -> None:  # the last unit resharded after the forward
-        if torch.is_grad_enabled():
-            for group in reversed(root._get_fsdp_state()._comm_ctx.post_forward_order):
+    def gather_for_backward(root, args, output) -> None:  # as the backward begins: the last unit resharded
+        order = root._get_fsdp_state()._comm_ctx.post_forward_order
+
+        def backward_begins(grads) -> None:
+            for group in reversed(order):
                 if not group.is_unsharded:
                     FSDPParamGroup._prefetch_unshard(group, "backward")
                     return
+
+        if torch.is_grad_enabled() and output.loss is not None and output.loss.requires_grad:
+            torch.autograd.graph.register_multi_grad_hook([output.loss], backward_begins, mode="any")
 
     model.register_forward_hook(gather_for_backward)
     return model

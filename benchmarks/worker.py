@@ -23,7 +23,7 @@ Variants (``bench --help`` and docs/performance.md say more):
 - ``fsdp2_overlap``, the peer: stock ``fully_shard`` over torchtitan's units (the embedding, each decoder layer, the
   final norm with the lm_head; ``fsdp_units.peer_plan``, what ``schedule="fsdp2"`` runs) on the same rings, run as
   FSDP2 runs on a GPU (``use_ring_collectives(model, overlap=True)``: gathers one unit ahead, asynchronous, in
-  forward and backward, the backward's first at the forward's end; reduce-scatters behind the backward's compute,
+  forward and backward, the backward's first as it begins; reduce-scatters behind the backward's compute,
   waited for at its end). ``fsdp2_coarse``: the same over each layer and a root holding the embedding, the final
   norm and the lm_head. ``fsdp2_torch``: torchtitan's units and the same schedule on torch's own gloo collectives,
   no code of commfuse_dp (``fsdp2_torch.py``).

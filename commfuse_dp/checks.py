@@ -71,6 +71,18 @@ _CHECK = ("shard()'s check that every rank passed the same group, config and mod
           "call shard() at the same point)")
 
 
+def check_choices_agree(choice: Any, timeout_s: float) -> None:
+    """Raise ``ValueError`` on every rank unless every rank's ``"auto"`` settings became the same schedule, piece
+    width and collectives (``choose.Choice``): ranks that planned from different inputs (their own batch's tokens)
+    would run different collectives. Collective over the world."""
+    mine = (choice.schedule, choice.piece_shards, choice.collectives, choice.machine)
+    everyone = gather_objects(mine, timeout_s, _CHECK)
+    if any(c[:3] != everyone[0][:3] for c in everyone):
+        detail = "; ".join(f"rank {r}: {c[0]}, piece_shards {c[1]}, {c[2]} ({c[3]})" for r, c in enumerate(everyone))
+        raise ValueError(f"shard: the ranks' \"auto\" settings chose differently ({detail}). Give the inputs that "
+                         f"differ (CommFuseConfig.tokens_per_rank, link_gbps, tflops) or the schedule itself")
+
+
 def gather_objects(obj: Any, timeout_s: float, label: str) -> list[Any]:
     """``obj`` of every rank of the world, rank-major: ``dist.all_gather_object`` on the world's ring, each ring step
     bounded by ``timeout_s`` (a rank that does not take part makes the others raise ``RingCommError`` naming it,

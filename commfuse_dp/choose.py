@@ -183,9 +183,9 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
     cl = replace(cl, peer_nccl=device.type == "cuda" and collectives != "rings")  # (plays NCCL's and the rings)
     if fixed == "fsdp2":
         predicted: dict[str, float] = {}
-        peer_step(units, cl, predicted)
-        return Choice("fsdp2", pieces, "schedule='fsdp2' as given" + _on(predicted), predicted, described,
-                      _collectives_chosen(collectives, predicted), measured)
+        predicted["fsdp2"] = peer_step(units, cl, predicted)
+        return Choice("fsdp2", pieces, "schedule='fsdp2' as given" + (_on(predicted) if collectives is None else ""),
+                      predicted, described, _collectives_chosen(collectives, predicted), measured)
     schedule, width, predicted = decide(units, cl, config.schedule, config.piece_shards)
     fused_s = predicted[f"fused, piece_shards={width}"] if schedule == "fused" else min(
         v for k, v in predicted.items() if k.startswith("fused"))
@@ -200,7 +200,7 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
                   f"{1 - fused_s / predicted['fsdp2']:.0%} faster")
     else:
         reason = (f"the peer (fsdp2) predicted {predicted['fsdp2']:.3g} s a step, fused at best {fused_s:.3g} s: "
-                  f"fusing does not win by {MARGIN:.0%} here" + _on(predicted))
+                  f"fusing does not win by {MARGIN:.0%} here" + (_on(predicted) if collectives is None else ""))
     return Choice(schedule, width, reason, predicted, described,
                   _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured)
 
@@ -244,5 +244,6 @@ def resolve(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.
             measured = measure_machine(group, device, dtype, layer_shapes(*shape[:2], *shape[3:5]),
                                        tokens_of(model, config)[0], link, gemm)
     choice = choose(model, config, ranks, device, one_node, measured)
+    collectives = choice.collectives if choice.schedule == "fsdp2" else config.fsdp2_collectives
     return config.replace(schedule=choice.schedule, piece_shards=choice.piece_shards,
-                          fsdp2_collectives=choice.collectives), choice
+                          fsdp2_collectives=collectives), choice

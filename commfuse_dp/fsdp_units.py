@@ -16,8 +16,10 @@ The coarse shape (``coarse_plan``) is each decoder layer and the root, which the
 norm and the lm_head: gathered before anything computes and reduce-scattered after the last layer's backward, with
 nothing to hide either under. The bench keeps it as ``fsdp2_coarse``.
 
-Module order stands for execution order (true of transformers' decoders and encoders); a module with parameters
-between two layers (T5's encoder norm) stays with the root.
+Module order stands for execution order (true of most of transformers' decoders and encoders; where it is not, as
+OPT's final norm registered before its layers, the unit is only gathered for longer). What sits between layers
+(T5's encoder norm), contains a layer, or shares a parameter with such a module (T5's and BART's tables, tied to
+the decoder's embedding) stays with the root.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def coarse_plan(model: nn.Module, layers: list[nn.Module], kept_out: set) -> lis
     return [UnitPlan(names[id(u)], (u,), True) for u in layers if _has_own(u, kept_out)]
 
 
-def peer_plan(model: nn.Module, layers: list[nn.Module], kept_out: set) -> list[UnitPlan]:
+def peer_plan(model: nn.Module, layers: list[nn.Module], kept_out: set, stay_whole: set[int] = frozenset()
+              ) -> list[UnitPlan]:
     """[Note: the peer's units]. ``layers``: the decoder layers (``selection.unit_modules_of``, innermost first);
-    ``kept_out``: parameters no unit takes (``fully_shard``'s ``ignored_params``). Without layers: none."""
+    ``kept_out``: parameters no unit takes (``fully_shard``'s ``ignored_params``); ``stay_whole``: ids of modules
+    that stay with the root (inside a data-dependently called module: ``lockstep.py``). Without layers: none."""
     plans = coarse_plan(model, layers, kept_out)
     if not plans:
         return plans
@@ -56,14 +60,20 @@ def peer_plan(model: nn.Module, layers: list[nn.Module], kept_out: set) -> list[
         positions = [order[id(m)] for m in layer.modules()]
         inside.update(id(m) for m in layer.modules())
         span.append((min(positions), max(positions)))
+    # the modules that contain a layer stay with the root, whose unit wraps them
+    prefixes = {name.rsplit(".", k)[0] for name in (names[id(layer)] for layer in layers)
+                for k in range(1, name.count(".") + 1)}
+    around = {id(model)} | {id(m) for name, m in model.named_modules() if name in prefixes}
     first, last = min(s for s, _ in span), max(e for _, e in span)
-    holders = [m for m in model.modules() if m is not model and id(m) not in inside and _has_direct(m, kept_out)]
+    outside = [m for m in model.modules() if id(m) not in inside and _has_direct(m, kept_out)]
+    holders = [m for m in outside if id(m) not in around and id(m) not in stay_whole]
     head = [m for m in holders if order[id(m)] < first]
     tail = [m for m in holders if order[id(m)] > last]
-    tied = {id(p) for m in head for p in m.parameters(recurse=False)} & {
-        id(p) for m in tail for p in m.parameters(recurse=False)}
-    if tied:  # one table used at both ends: one unit, kept gathered from the embedding to the lm_head's backward
-        tail, head = head + tail, []
+    for tied in _sharing(outside):  # modules that hold one parameter between them go to one unit, or to the root
+        if any(m not in head and m not in tail for m in tied):
+            head, tail = [m for m in head if m not in tied], [m for m in tail if m not in tied]
+        elif any(m in head for m in tied) and any(m in tail for m in tied):
+            tail, head = head + tail, []  # one table used at both ends: one unit, kept from the embedding on
     outer = [p for p in plans if not any(p.modules[0] is not q.modules[0] and p.modules[0] in q.modules[0].modules()
                                          for q in plans)]
     last_layer = max(outer, key=lambda p: order[id(p.modules[0])])
@@ -73,6 +83,26 @@ def peer_plan(model: nn.Module, layers: list[nn.Module], kept_out: set) -> list[
     if tail:
         plans.append(UnitPlan("+".join(names[id(m)] for m in tail), tuple(tail), False))
     return plans
+
+
+def _sharing(modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """The groups of ``modules`` (two or more) joined by parameters they hold in common (tied tables)."""
+    owner: dict[int, int] = {}  # parameter id -> the first module index holding it
+    parent = list(range(len(modules)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, m in enumerate(modules):
+        for p in m.parameters(recurse=False):
+            j = owner.setdefault(id(p), i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list[nn.Module]] = {}
+    for i, m in enumerate(modules):
+        groups.setdefault(root(i), []).append(m)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def apply(plans: list[UnitPlan], **fully_shard_kwargs) -> None:

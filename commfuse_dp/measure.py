@@ -2,9 +2,9 @@
 bandwidth and fixed cost per ring step on the shard group, and the device's GEMM rate on the model's own layer
 shapes.
 
-``measure_machine`` runs inside ``shard()`` on every rank of the shard group (it runs ring steps on it, so every
-rank calls it at the same point). Each figure is the median rank's (a gather of the times), so that every rank
-plans with the same numbers and makes the same choice. Results are cached per process group and device (the
+``measure_machine`` runs inside ``shard()`` on every rank of the world (it runs ring steps on the shard group and
+agrees the figures over the world, so every rank calls it at the same point). Each figure is the median rank's over the world (a gather of the times), so that
+every rank plans with the same numbers and makes the same choice. Results are cached per process group and device (the
 link) and per device, dtype and shapes (the GEMMs); a second ``shard()`` on the same group measures nothing new.
 
 - The link: ring all-gathers (``ring_all_gather``, N-1 ring steps each) of 4 KiB a step, then of 4 times more
@@ -36,7 +36,7 @@ GROWTH = 4
 BANDWIDTH_BOUND = 4.0  # a step this many times the small one's is mostly bytes
 STEP_CAP_S = 0.05
 NOISE_S = {"cpu": 5e-3, "cuda": 2e-4}  # a step shorter than this is within a host's timing noise: grow it
-MAX_STEP_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}
+MAX_STEP_BYTES = {"cpu": 16 << 20, "cuda": 64 << 20}
 CPU_GEMM_FLOPS = 1e9  # rows are cut so that one linear's three products stay near this on a CPU
 GPU_MAX_ROWS = 8192
 
@@ -66,24 +66,24 @@ class Measured:
     gemm: Gemm | None = None
 
 
-_LINKS: dict[tuple, Link] = {}
+_LINKS: dict[tuple, Link | None] = {}
 _GEMMS: dict[tuple, Gemm] = {}
 
 
 def measure_machine(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                     shapes: list[tuple[int, int]] | None, tokens: int, link: bool, gemm: bool) -> Measured:
     """The link (``link``) and the GEMM rate on ``shapes`` ((in, out) of a layer's linears, ``gemm``), measured on
-    ``group`` and ``device`` or taken from the cache. Collective over ``group``: every rank calls it alike."""
+    ``group`` and ``device`` or taken from the cache. Collective over the world: every rank calls it alike."""
     ring = get_ring(group, op="shard")
     device = torch.device(device)
     key = (tuple(dist.get_process_group_ranks(group)), ring.backend, str(device))
     gemm_key = (str(device), dtype, tuple(shapes or ()), tokens)
     wanted = [link and key not in _LINKS, gemm and shapes is not None and gemm_key not in _GEMMS]
-    wanted = [bool(w) for w in _any(group, device, [float(w) for w in wanted])]  # measure where any rank must
+    wanted = [bool(w) for w in _any(device, [float(w) for w in wanted])]  # measure where any rank must
     if wanted[0]:
         _LINKS[key] = _measure_link(group, device, ring.size)
     if wanted[1]:
-        _GEMMS[gemm_key] = _measure_gemm(group, device, dtype, shapes, tokens)
+        _GEMMS[gemm_key] = _measure_gemm(device, dtype, shapes, tokens)
     return Measured(_LINKS.get(key) if link else None, _GEMMS.get(gemm_key) if gemm and shapes else None)
 
 
@@ -93,7 +93,7 @@ def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> l
     return [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
 
 
-def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) -> Link:
+def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) -> Link | None:
     def step_seconds(nbytes: int, calls: int) -> float:
         """Seconds per ring step: the faster of two runs of ``calls`` ring all-gathers back to back, each run
         started together on every rank (a barrier), so that neither a late neighbour nor a link's burst credit
@@ -105,7 +105,7 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) ->
 
         def run() -> float:
             _sync(device)
-            dist.barrier(group)
+            dist.barrier(group, device_ids=[device.index] if device.type == "cuda" else None)
             began = time.perf_counter()
             for _ in range(calls):
                 ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)
@@ -113,7 +113,7 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) ->
             return (time.perf_counter() - began) / (calls * (world - 1))
 
         ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)  # untimed: buffers, connections
-        return _agreed(group, device, [min(run(), run())])[0]
+        return _agreed(device, [min(run(), run())])[0]
 
     kind = device.type if device.type in MAX_STEP_BYTES else "cpu"
     small = step_seconds(SMALL_STEP_BYTES, 5)
@@ -123,18 +123,19 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) ->
         nbytes *= GROWTH
         seconds = step_seconds(nbytes, 3)
     per_byte = (seconds - small) / (nbytes - SMALL_STEP_BYTES) if nbytes > SMALL_STEP_BYTES else 0.0
-    per_byte = max(per_byte, 1e-15)  # (a link faster than the host can time: next to free)
+    if per_byte <= 0:  # the larger steps took no longer: no line to fit (the plan falls back to its assumptions)
+        return None
     return Link(1.0 / per_byte, max(small - SMALL_STEP_BYTES * per_byte, 0.0), (SMALL_STEP_BYTES, nbytes))
 
 
-def _measure_gemm(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+def _measure_gemm(device: torch.device, dtype: torch.dtype,
                   shapes: list[tuple[int, int]], tokens: int) -> Gemm:
     if device.type == "cuda":
         rows = min(tokens, GPU_MAX_ROWS)
     else:
         rows = max(64, min(tokens, int(CPU_GEMM_FLOPS / (6 * max(i * o for i, o in shapes)))))
-    weights = [torch.randn(o, i, device=device).to(dtype) for i, o in shapes]
-    x = {n: torch.randn(rows, n, device=device).to(dtype) for n in {n for shape in shapes for n in shape}}
+    weights = [torch.randn(o, i, device=device, dtype=dtype) for i, o in shapes]
+    x = {n: torch.randn(rows, n, device=device, dtype=dtype) for n in {n for shape in shapes for n in shape}}
 
     def run() -> float:
         _sync(device)
@@ -151,7 +152,7 @@ def _measure_gemm(group: dist.ProcessGroup, device: torch.device, dtype: torch.d
         run()  # untimed: thread pools, kernels chosen, pages touched
         seconds = min(run(), run())
     flops = sum(6.0 * rows * i * o for i, o in shapes)
-    return Gemm(flops / _agreed(group, device, [seconds])[0], rows)
+    return Gemm(flops / _agreed(device, [seconds])[0], rows)
 
 
 def _sync(device: torch.device) -> None:
@@ -160,19 +161,19 @@ def _sync(device: torch.device) -> None:
     wait_until(device_ready())  # an emulated accelerator's work issued so far (ring/topology.py)
 
 
-def _any(group: dist.ProcessGroup, device: torch.device, values: list[float]) -> list[float]:
-    """The largest of each value over the ranks of ``group`` (the same list on every rank)."""
+def _any(device: torch.device, values: list[float]) -> list[float]:
+    """The largest of each value over the ranks of the world (the same list on every rank)."""
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def _agreed(group: dist.ProcessGroup, device: torch.device, values: list[float]) -> list[float]:
-    """The median over the ranks of ``group`` of each value (the same list on every rank): one rank that a shared
-    core held up does not set the figure."""
+def _agreed(device: torch.device, values: list[float]) -> list[float]:
+    """The median over the ranks of the world of each value (the same list on every rank, also where the world
+    holds several shard groups, HSDP's copies): one rank that a shared core held up does not set the figure."""
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, t, group=group)
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
     return torch.stack(everyone).median(dim=0).values.tolist()  # (the lower middle of an even count)
 
 

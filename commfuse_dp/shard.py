@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from . import fsdp_units, lockstep
-from .checks import check_not_sharded_elsewhere, check_ranks_agree
+from .checks import check_choices_agree, check_not_sharded_elsewhere, check_ranks_agree
 from .choose import choose, resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
@@ -112,7 +112,11 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     # "auto" settings from the planner's plays (choose.py) on what was given or is measured now (the median rank's
     # figures: every rank chooses alike)
     asked_schedule = config.schedule
-    config, choice = resolve(model, config, dist.get_world_size(group), device, one_node, group)
+    copies = mesh.size(0) if mesh.ndim == 2 else 1  # (HSDP from a mesh given: choose as for replicate=R)
+    resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)),
+                               dist.get_world_size(group), device, one_node, group)
+    config = resolved.replace(replicate=config.replicate)
+    check_choices_agree(choice, config.timeout_s)  # (a rank that read other tokens off its batch chose otherwise)
     replicas = None
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs)
@@ -155,7 +159,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if units is None and not peer:  # (the peer's shape: every decoder layer a unit of its own)
         unit_modules = [u for u in unit_modules
                         if unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
-    plans = (fsdp_units.peer_plan if peer else fsdp_units.coarse_plan)(model, unit_modules, kept_out)
+    plans = (fsdp_units.peer_plan(model, unit_modules, kept_out, lockstep.inside(model, data_dependent)) if peer
+             else fsdp_units.coarse_plan(model, unit_modules, kept_out))
     fsdp_units.apply(plans, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(p not in kept_out for p in model.parameters()):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
@@ -256,7 +261,7 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
             fsdp_reset()
         scalars.begin_step()
 
-    fsdp_units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if engine.config.nonfinite_grads != "off":
         steps.nonfinite = NonfiniteCheck(model, steps)  # checks the shards after each synced backward
 
@@ -271,7 +276,7 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
             # reshard_after_forward=False) unsharded, its plain full tensors registered as the module's
             # parameters until the next backward ends. An optimizer built in between (the Trainer builds it in
             # train(), after an evaluate()) would then hold those stale tensors and never update the shards.
-            for unit in fsdp_units:
+            for unit in units:
                 unit.reshard()
 
     def reset_iter_state() -> None:

@@ -162,13 +162,14 @@ def _shardable(model) -> bool:
 
 
 def frozen_config(config: CommFuseConfig, trained: torch.nn.Module) -> CommFuseConfig:
-    """The config a frozen model is sharded with: ``config`` (what ``trained`` was sharded with) with the schedule
-    and piece width chosen for ``trained``, so that a reference copy of it is laid out as it is (TRL's
+    """The config a frozen model is sharded with: ``config`` (what ``trained`` was sharded with) with the schedule,
+    piece width and fsdp2 collectives chosen for ``trained``, so that a reference copy of it is laid out as it is (TRL's
     ``sync_ref_model`` mixes the two parameter by parameter)."""
     engine = getattr(trained, "_commfuse_engine", None)
     if engine is None:
         return config
-    return config.replace(schedule=engine.config.schedule, piece_shards=engine.config.piece_shards)
+    return config.replace(schedule=engine.config.schedule, piece_shards=engine.config.piece_shards,
+                          fsdp2_collectives=engine.config.fsdp2_collectives)
 
 
 _FROZEN_CLASSES: dict[type, type] = {}

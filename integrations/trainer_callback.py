@@ -27,7 +27,7 @@ _USE_INSTEAD = ("write CommFuseTrainer(...) instead of Trainer(...): `from commf
 
 
 def first_batch_tokens(trainer, args) -> tuple[int, str] | None:
-    """A rank's tokens per step from the Trainer's first batch, for the defaults' plan: its data collator on the
+    """A rank's tokens per step from a batch of the Trainer's, for the defaults' plan: its data collator on the
     first ``per_device_train_batch_size`` examples of a map-style ``train_dataset`` (with the columns the model does
     not take removed, as the Trainer's data loader removes them), the elements of ``input_ids``. None where that
     cannot be read (an iterable data set, no ``input_ids``, a collator that refuses): the defaults then assume."""
@@ -45,7 +45,7 @@ def first_batch_tokens(trainer, args) -> tuple[int, str] | None:
         return None
     if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
         return None
-    return ids.numel(), f"the Trainer's first batch, {' x '.join(map(str, ids.shape))}"
+    return ids.numel(), f"the Trainer's first {ids.shape[0]} examples, {' x '.join(map(str, ids.shape))}"
 
 
 def _needs_trainer(args) -> list[str]:

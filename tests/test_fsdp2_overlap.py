@@ -5,7 +5,7 @@ reduce-scatters waited for at the backward's end."""
 
 import pytest
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse_dp import CommFuseConfig, fsdp_units
@@ -86,19 +86,26 @@ def _schedule_worker(rank, world_size, overlap):
             lambda m, g, i=i: events.append(("backward", f"layer{i}", len(deferred.pending) if deferred else 0)))
     model.register_forward_hook(lambda m, a, o: events.append(("forward ends", None, None)), prepend=True)
     deferred = model._commfuse_deferred_reductions
+    model(**hf_models.batch(rank, 1))  # gradients on, outputs dropped: no backward follows, nothing is gathered for it
+    dropped = list(events)
+    events.clear()
+    for unit in model.modules():  # (the kept units as they were: resharded)
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
     model(**hf_models.batch(rank, 0)).loss.backward()
     left = len(deferred.pending) if deferred else 0
-    return events, left, kept
+    return events, left, kept, dropped
 
 
 def test_schedule_gathers_one_unit_ahead_and_defers_reduce_scatters():
-    events, left, kept = run_ranks(_schedule_worker, 2, args=(True,), timeout=120)[0]
+    events, left, kept, dropped = run_ranks(_schedule_worker, 2, args=(True,), timeout=120)[0]
+    assert dropped[-1] == ("forward ends", None, None), dropped
     # The units: embed (resharded after forward), layer0-2 (layer2, the last, kept), norm+lm_head (kept).
     assert kept == {"embed": False, "layer1": False, "layer2": True, "norm+lm_head": True}, kept
     # Forward: the embedding's pre-forward gathers it and prefetches layer0; each unit's pre-forward prefetches the
     # next before it computes (the hook "forward" runs after FSDP2's pre-forward). Every gather is asynchronous (a
-    # Work); the embedding's is waited for at once, as nothing computes before it. The forward's end issues the
-    # backward's first gather: layer1, the last unit resharded after the forward.
+    # Work); the embedding's is waited for at once, as nothing computes before it. The backward's start issues its
+    # first gather: layer1, the last unit resharded after the forward.
     # Backward: layer2 and norm+lm_head are still gathered; layer2's pre-backward finds layer1 issued, each
     # layer's pre-backward prefetches the unit before it (the hook "backward" runs before FSDP2's pre-backward).
     assert events == [
@@ -110,7 +117,7 @@ def test_schedule_gathers_one_unit_ahead_and_defers_reduce_scatters():
     # (the last field of "backward": reduce-scatters issued and still deferred when that layer's backward began)
     assert left == 0, "backward() returned with reduce-scatters still pending"
     # Without overlap (stock FSDP2 on CPU): each unit is gathered at its own pre-forward and waited for at once
-    events, left, _ = run_ranks(_schedule_worker, 2, args=(False,), timeout=120)[0]
+    events, left, _, _ = run_ranks(_schedule_worker, 2, args=(False,), timeout=120)[0]
     assert events[:8] == [
         ("gather", "embed", False), ("gather", "layer0", False), ("forward", "layer0", None),
         ("gather", "layer1", False), ("forward", "layer1", None), ("gather", "layer2", False),

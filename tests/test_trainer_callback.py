@@ -109,8 +109,8 @@ def test_peer_schedule_matches_ddp(runs):
     torch.testing.assert_close(torch.tensor(peer["grad_norms"]), torch.tensor(ddp["grad_norms"]), rtol=1e-4, atol=0)
     torch.testing.assert_close(torch.tensor(peer["eval_loss"]), torch.tensor(ddp["eval_loss"]), rtol=1e-5, atol=0)
     assert all(entry["commfuse/ring_steps"] > 0 for entry in peer["logs"])
-    # the plan's tokens per rank: read off the Trainer's first batch (2 examples of 12 tokens)
-    assert "24 tokens per rank (the Trainer's first batch, 2 x 12)" in peer["machine"], peer["machine"]
+    # the plan's tokens per rank: read off a batch of the Trainer's first examples (2 examples of 12 tokens)
+    assert "24 tokens per rank (the Trainer's first 2 examples, 2 x 12)" in peer["machine"], peer["machine"]
 
 
 def test_eval_loss_matches_ddp_with_short_last_batch(runs):

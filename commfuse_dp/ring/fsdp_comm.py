@@ -17,9 +17,9 @@ on a GPU, also on CPU where FSDP2 itself waits for every collective at once:
 - forward: unit i's pre-forward issues unit i+1's all-gather asynchronously (``set_modules_to_forward_prefetch``,
   units in module order; the root prefetches the first), so it travels while unit i computes. On a GPU the host
   running ahead of the device gives the same one-unit lookahead.
-- backward: the forward's end issues the all-gather of the last unit that was resharded after the forward (the
-  units after it stay gathered: ``reshard_after_forward=False``), the first the backward waits for; on a GPU the
-  host running ahead into the backward issues it about then. Each unit's pre-backward issues the previous unit's
+- backward: its start issues the all-gather of the last unit that was resharded after the forward (the units
+  after it stay gathered: ``reshard_after_forward=False``), the first the backward waits for; on a GPU the host
+  running ahead into the backward issues it as the forward's compute ends. Each unit's pre-backward issues the previous unit's
   all-gather asynchronously (FSDP2's default backward prefetch, made asynchronous with
   ``_set_unshard_async_op(True)``).
 - reduce-scatters: issued from each unit's post-backward on the ring thread and not waited for there; the
@@ -277,15 +277,21 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
 
 
 def _gather_for_backward(root: nn.Module, args, output) -> None:
-    """The root's forward ended: issue the all-gather of the last unit of the forward that was resharded after it,
-    the first the backward waits for, as a GPU's host does by running ahead into the backward ([Note: FSDP2's GPU
-    schedule on the rings]). Only when a backward can follow (gradients on, an output that requires grad); FSDP2's
-    own backward prefetch then finds it issued."""
+    """The root's forward ended: once a backward reaches its outputs, issue the all-gather of the last unit of the
+    forward that was resharded after it, the first the backward waits for, as a GPU's host does by running ahead
+    into the backward ([Note: FSDP2's GPU schedule on the rings]). FSDP2's own backward prefetch then finds it
+    issued. A forward that no backward follows (gradients on, but the outputs dropped) issues nothing."""
     if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return
-    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+    needing = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needing:
         return
-    for group in reversed(root._get_fsdp_state()._comm_ctx.post_forward_order):
-        if not group.is_unsharded:
-            FSDPParamGroup._prefetch_unshard(group, "backward")
-            return
+    order = root._get_fsdp_state()._comm_ctx.post_forward_order
+
+    def backward_begins(grads) -> None:
+        for group in reversed(order):
+            if not group.is_unsharded:
+                FSDPParamGroup._prefetch_unshard(group, "backward")
+                return
+
+    torch.autograd.graph.register_multi_grad_hook(needing, backward_begins, mode="any")
