@@ -40,10 +40,21 @@ _SHOWN = 3  # differing parameters named per rank
 ParamInfo = tuple[str, tuple[int, ...], str, bool]
 
 
-def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module) -> None:
+def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module, chosen: Any = None) -> None:
     """Raise ``ValueError`` on every rank unless all ranks passed the same mesh (``ranks``: its global ranks, in
     its order), the same config and a model with the same parameters (names, shapes, dtypes, ``requires_grad``).
-    Collective over the world."""
+    With ``chosen`` (``choose.Choice``), after the ``"auto"`` settings were chosen: unless every rank chose the same
+    schedule, piece width and collectives (ranks that planned from different inputs, their own batch's tokens,
+    would run different collectives). Collective over the world."""
+    if chosen is not None:
+        mine = (chosen.schedule, chosen.piece_shards, chosen.collectives, chosen.machine)
+        everyone = gather_objects(mine, config.timeout_s, _CHECK)
+        if any(c[:3] != everyone[0][:3] for c in everyone):
+            detail = "; ".join(f"rank {r}: {c[0]}, piece_shards {c[1]}, {c[2]} ({c[3]})"
+                               for r, c in enumerate(everyone))
+            raise ValueError(f"shard: the ranks' \"auto\" settings chose differently ({detail}). Give the inputs that "
+                             f"differ (CommFuseConfig.tokens_per_rank, link_gbps, tflops) or the schedule itself")
+        return
     params = parameter_list(model)
     mine = (list(ranks), config.to_dict(), _digest(params))
     everyone = gather_objects(mine, config.timeout_s, _CHECK)
@@ -70,17 +81,6 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
 _CHECK = ("shard()'s check that every rank passed the same group, config and model (every rank of the world must "
           "call shard() at the same point)")
 
-
-def check_choices_agree(choice: Any, timeout_s: float) -> None:
-    """Raise ``ValueError`` on every rank unless every rank's ``"auto"`` settings became the same schedule, piece
-    width and collectives (``choose.Choice``): ranks that planned from different inputs (their own batch's tokens)
-    would run different collectives. Collective over the world."""
-    mine = (choice.schedule, choice.piece_shards, choice.collectives, choice.machine)
-    everyone = gather_objects(mine, timeout_s, _CHECK)
-    if any(c[:3] != everyone[0][:3] for c in everyone):
-        detail = "; ".join(f"rank {r}: {c[0]}, piece_shards {c[1]}, {c[2]} ({c[3]})" for r, c in enumerate(everyone))
-        raise ValueError(f"shard: the ranks' \"auto\" settings chose differently ({detail}). Give the inputs that "
-                         f"differ (CommFuseConfig.tokens_per_rank, link_gbps, tflops) or the schedule itself")
 
 
 def gather_objects(obj: Any, timeout_s: float, label: str) -> list[Any]:

@@ -225,7 +225,8 @@ def _on(predicted: dict[str, float]) -> str:
         return ""
     nccl, rings = predicted["fsdp2 on NCCL"], predicted["fsdp2 on the rings"]
     if rings <= (1 - MARGIN) * nccl:
-        return f"; on the rings ({rings:.3g} s), {1 - rings / nccl:.0%} faster than on NCCL's collectives ({nccl:.3g} s)"
+        return (f"; on the rings ({rings:.3g} s), {1 - rings / nccl:.0%} faster than on NCCL's collectives "
+                f"({nccl:.3g} s)")
     return (f"; on NCCL's own collectives ({nccl:.3g} s; the rings {rings:.3g} s: N-1 host-issued ring steps per "
             f"collective against one kernel, at the same bandwidth)")
 

@@ -3,9 +3,10 @@ bandwidth and fixed cost per ring step on the shard group, and the device's GEMM
 shapes.
 
 ``measure_machine`` runs inside ``shard()`` on every rank of the world (it runs ring steps on the shard group and
-agrees the figures over the world, so every rank calls it at the same point). Each figure is the median rank's over the world (a gather of the times), so that
-every rank plans with the same numbers and makes the same choice. Results are cached per process group and device (the
-link) and per device, dtype and shapes (the GEMMs); a second ``shard()`` on the same group measures nothing new.
+agrees the figures over the world, so every rank calls it at the same point). Each figure is the median rank's over
+the world (a gather of the times), so that every rank plans with the same numbers and makes the same choice. Results
+are cached per process group and device (the link) and per device, dtype and shapes (the GEMMs); a second
+``shard()`` on the same group measures nothing new.
 
 - The link: ring all-gathers (``ring_all_gather``, N-1 ring steps each) of 4 KiB a step, then of 4 times more
   until a step takes at least 4 times the small one's (its bytes outweigh its fixed cost) and more than a host's

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from . import fsdp_units, lockstep
-from .checks import check_choices_agree, check_not_sharded_elsewhere, check_ranks_agree
+from .checks import check_not_sharded_elsewhere, check_ranks_agree
 from .choose import choose, resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
@@ -116,7 +116,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)),
                                dist.get_world_size(group), device, one_node, group)
     config = resolved.replace(replicate=config.replicate)
-    check_choices_agree(choice, config.timeout_s)  # (a rank that read other tokens off its batch chose otherwise)
+    check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs)

@@ -89,9 +89,10 @@ def _schedule_worker(rank, world_size, overlap):
     model(**hf_models.batch(rank, 1))  # gradients on, outputs dropped: no backward follows, nothing is gathered for it
     dropped = list(events)
     events.clear()
-    for unit in model.modules():  # (the kept units as they were: resharded)
+    for unit in model.modules():  # (the kept units resharded, and FSDP2's record of that forward dropped)
         if isinstance(unit, FSDPModule):
             unit.reshard()
+    model.reset_iter_state()
     model(**hf_models.batch(rank, 0)).loss.backward()
     left = len(deferred.pending) if deferred else 0
     return events, left, kept, dropped

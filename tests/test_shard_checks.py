@@ -46,6 +46,16 @@ def _config_worker(rank, world_size):
     # only min_fuse_numel differs
     messages["min_fuse_numel"] = _refused(_llama(), cf.CommFuseConfig(schedule="fused",
                                                                       min_fuse_numel=0 if rank == last else 1024))
+    # the same config, but the ranks read different tokens per step off their batches: the defaults choose
+    # differently (fused for 8 tokens, the peer for 4096 on this model and link)
+    from commfuse_dp.choose import batch_tokens
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64))
+    batch_tokens(wider, 8 if rank == last else 4096, "a test")
+    given = cf.CommFuseConfig(min_fuse_numel=1024, link_gbps=0.1, ring_latency_us=200, tflops=0.1)
+    messages["chosen"] = _refused(wider, given)
     # the same on every rank: accepted
     cf.shard(_llama(), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0))
     return messages
@@ -63,6 +73,9 @@ def test_config_that_differs_across_ranks(world_size):
     if world_size == 2:
         assert "CommFuseConfigs: prefetch_next: rank 0 has True, rank 1 has False." in messages["prefetch_next"]
         assert "CommFuseConfigs: min_fuse_numel: rank 0 has 1024, rank 1 has 0." in messages["min_fuse_numel"]
+        assert "the ranks' \"auto\" settings chose differently (rank 0: fsdp2, piece_shards 1, rings" in \
+            messages["chosen"] and "rank 1: fused, piece_shards 1, rings" in messages["chosen"], messages["chosen"]
+        assert "8 tokens per rank (a test)" in messages.pop("chosen")
     for message in messages.values():  # only the differing field is named
         assert message.count(" has ") == 1 + (world_size == 2)
 

@@ -19,8 +19,8 @@ on a GPU, also on CPU where FSDP2 itself waits for every collective at once:
   running ahead of the device gives the same one-unit lookahead.
 - backward: its start issues the all-gather of the last unit that was resharded after the forward (the units
   after it stay gathered: ``reshard_after_forward=False``), the first the backward waits for; on a GPU the host
-  running ahead into the backward issues it as the forward's compute ends. Each unit's pre-backward issues the previous unit's
-  all-gather asynchronously (FSDP2's default backward prefetch, made asynchronous with
+  running ahead into the backward issues it as the forward's compute ends. Each unit's pre-backward issues the
+  previous unit's all-gather asynchronously (FSDP2's default backward prefetch, made asynchronous with
   ``_set_unshard_async_op(True)``).
 - reduce-scatters: issued from each unit's post-backward on the ring thread and not waited for there; the
   gradients are views of their output (FSDP2 builds them so), and the backward's last autograd callback waits for
