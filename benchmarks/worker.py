@@ -20,6 +20,9 @@ Variants (``bench --help`` and docs/performance.md say more):
   measure is its rate.
 - ``fused``, ``slicing``: ``shard`` with that schedule; ``fused_noprefetch``, ``fused_lockstep`` (``lookahead_mb=0``),
   ``fused_bundles`` (``forward_bundles=True``), ``fused_ring`` (``direct_kb=0``): variants of it, when asked for.
+  Narrow formats on the wire: ``fused_bf16`` (bf16 gathers and gradients), ``fused_fp8`` (fp8 gathers, bf16
+  gradients), ``fused_int8`` (int8 gathers, bf16 gradients), ``fused_int8_int8`` (int8 gathers, int8 gradients
+  with error feedback).
 - ``fsdp2_overlap``, the peer: stock ``fully_shard`` over torchtitan's units (the embedding, each decoder layer, the
   final norm with the lm_head; ``fsdp_units.peer_plan``, what ``schedule="fsdp2"`` runs) on the same rings, run as
   FSDP2 runs on a GPU (``use_ring_collectives(model, overlap=True)``: gathers one unit ahead, asynchronous, in
@@ -63,7 +66,8 @@ VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsd
             "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
-                  "fused_ring", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
+                  "fused_ring", "fused_bf16", "fused_fp8", "fused_int8",
+                  "fused_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
@@ -151,6 +155,19 @@ class Runner:
 
     def _build_fused_ring(self):
         self._build_fused(direct_kb=0)
+
+    # Narrow formats on the wire (commfuse_dp/wire.py): the fused schedule with each lossy setting
+    def _build_fused_bf16(self):
+        self._build_fused(gather_format="bf16", reduce_format="bf16")
+
+    def _build_fused_fp8(self):
+        self._build_fused(gather_format="fp8", reduce_format="bf16")
+
+    def _build_fused_int8(self):
+        self._build_fused(gather_format="int8", reduce_format="bf16")
+
+    def _build_fused_int8_int8(self):
+        self._build_fused(gather_format="int8", reduce_format="int8", error_feedback=True)
 
     def _build_slicing(self):
         self._build_fused("slicing")

@@ -164,6 +164,9 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
         return Choice(fixed, pieces, f"schedule={fixed!r} as given")
     if ranks == 1:
         return Choice(fixed or "fused", pieces, "one rank: nothing moves", collectives=collectives or "rings")
+    if fixed is None and narrow_formats(config):
+        return Choice("fused", pieces, f"gather_format={config.gather_format!r}, reduce_format="
+                                       f"{config.reduce_format!r}: narrow formats run on the fused schedule")
     if config.replicate > 1 and fixed is None:
         return Choice("fused", pieces, "HSDP (replicate > 1): the fused rings inside each copy, gradients across them")
     shape = model_shape(model)
@@ -203,6 +206,11 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
                   f"fusing does not win by {MARGIN:.0%} here" + (_on(predicted) if collectives is None else ""))
     return Choice(schedule, width, reason, predicted, described,
                   _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured)
+
+
+def narrow_formats(config: CommFuseConfig) -> bool:
+    """Whether ``config`` puts a narrow format on the wire ([Note: narrow formats])."""
+    return config.gather_format != "exact" or config.reduce_format != "exact"
 
 
 def _collectives(config: CommFuseConfig, device: torch.device) -> str | None:

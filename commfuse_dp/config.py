@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .wire import GATHER_FORMATS, MAX_BLOCK, REDUCE_FORMATS
+
 ENV_PREFIX = "COMMFUSE_"
 
 SCHEDULES = ("auto", "fused", "slicing", "fsdp2")
@@ -80,6 +82,31 @@ class CommFuseConfig:
     reduce_dtype: torch.dtype | None = None
     """Dtype in which gradients are reduce-scattered and summed. ``None``: ``param_dtype`` if set, else the
     gradients' own dtype. ``float32`` with a bf16 ``param_dtype`` gives fp32 reduction."""
+
+    gather_format: str = "exact"
+    """What the fused layers' weight all-gathers put on the wire (``commfuse_dp/wire.py``): ``"exact"`` (default:
+    the compute dtype, nothing lost), ``"bf16"``, ``"fp8"`` (e4m3, a scale per block of ``format_block``
+    elements) or ``"int8"`` (symmetric, a scale per block). The owner of a shard encodes it once from its master
+    (fp32 masters stay as they are, and so does the optimizer state); the ring forwards the bytes unchanged, and
+    every rank decodes them into the compute dtype just before the piece that uses them, so every rank, the owner
+    included, computes with bitwise the same weight. Biases and other 1-D parameters travel in their own dtype.
+    Lossy formats apply to the ``"fused"`` schedule's linears; with one set, ``schedule="auto"`` runs ``"fused"``."""
+
+    reduce_format: str = "exact"
+    """What the fused layers' gradient reduce-scatters put on the wire: ``"exact"`` (default: the ring
+    reduce-scatter in ``reduce_dtype``), ``"bf16"`` or ``"int8"`` (a scale per block of ``format_block``). A narrow
+    format does not reduce round the ring (re-rounding a partial sum at every hop adds an error that grows with
+    the ranks): each rank's contribution to a shard is encoded once and sent straight to the shard's owner in N-1
+    pairwise rounds (the ring's bytes, the ring's steps beside the backward's pieces), and the owner sums them in
+    float32. Biases travel in their own dtype."""
+
+    error_feedback: bool = False
+    """With a lossy ``reduce_format``: keep what encoding lost of each contribution and add it to the next step's
+    (error feedback, as in 1-bit Adam and LoCo). Costs one float32 copy of the rank's unsharded fused weight
+    gradients (``describe(model)`` reports it)."""
+
+    format_block: int = 2048
+    """Elements per scale of the ``fp8`` and ``int8`` formats (1 .. 4096)."""
 
     grad_divide: str = "post"
     """Where the mean over ranks divides the gradient: ``"post"`` after the sum, ``"pre"`` before it,
@@ -248,6 +275,20 @@ class CommFuseConfig:
                                  f"integer >= 1 (weight shards per compute piece; 1: one per ring step)")
         else:
             self.piece_shards = "auto"
+        if self.gather_format not in GATHER_FORMATS:
+            raise ValueError(f"CommFuseConfig.gather_format={self.gather_format!r}: allowed values are "
+                             f"{GATHER_FORMATS}")
+        if self.reduce_format not in REDUCE_FORMATS:
+            raise ValueError(f"CommFuseConfig.reduce_format={self.reduce_format!r}: allowed values are "
+                             f"{REDUCE_FORMATS} (fp8 gradients lose too much; int8 with error_feedback is the "
+                             f"narrowest)")
+        self.format_block = _number("format_block", self.format_block, int)
+        if not 1 <= self.format_block <= MAX_BLOCK:
+            raise ValueError(f"CommFuseConfig.format_block={self.format_block!r}: must be an integer from 1 to "
+                             f"{MAX_BLOCK} (elements per scale of fp8 and int8)")
+        if self.error_feedback and self.reduce_format == "exact":
+            raise ValueError("CommFuseConfig.error_feedback=True needs a lossy reduce_format (\"bf16\" or "
+                             "\"int8\"): an exact reduce-scatter loses nothing to feed back")
         if self.fsdp2_collectives not in FSDP2_COLLECTIVES:
             raise ValueError(f"CommFuseConfig.fsdp2_collectives={self.fsdp2_collectives!r}: allowed values are "
                              f"{FSDP2_COLLECTIVES}")
@@ -415,7 +456,8 @@ def forward_bundles_auto(world: int, units: int) -> bool:
     """``forward_bundles="auto"`` on ``world`` ranks for ``units`` units with fused groups (also the planner's)."""
     return (world - 1) * units * units > FORWARD_BUNDLES_ABOVE
 
-_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent", "shard_frozen")
+_BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent", "shard_frozen",
+                "error_feedback")
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:
@@ -458,10 +500,10 @@ def _parse_env(name: str, raw: str) -> Any:
     if name in ("link_gbps", "ring_latency_us", "tflops", "tokens_per_rank") and text.lower() in ("none", ""):
         return None
     if name in ("bucket_mb", "direct_kb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
-                "piece_shards", "link_gbps", "ring_latency_us", "tflops", "tokens_per_rank"):
+                "piece_shards", "link_gbps", "ring_latency_us", "tflops", "tokens_per_rank", "format_block"):
         try:
             return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate", "piece_shards",
-                                               "tokens_per_rank") else int(float(text))
+                                               "tokens_per_rank", "format_block") else int(float(text))
         except ValueError:
             raise ValueError(f"{var}={raw!r}: must be a number") from None
     return text  # strings and dtype names

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import fsdp_units, lockstep
 from .checks import check_not_sharded_elsewhere, check_ranks_agree
-from .choose import choose, resolve
+from .choose import choose, narrow_formats, resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
@@ -116,6 +116,11 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)),
                                dist.get_world_size(group), device, one_node, group)
     config = resolved.replace(replicate=config.replicate)
+    if narrow_formats(config) and config.schedule != "fused" and dist.get_world_size(group) > 1:
+        raise ValueError(f"shard: gather_format={config.gather_format!r} and reduce_format="
+                         f"{config.reduce_format!r} apply to the fused schedule's linears, not to "
+                         f"schedule={config.schedule!r}; set schedule=\"fused\" (or \"auto\"), or leave both formats "
+                         f"\"exact\"")
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
     if mesh.ndim == 2:

@@ -181,6 +181,8 @@ class ShardRuns:
         whole = weights is not None and weights.slots is not None
         ordered = weights is not None and weights.in_shard_order
         self.size = engine.config.piece_shards if ordered or (whole and self.ring.size > 1) else 1
+        if weights is not None and weights.wire is not None:
+            self.size = 1  # narrow rows are decoded one at a time, into a scratch row
         self.piecewise = self.size == 1
         self._top: int | None = None  # the run's first (highest) shard
         world = self.ring.size
@@ -262,7 +264,7 @@ class InputGrad:
 def held_blocks(layout: GroupLayout, weights: WeightRing, k: int, dtype: torch.dtype
                 ) -> tuple[tuple[MemberBlocks, ...], int]:
     """The members' weight blocks piece k computes with, in ``dtype``, and the row index in them."""
-    blocks, index = weights.blocks(layout, k)
+    blocks, index = weights.blocks(layout, k, dtype)
     if blocks[0].weight.dtype != dtype:  # prefetched before autocast changed the compute dtype (same on every rank)
         return layout.blocks(weights.held(k).to(dtype)), 0
     return blocks, index
@@ -328,7 +330,7 @@ class BackwardCall:
         sched.backward_begins(state)
         self.weights = None
         if need_dx:
-            self.weights = (WeightRing(engine, None, full.slots, own=full.own) if full is not None
+            self.weights = (WeightRing(engine, None, full.slots, own=full.own, wire=full.wire) if full is not None
                             else sched.weights(state, params, x2.dtype, "backward"))
         self.grads = None
         if any(self.train):

@@ -54,6 +54,7 @@ class Engine:
         self.stats = StatsRecorder(config.stats)
         self.link = Link(ring, config.timeout_s, self.stats)
         self.requires_grad_sync = True
+        self.scratch: dict[tuple, torch.Tensor] = {}  # rows that narrow weight rows are decoded into (layer_rings.py)
 
     def placements(self, dim: int) -> tuple:
         """A fused parameter's DTensor placements: ``Shard(dim)`` over the shard dimension, replicated across

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..wire import RowFormat, layout_segments
 from .grads import accumulate_grad
 from .layout import GroupLayout
 from .step import StepState
@@ -37,6 +38,48 @@ class FusedGroupState:
         # whether ``_own`` may be used (decided at the first call); never for a member's own ring (cross-attention),
         # whose parameters are views of its group's buffer
         self._packs_in_place: bool | None = None if in_place else False
+        self._wire: dict[tuple, RowFormat] = {}  # narrow formats of its rows, by (what, dtype)
+        self._encoded: tuple[tuple, torch.Tensor] | None = None  # its own row encoded, and the params' versions then
+        self.residual: torch.Tensor | None = None  # error feedback: what encoding lost of each contribution
+
+    # -- narrow formats on the wire ([Note: narrow formats]) ----------------------------------------------------
+
+    def wire_format(self, what: str, dtype: torch.dtype) -> RowFormat | None:
+        """The format its weight rows (``what="gather"``) or gradient contributions (``"reduce"``) of ``dtype``
+        travel in, or None where they travel as they are (the exact format, one rank, bf16 rows in bf16)."""
+        config = self.engine.config
+        fmt = config.gather_format if what == "gather" else config.reduce_format
+        if fmt == "exact" or self.engine.ring.size == 1 or (what == "gather" and fmt == "bf16"
+                                                             and dtype == torch.bfloat16):
+            return None  # (bf16 gradients of bf16 still go to their owner, to be summed in float32)
+        made = self._wire.get((what, dtype))
+        if made is None:
+            made = self._wire[(what, dtype)] = RowFormat(fmt, dtype, self.layout.numel,
+                                                         layout_segments(self.layout), config.format_block)
+        return made
+
+    def feedback(self, device: torch.device) -> torch.Tensor | None:
+        """With ``error_feedback``: what encoding lost of this rank's contribution to each shard, kept from one
+        synced backward to the next (float32, a row per shard)."""
+        if not self.engine.config.error_feedback:
+            return None
+        if self.residual is None:
+            self.residual = torch.zeros(self.engine.ring.size, self.layout.numel, dtype=torch.float32, device=device)
+        return self.residual
+
+    def encoded_own(self, params: list[torch.Tensor], fmt: RowFormat) -> torch.Tensor:
+        """This rank's row encoded in ``fmt`` from the members' local shards (the masters, in their own dtype;
+        padding rows zero): made once per change of the parameters (the forward's is the backward's too)."""
+        key = (id(fmt), *((p.data_ptr(), p._version) for p in params))
+        if self._encoded is not None and self._encoded[0] == key:
+            return self._encoded[1]
+        with torch.no_grad():
+            row = torch.zeros(self.layout.numel, dtype=params[0].dtype, device=params[0].device)
+            self.layout.pack(self.pairs(params), row.dtype, out=row)
+            wire = fmt.empty(None, row.device)
+            fmt.encode(row, wire)
+        self._encoded = (key, wire)
+        return wire
 
     def params(self) -> list[nn.Parameter]:
         # ``_parameters`` itself: ``m.weight`` is the gathered read for code outside the fused forward (reads.py)

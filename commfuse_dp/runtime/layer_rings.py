@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..wire import RowFormat
 from .engine import Engine, RingOp
 from .group import FusedGroupState
 from .layout import GroupLayout, MemberBlocks
@@ -21,6 +22,16 @@ def _identity(k: int) -> int:
     return k
 
 
+def decode_scratch(engine: Engine, numel: int, dtype: torch.dtype, device: torch.device, which: int) -> torch.Tensor:
+    """One of two rows of ``numel`` elements that pieces decode a narrow weight row into, shared by every ring of
+    the model (a piece decodes, computes, and the next piece decodes into the other row)."""
+    key = (numel, dtype, device)
+    rows = engine.scratch.get(key)
+    if rows is None:
+        rows = engine.scratch[key] = tuple(torch.empty(numel, dtype=dtype, device=device) for _ in range(2))
+    return rows[which]
+
+
 class WeightRing:
     """An all-gather ring over same-shape rows: piece k reads ``held(k)``, rank ``(r - k) mod N``'s row.
     ``slots``: ``(N, numel)`` where every row stays (its own row filled, unless ``own`` holds it), or None for two
@@ -29,13 +40,14 @@ class WeightRing:
     into ``slots``; only the pieces read rows one at a time then (``piece_shards=1``). ``in_shard_order``: every
     row landed before the layer's loop (slicing's whole gather), so its pieces compute runs of ``piece_shards`` rows
     in shard order 0 .. N-1 (``ShardRuns``; one a piece: piece k computes shard k, ``shard``), not in the order a
-    ring brings them."""
+    ring brings them. ``wire``: the rows travel in a narrow format ([Note: narrow formats]): ``slots`` and ``pair``
+    hold their bytes, and each piece decodes its row into a scratch row of the compute dtype (``blocks``)."""
 
     def __init__(self, engine: Engine, op: RingOp | None, slots: torch.Tensor | None,
                  pair: tuple[torch.Tensor, torch.Tensor | None] | None = None, own: torch.Tensor | None = None,
-                 views: dict | None = None, in_shard_order: bool = False) -> None:
+                 views: dict | None = None, in_shard_order: bool = False, wire: RowFormat | None = None) -> None:
         self.engine, self.op, self.slots, self.pair, self.own = engine, op, slots, pair, own
-        self.in_shard_order = in_shard_order
+        self.in_shard_order, self.wire = in_shard_order, wire
         # shard(k): the shard whose row piece k computes with (bound once: it runs several times a piece)
         self.shard = _identity if in_shard_order else engine.ring.shard_held
         self.world = engine.ring.size
@@ -52,10 +64,15 @@ class WeightRing:
             return self.pair[k % 2]
         return self.own if k == 0 and self.own is not None else self.slots[self.shard(k)]
 
-    def blocks(self, layout: GroupLayout, k: int) -> tuple[tuple[MemberBlocks, ...], int]:
+    def blocks(self, layout: GroupLayout, k: int, dtype: torch.dtype | None = None
+               ) -> tuple[tuple[MemberBlocks, ...], int]:
         """The members' blocks of the buffer that holds piece k's row, and the row's index in it: views made once
-        per buffer of this ring, not per piece."""
-        if self.slots is None:
+        per buffer of this ring, not per piece. A ring in a narrow format decodes the row into ``dtype`` first."""
+        if self.wire is not None:
+            buf = decode_scratch(self.engine, self.wire.numel, dtype, self.held(k).device, k % 2)
+            self.wire.decode(self.held(k), buf)
+            index, key = 0, (id(buf), id(layout))
+        elif self.slots is None:
             buf, index, key = self.pair[k % 2], 0, k % 2
         elif k == 0 and self.own is not None:
             buf, index, key = self.own, 0, ("own", id(layout))  # one own row per group: a new one replaces it
@@ -144,15 +161,30 @@ class GradRing:
     ``t = (r - k - 1) mod N``'s shard; step k (k ≥ 1) sends ``part(k-1)`` plus the partial sum received by step
     k-1 (added on the link, just before the step) and receives the next partial sum into ``racc``. After step
     N-1 lands, ``part(N-1) + racc`` is this rank's complete shard (``final``). ``lag``: one buffer per piece,
-    so compute never waits for a step to free one; else two alternating buffers."""
+    so compute never waits for a step to free one; else two alternating buffers.
+
+    ``wire``: a narrow format ([Note: narrow formats]); then nothing is summed on the way. Step k sends this rank's
+    contribution ``part(k-1)``, encoded once, straight to its owner ``(r - k) mod N`` and receives rank
+    ``(r + k) mod N``'s contribution to this rank's shard; the contributions are summed in float32 into ``racc``
+    in the ring's order (rank r+1's, r+2's, ..., this rank's own last), so the exact format would give the
+    ring's sum bit for bit. ``residual``: error feedback, what encoding lost of each contribution (a row per
+    shard), added to the next step's before it is encoded."""
 
     def __init__(self, engine: Engine, op: RingOp | None, numel: int, dtype: torch.dtype, device: torch.device,
-                 zeroed: bool, communicates: bool, lag: bool) -> None:
+                 zeroed: bool, communicates: bool, lag: bool, wire: RowFormat | None = None,
+                 residual: torch.Tensor | None = None) -> None:
         world = engine.ring.size
         alloc = torch.zeros if zeroed else torch.empty
         self.world, self.op, self.lag, self.link = world, op, lag and communicates, engine.link
         self.parts = alloc(world if self.lag else min(world, 2), numel, dtype=dtype, device=device)
-        self.racc = torch.empty(numel, dtype=dtype, device=device) if communicates and world > 1 else None
+        self.wire = wire if communicates and world > 1 else None
+        self.rank = engine.ring.rank
+        if self.wire is not None:
+            self.racc = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.sent, self.received = wire.empty(None, device), wire.empty(None, device)
+            self.residual = residual
+        else:
+            self.racc = torch.empty(numel, dtype=dtype, device=device) if communicates and world > 1 else None
         self.last: Pending | None = None
         self.bundled = False  # its steps go later, with its unit's other rings (GradBundle), not beside its pieces
         self.later = False  # its last step is waited for by the schedule after its layer's backward (``Landing``)
@@ -167,18 +199,41 @@ class GradRing:
             self._blocks = layout.blocks(self.parts)
         return self._blocks, k if self.lag else k % 2
 
-    def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None] | None]:
-        """What step k sends and receives, and what runs on the link before it (the add of the sum that step k-1
-        received)."""
+    def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None] | None,
+                                  tuple[int, int] | None]:
+        """What step k sends and receives, what runs on the link before it (the add of the sum that step k-1
+        received), and the group ranks it sends to and receives from (None: the ring's neighbours)."""
         out = self.part(k - 1)
+        if self.wire is not None:
+            return [self.sent], [self.received], lambda: self._encode(k, out), \
+                ((self.rank - k) % self.world, (self.rank + k) % self.world)
         before = (lambda: out.add_(self.racc)) if k > 1 else None
-        return [out], [self.racc], before
+        return [out], [self.racc], before, None
+
+    def _encode(self, k: int, out: torch.Tensor) -> None:
+        """On the link, before step k: sum in the contribution step k-1 brought, and encode the one step k sends."""
+        wire = self.wire
+        if k > 1:
+            wire.add_decoded(self.received, self.racc)
+        if self.residual is not None:
+            kept = self.residual[(self.rank - k) % self.world]
+            src = out.float().add_(kept)
+            wire.encode(src, self.sent)
+            kept.copy_(src.sub_(wire.decode(self.sent, torch.empty_like(src))))
+        else:
+            wire.encode(out, self.sent)
 
     def final(self, post: float = 1.0) -> torch.Tensor:
         """This rank's complete shard divided by ``post``, once step N-1 (``last``) landed and was waited for. Its
         own buffer, not a row of ``parts``, so that the parameters' gradients may be views of it (as FSDP2's are of
         its reduce-scatter's output): nothing is copied, and no other part is kept alive by them."""
         out = self.part(self.world - 1)
+        if self.wire is not None:
+            self.wire.add_decoded(self.received, self.racc)
+            out = self.racc.add_(out)
+            if post != 1.0:
+                out.div_(post)
+            return out
         if self.racc is not None:
             out = torch.add(out, self.racc)  # (one row of two or of N otherwise: the grads would hold them all)
         if post != 1.0:
@@ -229,14 +284,16 @@ class GradBundle:
         count = self.unrequested if steps is None else min(steps, self.unrequested)
         first = self.rings[0]
         for _ in range(count):
-            k, sends, recvs, befores = self.next, [], [], []
+            k, sends, recvs, befores, peers = self.next, [], [], [], Peers()
             for ring in self.rings:
-                ring_sends, ring_recvs, before = ring.io(k)
+                ring_sends, ring_recvs, before, to = ring.io(k)
+                peers.add(ring_sends, ring_recvs, to)
                 sends, recvs = sends + ring_sends, recvs + ring_recvs
                 if before is not None:
                     befores.append(before)
             step = first.link.step(sends, recvs, first.op, k, first.world - 1,
-                                   (lambda adds=befores: [add() for add in adds]) if befores else None)
+                                   (lambda adds=befores: [add() for add in adds]) if befores else None,
+                                   **peers.kwargs(first.link.ring))
             self.pending.append(step)
             self.next += 1
             if self.next == first.world:
@@ -257,22 +314,26 @@ def piece_steps(engine: Engine, k: int, weights: WeightRing | None,
     world, link = engine.ring.size, engine.link
     gather = weights is not None and weights.op is not None and k < world - 1
     reduce = grads is not None and grads.racc is not None and k > 0 and not grads.bundled
-    sends, recvs, before = [], [], None
+    sends, recvs, before, peers = [], [], None, Peers()
     new_gather = gather and weights.requested <= k  # else requested ahead (the link may have run it already)
     if new_gather:
         sends, recvs = weights.io(k)
+        peers.add(sends, recvs, None)
         weights.requested = k + 1
     if reduce:
-        g_sends, g_recvs, before = grads.io(k)
+        g_sends, g_recvs, before, to = grads.io(k)
         if grads.lag:  # its own step, not waited here: it lands during later compute
-            grads.last = link.step(g_sends, g_recvs, grads.op, k, world - 1, before)
+            own = Peers()
+            own.add(g_sends, g_recvs, to)
+            grads.last = link.step(g_sends, g_recvs, grads.op, k, world - 1, before, **own.kwargs(link.ring))
             before = None
         else:
+            peers.add(g_sends, g_recvs, to)
             sends, recvs = sends + g_sends, recvs + g_recvs
     step = None
     if sends:
         op = weights.op if weights is not None and weights.op is not None else grads.op
-        step = link.step(sends, recvs, op, k, world - 1, before)
+        step = link.step(sends, recvs, op, k, world - 1, before, **peers.kwargs(link.ring))
         if new_gather:
             weights.pending[k] = step
         if reduce and not grads.lag:
@@ -280,6 +341,30 @@ def piece_steps(engine: Engine, k: int, weights: WeightRing | None,
     if gather:
         return weights.pending[k]
     return step
+
+
+class Peers:
+    """The group ranks a link step's tensors go to and come from, where a ring of it does not use the neighbours
+    (a narrow gradient ring sends straight to a shard's owner): ``link.step``'s ``send_to``/``recv_from``."""
+
+    __slots__ = ("to", "source", "direct")
+
+    def __init__(self) -> None:
+        self.to: list[int | None] = []
+        self.source: list[int | None] = []
+        self.direct = False
+
+    def add(self, sends: list, recvs: list, peers: tuple[int, int] | None) -> None:
+        send_to, recv_from = peers if peers is not None else (None, None)
+        self.direct = self.direct or peers is not None
+        self.to += [send_to] * len(sends)
+        self.source += [recv_from] * len(recvs)
+
+    def kwargs(self, ring) -> dict:
+        if not self.direct:
+            return {}
+        return {"send_to": [ring.next if p is None else p for p in self.to],
+                "recv_from": [ring.prev if p is None else p for p in self.source]}
 
 
 class Landing:
@@ -304,7 +389,9 @@ class Landing:
 
     def buffers(self) -> list[torch.Tensor]:
         """What ``finish`` reads and writes: another stream uses them (CUDA's ``record_stream``)."""
-        return [t for t in (self.grads.parts, self.grads.racc) if t is not None]
+        grads = self.grads
+        narrow = (grads.sent, grads.received) if grads.wire is not None else ()
+        return [t for t in (grads.parts, grads.racc, *narrow) if t is not None]
 
     def _final(self) -> torch.Tensor:
         return self.grads.final(self.post)

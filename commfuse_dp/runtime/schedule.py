@@ -173,6 +173,9 @@ class FusedSchedule:
                     keep: bool) -> WeightRing:
         layout, ring = state.layout, self.engine.ring
         op = self.steps.ring_op(state.op, phase) if ring.size > 1 else None
+        wire = state.wire_format("gather", compute_dtype)
+        if wire is not None:
+            return self._new_narrow(state, params, op, wire, keep)
         if keep or (self.elastic and ring.size > 1):
             device = params[0].device
             pooled = not keep and device.type == "cpu"
@@ -187,6 +190,22 @@ class FusedSchedule:
             return weights
         buf = layout.pack(state.pairs(params), compute_dtype)
         return WeightRing(self.engine, op, None, (buf, torch.empty_like(buf) if ring.size > 1 else None))
+
+    def _new_narrow(self, state: FusedGroupState, params, op, wire, keep: bool) -> WeightRing:
+        """A weight ring whose rows travel in ``wire``'s format: this rank's row encoded once, the rest arriving as
+        bytes."""
+        ring = self.engine.ring
+        own = state.encoded_own(params, wire)
+        if keep or self.elastic:
+            pooled = not keep and own.device.type == "cpu"
+            slots = self._pool.take((ring.size, wire.nbytes), torch.uint8, own.device) if pooled else None
+            if slots is None:
+                slots = wire.empty(ring.size, own.device)
+            slots[ring.rank].copy_(own)
+            weights = WeightRing(self.engine, op, slots, views=self._views if pooled else None, wire=wire)
+            weights.pooled = pooled
+            return weights
+        return WeightRing(self.engine, op, None, (own.clone(), wire.empty(None, own.device)), wire=wire)
 
     def release(self, weights: WeightRing) -> None:
         """``weights`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
@@ -205,7 +224,10 @@ class FusedSchedule:
         if communicates and self.engine.ring.size > 1:
             op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.op,
                                                                                                       "backward")
-        ring = GradRing(self.engine, op, numel, reduce_dtype, device, zeroed, communicates, self.elastic)
+        wire = state.wire_format("reduce", reduce_dtype) if communicates else None
+        residual = state.feedback(device) if wire is not None and wire.lossy else None
+        ring = GradRing(self.engine, op, numel, reduce_dtype, device, zeroed, communicates, self.elastic, wire,
+                        residual)
         ring.later = self.defer_last_reduce and ring.racc is not None and accumulates
         if ring.later and self.bundles_grads(state):
             ring.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
@@ -430,7 +452,9 @@ class FusedSchedule:
         return True
 
     def _gathered_bytes(self, state: FusedGroupState) -> int:
-        return state.layout.numel * self.engine.ring.size * self._dtype(state).itemsize
+        wire = state.wire_format("gather", self._dtype(state))
+        row = wire.nbytes if wire is not None else state.layout.numel * self._dtype(state).itemsize
+        return row * self.engine.ring.size
 
     def _dtype(self, state: FusedGroupState) -> torch.dtype:
         return self.dtype_hint or self.engine.compute_dtype(state.params()[0].dtype)  # as its layer will ask

@@ -1,0 +1,141 @@
+"""Narrow formats on the wire (``gather_format``, ``reduce_format``): the formats alone, and the fused linear on
+real gloo groups: every rank computes with bitwise the same decoded weight, a narrow gradient is rounded once per
+contribution (not once per hop), error feedback carries what was lost into the next step."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from commfuse_dp import CommFuseConfig
+from commfuse_dp.fused import attach_group, convert_linear, step_state
+from commfuse_dp.ring import get_ring
+from commfuse_dp.runtime.engine import Engine
+from commfuse_dp.wire import RowFormat
+from harness import run_ranks
+
+# (out_features per member, in_features): padding rows over 2-4 ranks, and a q/k/v-like group with biases
+MEMBERS, IN_FEATURES = (12, 7, 6), 10
+
+
+@pytest.mark.parametrize("fmt,bound", [("bf16", 2 ** -8), ("fp8", 2 ** -3), ("int8", 1 / 127)])
+def test_formats_round_within_their_step(fmt, bound):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=gen) * torch.logspace(-3, 3, 5000)
+    x[:64] = 0.0  # a block of zeros decodes to zeros
+    row = RowFormat(fmt, torch.float32, 5000, [(0, 4990, True), (4990, 10, False)], block=256)
+    wire = row.empty(None, x.device)
+    row.encode(x, wire)
+    y = row.decode(wire, torch.empty(5000))
+    assert torch.equal(y[4990:], x[4990:])  # the 1-D segment travels as it is
+    assert torch.equal(y[:64], x[:64])
+    err = (y - x)[:4990].abs()
+    if fmt == "bf16":
+        assert (err <= bound * x[:4990].abs()).all()
+    else:  # relative to each block's largest magnitude
+        top = x[:4990 // 256 * 256].abs().view(-1, 256).amax(1).repeat_interleave(256)
+        assert (err[:top.numel()] <= bound * top).all()
+    assert err.max() > 0  # it is narrower: something was lost
+    assert row.nbytes < 5000 * 4 * (0.6 if fmt == "bf16" else 0.3)
+
+
+def _group(engine, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    refs = [nn.Linear(IN_FEATURES, out, dtype=dtype) for out in MEMBERS]
+    mods = [nn.Linear(IN_FEATURES, out, dtype=dtype) for out in MEMBERS]
+    for m, r in zip(mods, refs):
+        m.load_state_dict(r.state_dict())
+        convert_linear(m, engine, False)
+    attach_group(step_state(engine), mods, [f"member{i}" for i in range(len(mods))])
+    return mods, refs
+
+
+def _engine(world_size, **config):
+    mesh = init_device_mesh("cpu", (world_size,))
+    return Engine(get_ring(), mesh, CommFuseConfig(schedule="fused", **config))
+
+
+def _same_weight_worker(rank, world_size, fmt, lookahead):
+    engine = _engine(world_size, gather_format=fmt, lookahead_mb=lookahead)
+    mods, refs = _group(engine)
+    x = torch.randn(4, IN_FEATURES, generator=torch.Generator().manual_seed(7))  # the same input on every rank
+    outs = torch.cat([m(x) for m in mods], dim=1).detach()
+    every = [torch.empty_like(outs) for _ in range(world_size)]
+    dist.all_gather(every, outs)
+    exact = torch.cat([r(x) for r in refs], dim=1).detach()
+    return [torch.equal(every[0], o) for o in every], (outs - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
+def test_every_rank_computes_with_the_same_decoded_weight(world_size, fmt):
+    """The owner of a shard computes with its decoded row too, not its master: the outputs of one input agree bit
+    for bit on every rank (each rank computes the columns of every shard), and differ from the exact ones."""
+    for lookahead in ("auto", 0):  # the elastic (N, row) buffer and lockstep's two rows
+        for same, err in run_ranks(_same_weight_worker, world_size, (fmt, lookahead)):
+            assert all(same)
+            assert 0 < err < 0.1
+
+
+def _contributions(rank, world_size, mods, steps=1):
+    """Each rank's own data; returns the fp32 contributions of every rank to each member's weight gradient."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(6, IN_FEATURES, generator=gen) * 3
+    dys = [torch.randn(6, out, generator=gen) for out in MEMBERS]
+    for _ in range(steps):
+        outs = [m(x) for m in mods]
+        sum((o * g).sum() for o, g in zip(outs, dys)).backward()
+    local = torch.cat([(dy.t() @ x) for dy in dys])  # this rank's contribution to the whole weight gradient
+    every = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(every, local)
+    return torch.stack(every)
+
+
+def _weight_grad(mods):
+    return torch.cat([m.weight.grad.full_tensor() for m in mods])
+
+
+def _bf16_grad_worker(rank, world_size):
+    engine = _engine(world_size, reduce_format="bf16")
+    mods, _ = _group(engine)
+    contrib = _contributions(rank, world_size, mods)
+    got = _weight_grad(mods) * world_size  # (the mean over ranks)
+    exact = contrib.sum(0)
+    # one bf16 rounding per contribution sent (a rank's own contribution for its shard is not sent at all)
+    bound = (contrib - contrib.bfloat16().float()).abs().sum(0) + 1e-5 * contrib.abs().sum(0)
+    return bool(((got - exact).abs() <= bound).all()), (got - exact).abs().max().item()
+
+
+def test_bf16_reduce_scatter_rounds_each_contribution_once():
+    for within, err in run_ranks(_bf16_grad_worker, 4):
+        assert within
+        assert err > 0  # the gradients did travel in bf16
+
+
+def _feedback_worker(rank, world_size, feedback):
+    engine = _engine(world_size, reduce_format="int8", error_feedback=feedback, format_block=16)
+    mods, _ = _group(engine)
+    errors = []
+    total = None
+    for step in range(3):
+        contrib = _contributions(rank, world_size, mods)
+        got = _weight_grad(mods) * world_size
+        total = got if total is None else total + got
+        errors.append((total - contrib.sum(0) * (step + 1)).norm().item())
+        for m in mods:
+            m.weight.grad = m.bias.grad = None
+    kept = engine.scratch  # (touch: the engine is alive)
+    residual = [s.residual for s in step_state(engine).states]
+    return errors, [r is not None and r.abs().sum().item() > 0 for r in residual], kept is not None
+
+
+def test_error_feedback_keeps_the_sum_of_steps_close():
+    """Same data three steps running: without feedback the error of the summed gradients grows with the steps;
+    with it, what one step lost is sent the next, and the summed error stays about one step's."""
+    plain = run_ranks(_feedback_worker, 3, (False,))
+    fed = run_ranks(_feedback_worker, 3, (True,))
+    for (plain_err, plain_kept, _), (fed_err, fed_kept, _) in zip(plain, fed):
+        assert not any(plain_kept) and all(fed_kept)
+        assert plain_err[2] > 2.5 * plain_err[0]
+        assert fed_err[2] < 0.7 * plain_err[2]
