@@ -12,7 +12,8 @@ COLORS = {"defaults": "#ff00ff", "fused": "#d62728", "slicing": "#1f77b4", "fsdp
           "fused_lockstep": "#e377c2", "concurrent": "#17becf", "hsdp_fused": "#ff7f0e", "hsdp_slicing": "#aec7e8",
           "fsdp2_hsdp": "#98df8a", "fused_ring": "#c5b0d5", "fused_bundles": "#8c6d31",
           "fsdp2_overlap": "#000000", "fsdp2_coarse": "#555555", "fsdp2_torch": "#aaaaaa", "defaults_nohints": "#ffa0ff",
-          "fused_bf16": "#bcbd22", "fused_fp8": "#7f7f7f", "fused_int8": "#17a768", "fused_int8_int8": "#0b5d3a"}
+          "fused_bf16": "#bcbd22", "fused_fp8": "#7f7f7f", "fused_int8": "#17a768", "fused_int8_int8": "#0b5d3a",
+          "fsdp2_bf16": "#6b6b00", "fsdp2_int8": "#5fa8d3", "fsdp2_int8_int8": "#1b4f72"}
 LANES = {"compute": ("compute", "#4c72b0"), "device": ("emulated device busy", "#8172b3"),
          "ring": ("ring steps (fused)", "#dd8452"), "ring-thread": ("ring thread (async)", "#55a868"),
          "ring-thread-2": ("replicate ring thread (HSDP)", "#c44e52"),

@@ -22,7 +22,7 @@ Variants (``bench --help`` and docs/performance.md say more):
   ``fused_bundles`` (``forward_bundles=True``), ``fused_ring`` (``direct_kb=0``): variants of it, when asked for.
   Narrow formats on the wire: ``fused_bf16`` (bf16 gathers and gradients), ``fused_fp8`` (fp8 gathers, bf16
   gradients), ``fused_int8`` (int8 gathers, bf16 gradients), ``fused_int8_int8`` (int8 gathers, int8 gradients
-  with error feedback).
+  with error feedback); ``fsdp2_bf16``, ``fsdp2_int8``, ``fsdp2_int8_int8``: the peer with the same formats.
 - ``fsdp2_overlap``, the peer: stock ``fully_shard`` over torchtitan's units (the embedding, each decoder layer, the
   final norm with the lm_head; ``fsdp_units.peer_plan``, what ``schedule="fsdp2"`` runs) on the same rings, run as
   FSDP2 runs on a GPU (``use_ring_collectives(model, overlap=True)``: gathers one unit ahead, asynchronous, in
@@ -66,8 +66,8 @@ VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsd
             "compute_only", "comm_only")
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
-                  "fused_ring", "fused_bf16", "fused_fp8", "fused_int8",
-                  "fused_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
+                  "fused_ring", "fused_bf16", "fused_fp8", "fused_int8", "fused_int8_int8", "fsdp2_bf16", "fsdp2_int8",
+                  "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
@@ -181,7 +181,7 @@ class Runner:
         fully_shard(self.model)
         self.opt = self._optimizer(self.model.parameters())
 
-    def _build_fsdp2_overlap(self, coarse=False):
+    def _build_fsdp2_overlap(self, coarse=False, **formats):
         from torch.distributed.fsdp import fully_shard
 
         import commfuse_dp as cf
@@ -192,11 +192,21 @@ class Runner:
         layers = list(self.model.model.layers)[::-1]  # (innermost first, as shard() lists units)
         fsdp_units.apply((fsdp_units.coarse_plan if coarse else fsdp_units.peer_plan)(self.model, layers, set()))
         fully_shard(self.model)
-        use_ring_collectives(self.model, cf.CommFuseConfig(timeout_s=600), overlap=True)
+        use_ring_collectives(self.model, cf.CommFuseConfig(timeout_s=600, **formats), overlap=True)
         self.opt = self._optimizer(self.model.parameters())
 
     def _build_fsdp2_coarse(self):
         self._build_fsdp2_overlap(coarse=True)
+
+    # The peer with the narrow formats of fused_bf16 / fused_int8 / fused_int8_int8
+    def _build_fsdp2_bf16(self):
+        self._build_fsdp2_overlap(gather_format="bf16", reduce_format="bf16")
+
+    def _build_fsdp2_int8(self):
+        self._build_fsdp2_overlap(gather_format="int8", reduce_format="bf16")
+
+    def _build_fsdp2_int8_int8(self):
+        self._build_fsdp2_overlap(gather_format="int8", reduce_format="int8", error_feedback=True)
 
     def _build_fsdp2_torch(self):
         from .fsdp2_torch import build

@@ -218,6 +218,8 @@ def _collectives(config: CommFuseConfig, device: torch.device) -> str | None:
     "auto", played)."""
     if config.fsdp2_collectives != "auto":
         return config.fsdp2_collectives
+    if narrow_formats(config):
+        return "rings"  # (only the rings carry the narrow formats)
     return None if device.type == "cuda" else "rings"
 
 

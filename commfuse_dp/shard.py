@@ -116,10 +116,15 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)),
                                dist.get_world_size(group), device, one_node, group)
     config = resolved.replace(replicate=config.replicate)
-    if narrow_formats(config) and config.schedule != "fused" and dist.get_world_size(group) > 1:
+    if narrow_formats(config) and config.schedule == "fsdp2" and config.fsdp2_collectives == "torch":
         raise ValueError(f"shard: gather_format={config.gather_format!r} and reduce_format="
-                         f"{config.reduce_format!r} apply to the fused schedule's linears, not to "
-                         f"schedule={config.schedule!r}; set schedule=\"fused\" (or \"auto\"), or leave both formats "
+                         f"{config.reduce_format!r} travel on the library's rings, but fsdp2_collectives='torch' runs "
+                         f"torch's own collectives; set fsdp2_collectives=\"rings\" (or \"auto\"), or leave both "
+                         f"formats \"exact\"")
+    if narrow_formats(config) and config.schedule == "slicing" and dist.get_world_size(group) > 1:
+        raise ValueError(f"shard: gather_format={config.gather_format!r} and reduce_format="
+                         f"{config.reduce_format!r} apply to the fused and fsdp2 schedules, not to "
+                         f"schedule='slicing'; set schedule=\"fused\" (or \"auto\"), or leave both formats "
                          f"\"exact\"")
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None

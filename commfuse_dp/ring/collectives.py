@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..stats import StatsRecorder
+from ..wire import RowFormat
 from .issue import collective, issue
 from .topology import Ring, get_ring
 
@@ -51,7 +52,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
                     async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                     timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
                     label: object = None, direct_kb: float = DEFAULT_DIRECT_KB,
-                    stats: StatsRecorder | None = None) -> dist.Work | None:
+                    stats: StatsRecorder | None = None, wire: RowFormat | None = None) -> dist.Work | None:
     """All-gather ``input`` from every rank of ``group`` into ``output`` (rank-major), through the ring.
 
     Same contract as ``dist.all_gather_into_tensor``: ``output`` has ``world_size * input.numel()`` elements,
@@ -61,11 +62,16 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     ``label`` are for the fused layers (an identity tag, and what to name in an error); by default the next tag
     of the group's counter. ``direct_kb``: an ``output`` of at most this many KiB is exchanged with every peer in
     one round instead of going round the ring (0: always the ring). ``stats``: the step statistics its wait is
-    recorded in (a sharded model's; ``ring/issue.py``).
+    recorded in (a sharded model's; ``ring/issue.py``). ``wire``: a narrow format of ``input``'s row ([Note:
+    narrow formats]): each rank's row is encoded once, gathered as bytes and decoded into ``output``, its own
+    row too, so every rank's ``output`` is bitwise the same.
     """
     ring = get_ring(group, op="ring_all_gather")
     _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
     tag = ring.next_tag() if tag is None else tag  # on the issuing thread: ops pair up in issue order
+    if wire is not None and ring.size > 1 and input.numel():
+        return _narrow_all_gather(ring, output, input, wire, tag, bucket_mb, timeout_s, label, direct_kb,
+                                  async_op, stats)
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_all_gather")
     n = input.numel()
     direct = goes_direct(ring, output, direct_kb, chunked=n > chunk)
@@ -82,15 +88,27 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
                         async_op: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
                         timeout_s: float = DEFAULT_TIMEOUT_S, tag: int | None = None,
                         label: object = None, direct_kb: float = DEFAULT_DIRECT_KB,
-                        stats: StatsRecorder | None = None) -> dist.Work | None:
+                        stats: StatsRecorder | None = None, wire: RowFormat | None = None,
+                        residual: torch.Tensor | None = None) -> dist.Work | None:
     """Sum (``op=SUM``) or average (``op=AVG``) ``input`` (``world_size`` rank-major shards) over the ranks of
     ``group`` and leave shard ``rank`` in ``output``: the contract of ``dist.reduce_scatter_tensor``. ``tag``,
-    ``label``, ``direct_kb`` (of ``input``) and ``stats``: as for ``ring_all_gather``."""
+    ``label``, ``direct_kb`` (of ``input``) and ``stats``: as for ``ring_all_gather``. ``wire``: a narrow format
+    of one shard's row: this rank's piece of each other shard is encoded once and sent straight to its owner in
+    N-1 pairwise rounds, and the owner sums the pieces in float32 in the ring's order (``_narrow_reduce_scatter``).
+    ``residual``: error feedback with ``wire``, float32 ``(world_size, output.numel())``: what encoding lost of
+    each piece, added to the next call's piece before it is encoded, and updated."""
     ring = get_ring(group, op="ring_reduce_scatter")
     _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,
                 input_numel=ring.size * output.numel())
     average = _average(op, output.dtype, "ring_reduce_scatter")
     tag = ring.next_tag() if tag is None else tag
+    if wire is not None and ring.size > 1 and output.numel():
+        def narrow() -> None:
+            _narrow_reduce_scatter(ring, output.view(-1), input.view(-1), wire, tag, timeout_s, average, label,
+                                   residual)
+
+        return collective(ring, "reduce_scatter", tag, label, [wire.nbytes] * (ring.size - 1), narrow,
+                          output.device, async_op, (output, input), stats)
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
     n = output.numel()
     direct = goes_direct(ring, input, direct_kb, chunked=n > chunk)
@@ -235,6 +253,58 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
     complete(len(bounds) - 1)
     if average:
         out.div_(world)
+
+
+def _narrow_all_gather(ring: Ring, output: torch.Tensor, input: torch.Tensor, wire: RowFormat, tag: int,
+                       bucket_mb: float, timeout_s: float, label: object, direct_kb: float, async_op: bool,
+                       stats: StatsRecorder | None) -> dist.Work | None:
+    """``ring_all_gather`` of rows in a narrow format: encode this rank's row, gather the bytes round the ring,
+    decode every row (this rank's too) into ``output``."""
+    n, world = input.numel(), ring.size
+    rows = wire.empty(world, input.device)
+    chunk = _chunk_numel(bucket_mb, 1, "ring_all_gather")
+    direct = goes_direct(ring, rows, direct_kb, chunked=wire.nbytes > chunk)
+
+    def run() -> None:
+        wire.encode(input.view(-1), rows[ring.rank])
+        _all_gather_flat(ring, rows.view(-1), rows[ring.rank], tag, chunk, timeout_s, label, direct)
+        out = output.view(-1)
+        for j in range(world):
+            wire.decode(rows[j], out[j * n:(j + 1) * n])
+
+    return collective(ring, "all_gather", tag, label, _step_sizes(ring, wire.nbytes, chunk, direct), run,
+                      output.device, async_op, (output, input, rows), stats)
+
+
+def _narrow_reduce_scatter(ring: Ring, out: torch.Tensor, inp: torch.Tensor, wire: RowFormat, tag: int,
+                           timeout_s: float, average: bool, label: object,
+                           residual: torch.Tensor | None = None) -> None:
+    """Round k = 1 .. N-1: this rank's piece of shard ``(r - k) mod N``, encoded, goes to that rank, and rank
+    ``(r + k) mod N``'s piece of shard r comes in; each is decoded and added in float32 while the next round
+    travels, this rank's own piece last: the ring's order of summands, each rounded once."""
+    n, world, rank = out.numel(), ring.size, ring.rank
+    sent = wire.empty(None, inp.device)
+    received = wire.empty(2, inp.device)
+    total = torch.zeros(n, dtype=torch.float32, device=inp.device)
+    for k in range(1, world):
+        to, source = (rank - k) % world, (rank + k) % world
+        piece = inp[to * n:(to + 1) * n]
+        if residual is not None:
+            piece = piece.float().add_(residual[to])
+            wire.encode(piece, sent)
+            residual[to].copy_(piece.sub_(wire.decode(sent, torch.empty_like(piece))))
+        else:
+            wire.encode(piece, sent)
+        handle = issue(ring, [sent], [received[k % 2]], tag, "reduce_scatter", k - 1, world - 1, timeout_s, label,
+                       [to], [source], wait=False)
+        if k > 1:
+            wire.add_decoded(received[(k - 1) % 2], total)
+        handle.wait(observed=False)
+    wire.add_decoded(received[(world - 1) % 2], total)
+    total.add_(inp[rank * n:(rank + 1) * n])
+    if average:
+        total.div_(world)
+    out.copy_(total)
 
 
 def goes_direct(ring: Ring, whole: torch.Tensor, direct_kb: float, chunked: bool = False) -> bool:

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
+from ..wire import RowFormat
 from .collectives import ring_all_gather, ring_reduce_scatter
 
 _SHARD_OWNER = "commfuse_dp.shard()"
@@ -58,9 +59,34 @@ class _RingComm:
         self.recorder = recorder if recorder is not None and recorder.enabled else None
         self.label = label  # the unit, named in ring errors
         self.owner: str | None = None  # _SHARD_OWNER when commfuse_dp.shard() installed it
+        self.param_group = None  # the FSDP2 parameter group it serves (set by use_ring_collectives)
+        self._formats: dict[tuple, RowFormat | None] = {}
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
+
+    def wire(self, fmt: str, row: torch.Tensor, gather: bool) -> RowFormat | None:
+        """The narrow format of one rank's row of this unit's flat buffer ([Note: narrow formats]): each
+        parameter's padded shard in turn, 2-D and larger ones in ``fmt``, 1-D ones as they are. None where the
+        row travels as it is: the exact format, a row that is not the unit's shards (``reshard_after_forward``
+        to a smaller group, a tensor subclass's own all-gather inputs), a bf16 gather of bf16 values."""
+        if fmt == "exact" or self.param_group is None or not row.dtype.is_floating_point:
+            return None
+        if gather and fmt == "bf16" and row.dtype == torch.bfloat16:
+            return None
+        key = (fmt, row.dtype, row.numel())
+        if key not in self._formats:
+            params = self.param_group.fsdp_params
+            sizes = [p.padded_sharded_param_size.numel() for p in params]
+            made = None
+            if sum(sizes) == row.numel():
+                segments, at = [], 0
+                for p, size in zip(params, sizes):
+                    segments.append((at, size, len(p._orig_size) >= 2))
+                    at += size
+                made = RowFormat(fmt, row.dtype, row.numel(), segments, self.config.format_block)
+            self._formats[key] = made
+        return self._formats[key]
 
 
 class RingAllGather(_RingComm, AllGather):
@@ -70,7 +96,8 @@ class RingAllGather(_RingComm, AllGather):
                  async_op: bool = False) -> dist.Work | None:
         # its ring steps are counted and its wait timed where it is waited for (ring/issue.py)
         return ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
-                               stats=self.recorder, **self.config.ring_kwargs)
+                               stats=self.recorder, wire=self.wire(self.config.gather_format, input_tensor, True),
+                               **self.config.ring_kwargs)
 
 
 class RingReduceScatter(_RingComm, ReduceScatter):
@@ -86,24 +113,38 @@ class RingReduceScatter(_RingComm, ReduceScatter):
                  label: str | None = None, deferred: DeferredReductions | None = None) -> None:
         super().__init__(config, recorder, label)
         self.deferred = deferred
-        self.param_group = None  # the FSDP2 parameter group it serves (set by use_ring_collectives)
+        self.residual: torch.Tensor | None = None  # error feedback (``feedback``)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
         # FSDP2 ignores the return value of its reduce-scatter: complete on return, or deferred (see above)
+        wire = self.wire(self.config.reduce_format, output_tensor, False)
+        residual = self.feedback(output_tensor, group) if wire is not None and wire.lossy else None
         if self.deferred is not None and self.deferred.may_defer(self.param_group, output_tensor, op):
             work = ring_reduce_scatter(output_tensor, input_tensor, group, op, async_op=True, label=self.label,
-                                       stats=self.recorder, **self.config.ring_kwargs)
+                                       stats=self.recorder, wire=wire, residual=residual,
+                                       **self.config.ring_kwargs)
             self.deferred.add(work)
             return None
         scale = None
         if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
             scale, op = op.factor, dist.ReduceOp.SUM
         ring_reduce_scatter(output_tensor, input_tensor, group, op, label=self.label, stats=self.recorder,
-                            **self.config.ring_kwargs)
+                            wire=wire, residual=residual, **self.config.ring_kwargs)
         if scale is not None:
             output_tensor.mul_(scale)
         return None
+
+
+    def feedback(self, output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+        """With ``error_feedback``: what encoding lost of this rank's piece of each shard, kept from one
+        reduce-scatter of the unit to the next (float32, a row per shard)."""
+        if not self.config.error_feedback:
+            return None
+        shape = (group.size(), output.numel())
+        if self.residual is None or self.residual.shape != shape:
+            self.residual = torch.zeros(shape, dtype=torch.float32, device=output.device)
+        return self.residual
 
 
 class DeferredReductions:
@@ -258,7 +299,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
         gathering.append(module)
         gather = RingAllGather(config, recorder, f"FSDP2 unit {unit} (all-gather)")
         scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)", deferred)
-        scatter.param_group = groups[0]
+        gather.param_group = scatter.param_group = groups[0]
         if from_shard:
             gather.owner = scatter.owner = _SHARD_OWNER
         module.set_custom_all_gather(gather)

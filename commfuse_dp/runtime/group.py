@@ -39,7 +39,6 @@ class FusedGroupState:
         # whose parameters are views of its group's buffer
         self._packs_in_place: bool | None = None if in_place else False
         self._wire: dict[tuple, RowFormat] = {}  # narrow formats of its rows, by (what, dtype)
-        self._encoded: tuple[tuple, torch.Tensor] | None = None  # its own row encoded, and the params' versions then
         self.residual: torch.Tensor | None = None  # error feedback: what encoding lost of each contribution
 
     # -- narrow formats on the wire ([Note: narrow formats]) ----------------------------------------------------
@@ -69,16 +68,13 @@ class FusedGroupState:
 
     def encoded_own(self, params: list[torch.Tensor], fmt: RowFormat) -> torch.Tensor:
         """This rank's row encoded in ``fmt`` from the members' local shards (the masters, in their own dtype;
-        padding rows zero): made once per change of the parameters (the forward's is the backward's too)."""
-        key = (id(fmt), *((p.data_ptr(), p._version) for p in params))
-        if self._encoded is not None and self._encoded[0] == key:
-            return self._encoded[1]
+        padding rows zero). Encoded afresh at every ring: a parameter's version counter does not say whether it
+        changed (fused optimizers and DTensor's in-place ops leave it as it was)."""
         with torch.no_grad():
             row = torch.zeros(self.layout.numel, dtype=params[0].dtype, device=params[0].device)
             self.layout.pack(self.pairs(params), row.dtype, out=row)
             wire = fmt.empty(None, row.device)
             fmt.encode(row, wire)
-        self._encoded = (key, wire)
         return wire
 
     def params(self) -> list[nn.Parameter]:
