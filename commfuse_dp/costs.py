@@ -76,6 +76,9 @@ class Cluster:
     # (``peer_collective_seconds``), and the fixed cost of one such collective
     peer_nccl: bool = False
     nccl_latency_s: float = 20e-6
+    # Narrow formats on the wire (``commfuse_dp/wire.py``): param_bytes / grad_bytes are then their bytes per
+    # element, and encoding and decoding take this many compute seconds per element and pass (``codec_seconds``)
+    codec_s_per_elem: float = 0.0
 
 
 def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
@@ -198,6 +201,17 @@ def peer_collective_seconds(numel: float, cl: Cluster, nbytes: int) -> float:
     if not cl.peer_nccl:
         return bucketed_seconds(numel, cl, nbytes)
     return cl.nccl_latency_s + (cl.ranks - 1) * numel / cl.ranks * nbytes / cl.bytes_per_s
+
+
+def codec_seconds(units: list[Unit], cl: Cluster, peer: bool) -> float:
+    """Compute seconds a step spends encoding and decoding narrow formats (``cl.codec_s_per_elem``): of the
+    parameters that travel (all ranks' elements E; the fused schedule's ring embedding tables travel as they are),
+    every rank decodes each gathered weight in the forward and the backward (2E), encodes its own rows for both
+    (2E/N), and encodes and decodes the gradients it sends and receives (2E(N-1)/N): 4E in all."""
+    if not cl.codec_s_per_elem or cl.ranks == 1:
+        return 0.0
+    moved = sum(u.fused_numel + (u.other_numel if peer or not u.table else 0) for u in units)
+    return 4.0 * moved * cl.codec_s_per_elem
 
 
 def host_seconds(units: list[Unit], cl: Cluster) -> float:

@@ -26,7 +26,9 @@ With N ranks, for
   at most ``T·H`` elements each way with ``T`` tokens per rank (one direct exchange).
 
 Gathers move the compute dtype (``param_dtype``, else the parameter's), reduce-scatters ``reduce_dtype`` (else the
-compute dtype).
+compute dtype), unless ``gather_format`` / ``reduce_format`` narrows them: then the bytes are the encoded rows'
+(``commfuse_dp/wire.py``: 2-D parameters in the format, scales included; 1-D ones as they are). Ring embeddings
+travel as they are. ``error_feedback_bytes``: the float32 residuals ``error_feedback`` keeps on this rank.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 from .config import CommFuseConfig
 from .ring.fsdp_comm import param_groups
 from .runtime.layout import conv1d_class
+from .wire import row_bytes
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -82,6 +85,7 @@ class UnitInfo:
     backward_gather_bytes: int
     reduce_scatter_bytes: int
     note: str = ""
+    shard_numel: int = 0  # elements of one rank's row (each parameter's shard padded)
 
 
 @dataclass
@@ -97,6 +101,9 @@ class ShardReport:
     fused_param_bytes: int = 0  # full bytes of the parameters in fused linears and ring embeddings
     total_param_bytes: int = 0
     choice: dict[str, Any] = field(default_factory=dict)  # what CommFuseConfig's "auto" settings became (choose.py)
+    gather_format: str = "exact"  # what weight gathers put on the wire (CommFuseConfig.gather_format)
+    reduce_format: str = "exact"
+    error_feedback_bytes: int = 0  # float32 residuals kept on this rank (CommFuseConfig.error_feedback)
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes this rank sends per training step, per part and in all."""
@@ -121,6 +128,11 @@ class ShardReport:
         lines = [f"commfuse_dp: {self.world} ranks, {self.schedule} schedule; {_size(self.fused_param_bytes)} of "
                  f"{_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
                  f"embeddings; bytes sent per rank per training step"]
+        if (self.gather_format, self.reduce_format) != ("exact", "exact"):
+            lines.append(f"on the wire: gathers {self.gather_format}, gradients {self.reduce_format} (2-D parameters; "
+                         f"1-D ones and ring embeddings as they are)" + (
+                             f"; error feedback keeps {_size(self.error_feedback_bytes)} of residuals"
+                             if self.error_feedback_bytes else ""))
         if self.choice:
             lines.append(f"chosen: schedule {self.choice['schedule']!r}, piece_shards {self.choice['piece_shards']}: "
                          f"{self.choice['reason']}" + (f" [{self.choice['machine']}]" if self.choice["machine"] else ""))
@@ -155,7 +167,8 @@ def describe(model: nn.Module) -> ShardReport:
     world = engine.ring.size
     choice = getattr(model, "_commfuse_choice", None)
     report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})),
-                         choice=choice.as_dict() if choice is not None else {})
+                         choice=choice.as_dict() if choice is not None else {}, gather_format=config.gather_format,
+                         reduce_format=config.reduce_format)
     named = list(model.named_modules())
     fused_params: set[int] = set()
     groups: dict[int, list[tuple[int, str, nn.Module]]] = {}
@@ -177,6 +190,10 @@ def describe(model: nn.Module) -> ShardReport:
             units.setdefault(id(m._get_fsdp_state()), []).append((name, m))
     for members in units.values():
         report.fsdp_units.append(_unit_info(members, model, fused_params, world, config))
+    if config.error_feedback and config.reduce_format != "exact" and world > 1:
+        reduced = [g.shard_numel for g in report.fused_groups if g.reduce_scatter_bytes]
+        reduced += [u.shard_numel for u in report.fsdp_units if u.reduce_scatter_bytes]
+        report.error_feedback_bytes = 4 * world * sum(reduced)  # a float32 row per shard of each
     params = list(model.parameters())
     report.total_param_bytes = sum(_bytes(p) for p in params)
     report.fused_param_bytes = sum(_bytes(p) for p in params if id(p) in fused_params)
@@ -232,17 +249,21 @@ def _predicted(model: nn.Module, config: CommFuseConfig, predict: Callable[[int]
 
 def _group_info(members: list[tuple[int, str, nn.Module]], world: int, config: CommFuseConfig,
                 keeps: bool) -> FusedGroupInfo:
-    numel, shapes, trainable = 0, [], False
+    numel, shapes, trainable, segments = 0, [], False, []
     for _, _, m in members:
         shape = tuple(m.weight.shape)
         out_f, in_f = (shape[1], shape[0]) if m._cf_transposed else shape
         chunk = -(-out_f // world)
+        segments.append((numel, chunk * in_f, True))
+        if m.bias is not None:
+            segments.append((numel + chunk * in_f, chunk, False))
         numel += chunk * in_f + (chunk if m.bias is not None else 0)
         shapes.append(shape)
         trainable |= any(p.requires_grad for p in m.parameters(recurse=False))
     weight = members[0][2].weight
-    gather = (world - 1) * numel * _compute(config, weight.dtype).itemsize
-    reduce = (world - 1) * numel * _reduce(config, weight.dtype).itemsize if trainable else 0
+    gather = (world - 1) * _row(config.gather_format, _compute(config, weight.dtype), segments, True, config, world)
+    reduce = (world - 1) * _row(config.reduce_format, _reduce(config, weight.dtype), segments, False, config,
+                                world) if trainable else 0
     notes = []
     if keeps:
         notes.append("last fused group of the forward (by module order): keeps its weight for its backward")
@@ -268,18 +289,29 @@ def _unit_info(members: list[tuple[str, nn.Module]], model: nn.Module, fused: se
     # 0-d parameters are no unit's: replicated, averaged after backward (scalars.py)
     own = list({id(p): p for _, unit in members for p in unit.parameters()
                 if id(p) not in fused and id(p) not in nested and p.dim() > 0}.values())
-    gather = reduce = 0
+    segments, at = [], 0
     for p in own:
-        padded = (world - 1) * _padded_shard(p, world)
-        gather += padded * _compute(config, p.dtype).itemsize
-        reduce += padded * _reduce(config, p.dtype).itemsize if p.requires_grad else 0
+        segments.append((at, _padded_shard(p, world), p.dim() >= 2))
+        at += segments[-1][1]
+    dtype = own[0].dtype if own else torch.float32
+    gather = (world - 1) * _row(config.gather_format, _compute(config, dtype), segments, True, config, world)
+    reduce = (world - 1) * _row(config.reduce_format, _reduce(config, dtype), segments, False, config, world) \
+        if any(p.requires_grad for p in own) else 0
     root = members[0][1] is model
     groups = param_groups(members[0][1]._get_fsdp_state())
     kept = not root and bool(groups) and groups[0].post_forward_mesh_info is None  # reshard_after_forward=False
     note = ("root: stays gathered from forward to backward" if root else
             "kept gathered from forward to backward (reshard_after_forward=False)" if kept else "")
     return UnitInfo("+".join(name for name, _ in members), len(own), sum(p.numel() for p in own), gather,
-                    0 if root or kept else gather, reduce, note)
+                    0 if root or kept else gather, reduce, note, at)
+
+
+def _row(fmt: str, dtype: torch.dtype, segments: list[tuple[int, int, bool]], gather: bool, config: CommFuseConfig,
+         world: int) -> int:
+    """Bytes of one rank's row on the wire (``wire.row_bytes``; one rank moves nothing, so its format is moot)."""
+    if not segments or sum(n for _, n, _ in segments) == 0:
+        return 0
+    return row_bytes(fmt if world > 1 else "exact", dtype, segments, gather, config.format_block)
 
 
 def _padded_shard(p: torch.Tensor, world: int) -> int:

@@ -88,6 +88,10 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         r = simulate(units, slow, schedule)
         return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slow.flops_per_s / cl.flops_per_s}
 
+    if cl.codec_s_per_elem and n > 1:
+        # narrow formats: encoding and decoding on the compute stream (``costs.codec_seconds``)
+        codec = costs.codec_seconds(units, cl, schedule in PEERS)
+        return {**slowed(codec, codec_s_per_elem=0.0), "codec_s": codec}
     if cl.host_on_compute and cl.peer_host_s and n > 1 and schedule in PEERS:
         # FSDP2's own host work (its copies in and out of the flat buffers) on the thread that computes
         return {**slowed(cl.peer_host_s, host_on_compute=False, peer_host_s=0.0), "host_s": cl.peer_host_s}
@@ -158,6 +162,51 @@ def best_piece_shards(model: tuple, cl: Cluster, tokens: int, seq: int) -> int:
 
 
 MARGIN = 0.02  # the defaults fuse only where predicted at least this much faster than the peer
+
+# The formats the planner plays (``CommFuseConfig.gather_format``, ``reduce_format``): name -> (gather, reduce)
+FORMAT_PLAYS = {"exact": ("exact", "exact"), "bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"),
+                "int8": ("int8", "bf16"), "int8/int8": ("int8", "int8")}
+
+
+def with_formats(cl: Cluster, gather: str, reduce: str, dtype_bytes: int, codec: dict[str, float]) -> Cluster:
+    """``cl`` with weights gathered in ``gather`` and gradients sent in ``reduce``: their bytes per element (from
+    ``dtype_bytes``-byte values; a scale per block counted in) and the codec's compute seconds per element and
+    pass (``codec``: per format, ``wire.measure_codec``'s mean of encode and decode; the dearer of the two
+    formats)."""
+    import torch
+
+    from .wire import bytes_per_element
+
+    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}.get(dtype_bytes, torch.float32)
+    gbytes = dtype_bytes if gather == "exact" else min(dtype_bytes, bytes_per_element(gather, dtype))
+    rbytes = dtype_bytes if reduce == "exact" else min(dtype_bytes, bytes_per_element(reduce, dtype))
+    coded = [reduce] if reduce != "exact" else []  # (narrow gradients are always decoded into float32 sums)
+    if gather != "exact" and not (gather == "bf16" and dtype_bytes <= 2):  # (a bf16 gather of bf16: as it is)
+        coded.append(gather)
+    return replace(cl, param_bytes=gbytes, grad_bytes=rbytes,
+                   codec_s_per_elem=max((codec.get(f, 0.0) for f in coded), default=0.0))
+
+
+def formats_table(units: list, cl: Cluster, dtype_bytes: int, codec: dict[str, float],
+                  names: tuple[str, ...] = tuple(FORMAT_PLAYS)) -> dict[str, dict[str, float]]:
+    """Per format: the fused step (its best piece width), the peer's on the rings with the same format, and the
+    exact defaults' step (``decide`` on ``cl``: fused or the peer, NCCL where that wins), in seconds."""
+    _, best, predicted = decide(units, cl)
+    exact = min(predicted[f"fused, piece_shards={best}"], predicted["fsdp2"])
+    out = {}
+    for name in names:
+        gather, reduce = FORMAT_PLAYS[name]
+        narrow = with_formats(cl, gather, reduce, dtype_bytes, codec)
+        widths = [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
+        fused = min(simulate(units, replace(narrow, piece_shards=g), "fused")["step_s"] for g in widths)
+        peer = simulate(units, replace(narrow, peer_nccl=False), "fsdp2")["step_s"]
+        if name == "exact":
+            peer = predicted["fsdp2"]
+        out[name] = {"fused_s": fused, "fsdp2_s": peer, "exact_defaults_s": exact,
+                     "best_s": min(fused, peer), "gain": exact / min(fused, peer),
+                     "param_bytes": narrow.param_bytes, "grad_bytes": narrow.grad_bytes,
+                     "codec_ns_per_elem": narrow.codec_s_per_elem * 1e9}
+    return out
 
 
 def decide(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int | str = "auto"

@@ -5,6 +5,8 @@ ranks, links and tokens, and calibration against a ``commfuse-dp bench`` file.
     commfuse-dp plan --model path/to/config.json --ranks 16 --link-gbps 25 --latency-us 20 --tflops 300
     commfuse-dp plan --calibrate bench.json          # predictions against the emulated cluster's measurements
     commfuse-dp plan --model llama3-8b --sweep      # fused / slicing over ranks, links and tokens per rank
+    commfuse-dp plan --model llama3-8b --ranks 64 --link-gbps 25 --formats --codec-ns 0.002   # narrow formats
+    commfuse-dp plan --model llama3-8b --sweep --formats --codec-ns 0.002   # their gain at 16-256 ranks
 """
 
 from __future__ import annotations
@@ -269,6 +271,64 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
     return len(slower)
 
 
+FORMAT_SWEEP_RANKS = (16, 32, 64, 128, 256)
+FORMAT_SWEEP_LINKS_GBPS = (12.5, 25.0, 50.0)  # 100 Gb and 200 Gb Ethernet, 400 Gb InfiniBand per GPU
+
+
+def codec_costs(spec: str, dtype_bytes: int) -> tuple[dict[str, float], str]:
+    """Compute seconds per element and codec pass of each lossy format (the mean of encoding and decoding): measured
+    on this machine (``spec`` "measure": the GPU where torch has one, else the CPU) or one figure in ns for all."""
+    import torch
+
+    from .wire import measure_codec
+
+    if spec != "measure":
+        ns = float(spec)
+        return {f: ns * 1e-9 for f in ("bf16", "fp8", "int8")}, f"{ns:g} ns an element and pass (given)"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dtype_bytes == 2 else torch.float32
+    costs_ = {f: sum(measure_codec(f, device, dtype)) / 2 for f in ("bf16", "fp8", "int8")}
+    said = ", ".join(f"{f} {c * 1e9:.3g}" for f, c in costs_.items())
+    return costs_, f"ns an element and pass measured on this machine's {device}: {said}"
+
+
+def print_formats(units: list, cl: Cluster, dtype_bytes: int, codec: dict[str, float], said: str) -> None:
+    rows = plan.formats_table(units, cl, dtype_bytes, codec)
+    print(f"narrow formats on the wire (codec: {said}):")
+    print(f"{'format':>10} {'gather B':>8} {'grad B':>7} {'fused s':>8} {'fsdp2 s':>8} {'best / exact defaults':>22}")
+    for name, r in rows.items():
+        print(f"{name:>10} {r['param_bytes']:>8.3g} {r['grad_bytes']:>7.3g} {r['fused_s']:>8.3f} {r['fsdp2_s']:>8.3f} "
+              f"{r['exact_defaults_s'] / r['best_s']:>21.3f}x")
+    print("format: gathers/gradients (plan's FORMAT_PLAYS); fsdp2: the peer on the rings with the same format (exact: "
+          "as the defaults would run it); x: the exact defaults' step over the format's best step")
+
+
+def formats_sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, tokens: int, seq: int,
+                  codec: dict[str, float], said: str, piece_fit=None, host_fit=None,
+                  min_fuse_numel: int = MIN_FUSE_NUMEL) -> list[dict]:
+    """Each format's best step (fused or the peer, with that format) against the exact defaults' over
+    ``FORMAT_SWEEP_RANKS`` x ``FORMAT_SWEEP_LINKS_GBPS``: one row per (ranks, link), one column per format."""
+    model = load_model(model_name)
+    units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
+    names = tuple(plan.FORMAT_PLAYS)[1:]
+    print(f"{model_name}: the exact defaults' step over each narrow format's best (fused or fsdp2 with it), "
+          f"{tokens} tokens per rank, {tflops:g} TFLOP/s, {latency_us:g} us a ring step, {dtype_bytes}-byte values; "
+          f"codec {said}")
+    print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{n:>10}" for n in names))
+    records = []
+    for ranks in FORMAT_SWEEP_RANKS:
+        for gbps in FORMAT_SWEEP_LINKS_GBPS:
+            cl = Cluster(ranks, gbps * 1e9, latency_us * 1e-6, tflops * 1e12, dtype_bytes, dtype_bytes,
+                         piece_fit=piece_fit, host_fit=host_fit, min_fuse_numel=min_fuse_numel, peer_nccl=True)
+            rows = plan.formats_table(units, cl, dtype_bytes, codec)
+            records.append({"ranks": ranks, "link_gbps": gbps, **{n: rows[n]["gain"] for n in rows}})
+            print(f"{ranks:>6} {gbps:>6g} " + " ".join(f"{rows[n]['gain']:>9.3f}x" for n in names))
+    for n in names:
+        gains = [r[n] for r in records]
+        print(f"{n}: {min(gains):.3f}x - {max(gains):.3f}x (median {sorted(gains)[len(gains) // 2]:.3f}x)")
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     first, _, rest = __doc__.partition("\n\n")  # the help shows each once, without the docstring's markup
     model = plan.__doc__.partition("\n\n")[2].replace("The command line is ``plan_cli.py``.\n\n", "")
@@ -321,6 +381,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
                              f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
+    parser.add_argument("--formats", action="store_true",
+                        help="add a row per narrow format on the wire (gather_format / reduce_format: bf16, fp8, "
+                             "int8 gathers; bf16 or int8 gradients); with --sweep: the formats' gain over the exact "
+                             f"defaults at {FORMAT_SWEEP_RANKS[0]}-{FORMAT_SWEEP_RANKS[-1]} ranks and "
+                             f"{FORMAT_SWEEP_LINKS_GBPS[0]:g}-{FORMAT_SWEEP_LINKS_GBPS[-1]:g} GB/s links, --tokens per "
+                             f"rank")
+    parser.add_argument("--codec-ns", default="measure",
+                        help="--formats: compute ns per element and pass to encode or decode a narrow format; "
+                             "'measure' (default): timed on this machine (its GPU where torch has one, else the "
+                             "CPU), which a plan for other hardware should replace with that hardware's figure")
     parser.add_argument("--against", choices=("fsdp2", "unit_slicing", "slicing"), default="fsdp2",
                         help="--sweep: the schedule fused is divided by (fsdp2, also named unit_slicing: the peer, "
                              "stock FSDP2 as it runs on a GPU; slicing: this library's layer-level prefetch)")
@@ -339,6 +409,16 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate(args.calibrate, args.latency_us, args.overhead)
     if args.latency_us is None:
         args.latency_us = 15.0
+    codec = said = None
+    if args.formats:
+        try:
+            codec, said = codec_costs(args.codec_ns, args.dtype_bytes)
+        except ValueError:
+            parser.error(f"--codec-ns {args.codec_ns!r}: give 'measure' or a number of ns (e.g. 0.002)")
+    if args.sweep and args.formats:
+        formats_sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.tokens, args.seq, codec, said,
+                      fit, host_fit, args.min_fuse_numel)
+        return 0
     if args.sweep:
         sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
               args.min_fuse_numel)
@@ -406,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
           "fused only where predicted at least 2% faster than fsdp2)")
     print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}"
           + (f", piece_shards={best})" if chosen == "fused" else ", schedule='fsdp2')"))
+    if args.formats:
+        print_formats(units_for(*model, tokens=args.tokens, seq=args.seq), cl, args.dtype_bytes, codec, said)
     return 0
 
 

@@ -30,13 +30,17 @@ class StepStats:
     skipped_steps: int = 0
     """Steps whose non-finite gradients were dropped (``CommFuseConfig.nonfinite_grads="skip"``) since
     ``shard()``, up to and including this one."""
+    sent_bytes: int = 0
+    """Bytes this rank put on the wire in the step's ring steps (in the formats they travelled in: narrow
+    formats count their encoded bytes, scales included)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class StatsRecorder:
-    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "_last", "skipped", "cuda_waits")
+    __slots__ = ("enabled", "step", "start", "end", "comm", "exposed", "ring_steps", "_last", "skipped", "cuda_waits",
+                 "sent_bytes")
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -44,6 +48,7 @@ class StatsRecorder:
         self.start = self.end = 0.0
         self.comm = self.exposed = 0.0
         self.ring_steps = 0
+        self.sent_bytes = 0
         self.skipped = 0  # steps whose gradients were dropped as non-finite (counted even with stats off)
         # the last finished step: StepStats, or (StepStats without its CUDA waits, those waits) until read
         self._last: StepStats | tuple[StepStats, list] | None = None
@@ -69,6 +74,7 @@ class StatsRecorder:
         self.start = self.end = time.perf_counter()
         self.comm = self.exposed = 0.0
         self.ring_steps = 0
+        self.sent_bytes = 0
         self.cuda_waits = []
 
     def cuda_wait(self, before, after) -> None:
@@ -84,6 +90,10 @@ class StatsRecorder:
         self.ring_steps += steps
         self.end = ended
 
+    def sent(self, nbytes: int) -> None:
+        """Bytes one ring step (or a collective's steps) sends, counted when it is requested (``ring/issue.py``)."""
+        self.sent_bytes += nbytes
+
     def mark(self) -> None:
         self.end = time.perf_counter()
 
@@ -95,7 +105,7 @@ class StatsRecorder:
         wall = max(self.end - self.start, 0.0)
         return StepStats(step=self.step, wall_s=wall, compute_s=max(wall - self.exposed, 0.0), comm_s=self.comm,
                          exposed_comm_s=self.exposed, ring_steps=self.ring_steps,
-                         skipped_steps=self.skipped)
+                         skipped_steps=self.skipped, sent_bytes=self.sent_bytes)
 
 
 def _waited(waits: list) -> float:

@@ -172,6 +172,17 @@ def _scaled(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> No
         out.copy_(values.to(torch.float32).mul_(scales))
 
 
+def row_bytes(fmt: str, dtype: torch.dtype, segments: Sequence[tuple[int, int, bool]], gather: bool,
+              block: int = DEFAULT_BLOCK) -> int:
+    """Bytes one row of ``segments`` (``(start, numel, narrow)``) of ``dtype`` puts on the wire in ``fmt``: its
+    values as they are where nothing narrows them (the exact format; a bf16 gather of bf16), else ``RowFormat``'s
+    (scales and alignment included)."""
+    numel = sum(n for _, n, _ in segments)
+    if fmt == "exact" or (gather and fmt == "bf16" and dtype == torch.bfloat16):
+        return numel * torch.empty((), dtype=dtype).element_size()
+    return RowFormat(fmt, dtype, numel, segments, block).nbytes
+
+
 def layout_segments(layout, narrow_bias: bool = False) -> list[tuple[int, int, bool]]:
     """The segments of one row of a fused group's ring layout: each member's weight rows narrow, its bias (1-D)
     as it is."""
@@ -188,3 +199,33 @@ def layout_segments(layout, narrow_bias: bool = False) -> list[tuple[int, int, b
     if at < layout.numel:
         segments.append((at, layout.numel - at, False))
     return segments
+
+
+def measure_codec(fmt: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  numel: int = 1 << 20, repeats: int = 5) -> tuple[float, float]:
+    """Seconds per element to encode a row into ``fmt`` and to decode it back into ``dtype`` on ``device``: the
+    median of ``repeats`` timings of a ``numel``-element row, after one untimed pass (``commfuse-dp plan``)."""
+    import statistics
+    import time
+
+    if fmt == "exact":
+        return 0.0, 0.0
+    device = torch.device(device)
+    row = RowFormat(fmt, dtype, numel, [(0, numel, True)])
+    x = torch.randn(numel, device=device).to(dtype)
+    wire, back = row.empty(None, device), torch.empty(numel, dtype=dtype, device=device)
+
+    def timed(run) -> float:
+        run()
+        seconds = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - began)
+        return statistics.median(seconds) / numel
+
+    return timed(lambda: row.encode(x, wire)), timed(lambda: row.decode(wire, back))

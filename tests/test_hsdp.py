@@ -22,9 +22,9 @@ def _hsdp_worker(rank, world_size, cases):
     exchanged = []
     original = Replicas._summed
 
-    def counting(self, flat, what, async_op=False, tags=(None, None)):
+    def counting(self, flat, what, async_op=False, tags=(None, None), narrow=False):
         exchanged.append(threading.current_thread().name.startswith("commfuse-ring"))  # on the replicate ring's
-        return original(self, flat, what, async_op, tags)                               # thread: at landing
+        return original(self, flat, what, async_op, tags, narrow)                       # thread: at landing
 
     Replicas._summed = counting
     per_step = {}

@@ -193,3 +193,98 @@ def test_narrow_bucketed_collectives():
     for same, lost, within, err in run_ranks(_collectives_worker, 4):
         assert same and 0 < lost < 0.05
         assert within and err > 0
+
+
+def _describe_worker(rank, world_size, schedule):
+    import commfuse_dp as cf
+    import hf_models
+
+    out = {}
+    for name, formats in (("exact", {}), ("int8", dict(gather_format="int8", reduce_format="bf16")),
+                          ("fed", dict(gather_format="int8", reduce_format="int8", error_feedback=True))):
+        model = hf_models.build("llama")
+        cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, **formats))
+        report = cf.describe(model)
+        for step in range(2):
+            model(**hf_models.batch(rank, step)).loss.backward()
+        model(**hf_models.batch(rank, 2))  # (the second step is complete once the next forward begins)
+        out[name] = (report.bytes_per_step(), report.error_feedback_bytes, cf.step_stats(model).sent_bytes,
+                     str(report))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["fused", "fsdp2"])
+def test_describe_and_step_stats_count_the_encoded_bytes(schedule):
+    out = run_ranks(_describe_worker, 2, (schedule,))[0]
+    exact, narrow, fed = out["exact"], out["int8"], out["fed"]
+    part = "fused_linears" if schedule == "fused" else "fsdp_units"
+    # int8 gathers (a quarter) and bf16 gradients (a half) of the 2-D weights
+    assert 0.25 < narrow[0][part] / exact[0][part] < 0.45
+    assert narrow[2] < 0.6 * exact[2]  # what the step statistics counted on the wire
+    assert 0.1 < narrow[2] / narrow[0]["total"] < 10 and 0.1 < exact[2] / exact[0]["total"] < 10
+    assert exact[1] == narrow[1] == 0 < fed[1]
+    assert "on the wire: gathers int8, gradients bf16" in narrow[3] and "on the wire" not in exact[3]
+    assert "error feedback keeps" in fed[3]
+
+
+def _hsdp_worker(rank, world_size):
+    import test_shard_parity as parity
+
+    config = CommFuseConfig(schedule="fused", min_fuse_numel=0, replicate=2, gather_format="int8",
+                            reduce_format="int8")
+    ours, ref = parity.run_case(rank, world_size, "llama", "fused", config=config)["losses"]
+    return (ours / ref - 1).abs().max().item()
+
+
+def _hsdp_copies_worker(rank, world_size):
+    import hf_models
+
+    import commfuse_dp as cf
+
+    config = CommFuseConfig(schedule="fused", min_fuse_numel=0, replicate=2, gather_format="int8",
+                            reduce_format="int8")
+    model = cf.shard(hf_models.build("llama"), config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        model(**hf_models.batch(rank, step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    local = torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(every, local)
+    copies = world_size // 2
+    return all(torch.equal(every[r], every[r + copies]) for r in range(copies))
+
+
+def test_hsdp_copies_stay_identical_with_narrow_gradients():
+    """HSDP's exchange across the copies in int8: each part's sum is encoded once by its owner, so after three
+    steps both copies hold bitwise the same weights; and training stays within 0.05 % of one process."""
+    assert all(run_ranks(_hsdp_copies_worker, 4))
+    for drift in run_ranks(_hsdp_worker, 4):
+        assert drift < 5e-4
+
+
+def test_planner_plays_the_formats():
+    """Fewer bytes a step where the link is the limit, and the codec's compute paid for: a dearer codec, a longer
+    step."""
+    from commfuse_dp import plan
+    from commfuse_dp.costs import Cluster, units_for
+
+    units = units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=8192, seq=4096)
+    slow = Cluster(64, 12.5e9, 15e-6, 400e12, 2, 2, peer_nccl=True)
+    cheap = plan.formats_table(units, slow, 2, {"bf16": 2e-12, "fp8": 2e-12, "int8": 2e-12})
+    assert cheap["exact"]["gain"] == 1.0
+    assert cheap["int8"]["param_bytes"] < 1.01 and cheap["int8"]["grad_bytes"] == 2
+    assert cheap["int8/int8"]["gain"] > cheap["int8"]["gain"] > 1.1
+    dear = plan.formats_table(units, slow, 2, {"bf16": 1e-9, "fp8": 1e-9, "int8": 1e-9})
+    assert dear["int8"]["best_s"] > cheap["int8"]["best_s"] + 0.5  # each rank decodes all 8e9 weights twice a step
+
+
+def test_plan_command_prints_a_row_per_format(capsys):
+    from commfuse_dp.plan_cli import main
+
+    assert main(["--model", "llama3-8b", "--ranks", "16", "--link-gbps", "12.5", "--formats", "--codec-ns",
+                 "0.002"]) == 0
+    out = capsys.readouterr().out
+    for name in ("exact", "bf16", "fp8", "int8", "int8/int8"):
+        assert any(line.split()[:1] == [name] for line in out.splitlines()), name

@@ -80,7 +80,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label, direct)
 
     return collective(ring, "all_gather", tag, label, _step_sizes(ring, n, chunk, direct), run, output.device,
-                      async_op, (output, input), stats)
+                      async_op, (output, input), stats, input.element_size())
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -117,7 +117,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
         _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label, direct)
 
     return collective(ring, "reduce_scatter", tag, label, _step_sizes(ring, n, chunk, direct), run,
-                      output.device, async_op, (output, input), stats)
+                      output.device, async_op, (output, input), stats, input.element_size())
 
 
 def ring_all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],

@@ -187,6 +187,8 @@ class Issuer:
         tensor = sends[0] if sends else recvs[0]
         # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
         ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
+        if self.stats.enabled:
+            self.stats.sent(sum(t.numel() * t.element_size() for t in sends))
         if direct:
             send_to = ring.peers if send_to is None else send_to
             recv_from = ring.peers if recv_from is None else recv_from
@@ -217,8 +219,9 @@ class Issuer:
 
 def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int], run: Callable[[], None],
                device: torch.device, async_op: bool, tensors: tuple[torch.Tensor, ...],
-               stats: StatsRecorder | None) -> dist.Work | None:
-    """Request every step of a bucketed collective (``sizes``: the elements each of its ring steps moves, in order)
+               stats: StatsRecorder | None, itemsize: int = 1) -> dist.Work | None:
+    """Request every step of a bucketed collective (``sizes``: the elements of ``itemsize`` bytes each of its ring
+    steps moves, in order)
     and run ``run``, its step loop, which issues them through ``issue``: on the ring's communication stream (CUDA),
     on the ring's thread (CPU, ``async_op``) or here. Returns a ``RingWork`` with ``async_op``, else waits for it.
     ``tensors``: what the loop reads and writes (CUDA: kept from the allocator until the stream is done)."""
@@ -237,6 +240,8 @@ def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int],
         for k in range(last + 1):
             transport.notify("start", kind, k)
     stats = stats if stats is not None else OFF
+    if stats.enabled:
+        stats.sent(sum(sizes) * itemsize)
     if device.type == "cuda":
         with ring.on_comm_stream(device) as (stream, _):  # after the compute that wrote the inputs
             run()

@@ -35,14 +35,20 @@ import torch.nn as nn
 
 from ..ring.collectives import ring_all_gather, ring_reduce_scatter
 from ..ring.topology import get_ring
+from ..wire import RowFormat
 
 
 class Replicas:
     """HSDP's replica exchange (module docstring): each fused parameter's gradient shard summed over the
     replicate group, the copies of the model, while the backward goes on; ``exchange`` puts them in place."""
 
-    def __init__(self, group: dist.ProcessGroup, ring_kwargs: dict[str, float]) -> None:
+    def __init__(self, group: dist.ProcessGroup, ring_kwargs: dict[str, float], reduce_format: str = "exact",
+                 format_block: int = 2048) -> None:
         self.group, self.ring_kwargs = group, ring_kwargs
+        # narrow formats ([Note: narrow formats]): the 2-D parameters' shards cross in ``reduce_format``, summed in
+        # float32 by each part's owner, and the sums come back encoded once, the owner decoding its own too, so
+        # every copy holds the same sum
+        self.reduce_format, self.format_block = reduce_format, format_block
         self.ring = get_ring(group, op="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -81,7 +87,8 @@ class Replicas:
         of those exist when a landing completes depends on timing, and every rank of the replicate group must
         start the same exchanges in the same order (landings complete in request order, the same everywhere)."""
         for flat, entries in self._by_dtype(contributions):
-            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True)
+            summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True,
+                                        narrow=self._narrow(entries))
 
             def done(work=work, summed=summed, entries=entries) -> list:
                 work.wait()
@@ -96,11 +103,16 @@ class Replicas:
         dtypes the shards may have; the ring tags of their exchanges are drawn here, on the compute thread, so that
         every rank pairs them in the same order as the exchanges it starts itself (gloo matches by tag)."""
         what = "the gradients of the fused layers"
-        tags = {d: (self.ring.next_tag(), self.ring.next_tag()) for d in sorted(set(dtypes), key=str)}
+        kinds = [(d, narrow) for d in sorted(set(dtypes), key=str)
+                 for narrow in ((False, True) if self.reduce_format != "exact" else (False,))]
+        tags = {kind: (self.ring.next_tag(), self.ring.next_tag()) for kind in kinds}
 
         def job() -> list:
-            return [(self._summed(flat, what, tags=tags[flat.dtype])[0], entries)
-                    for flat, entries in self._by_dtype(finish())]
+            done = []
+            for flat, entries in self._by_dtype(finish()):
+                narrow = self._narrow(entries)
+                done.append((self._summed(flat, what, tags=tags[(flat.dtype, narrow)], narrow=narrow)[0], entries))
+            return done
 
         self._inflight.append(self.ring.submit(job).result)
 
@@ -139,32 +151,41 @@ class Replicas:
         for param, grad in sorted(totals.values(), key=lambda e: self._index.get(id(e[0]), len(self._index))):
             accumulate(param, grad)
 
-    @staticmethod
-    def _by_dtype(contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> list[tuple[torch.Tensor, list]]:
-        """Per dtype (in a fixed order): the shards in one flat buffer, and ``(param, numel, shape)`` of each."""
-        by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+    def _by_dtype(self, contributions: list[tuple[nn.Parameter, torch.Tensor]]) -> list[tuple[torch.Tensor, list]]:
+        """Per dtype (in a fixed order; with a narrow ``reduce_format``, 1-D and larger parameters apart): the shards
+        in one flat buffer, and ``(param, numel, shape)`` of each."""
+        by_dtype: dict[tuple, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        narrows = self.reduce_format != "exact"
         for param, grad in contributions:
-            by_dtype.setdefault(grad.dtype, []).append((param, grad))
-        return [(torch.cat([g.reshape(-1) for _, g in by_dtype[d]]), [(p, g.numel(), g.shape) for p, g in by_dtype[d]])
-                for d in sorted(by_dtype, key=str)]
+            by_dtype.setdefault((str(grad.dtype), narrows and param.dim() >= 2), []).append((param, grad))
+        return [(torch.cat([g.reshape(-1) for _, g in by_dtype[k]]), [(p, g.numel(), g.shape) for p, g in by_dtype[k]])
+                for k in sorted(by_dtype)]
+
+    def _narrow(self, entries: list) -> bool:
+        return self.reduce_format != "exact" and entries[0][0].dim() >= 2
 
     def exchange_now(self, grad: torch.Tensor, what: str) -> torch.Tensor:
         """``grad`` summed over the replicate group (a gradient that goes back through autograd)."""
-        return self._summed(grad.reshape(-1), what)[0].view_as(grad)
+        return self._summed(grad.reshape(-1), what, narrow=self.reduce_format != "exact" and grad.dim() >= 2
+                            )[0].view_as(grad)
 
-    def _summed(self, flat: torch.Tensor, what: str, async_op: bool = False, tags: tuple[int, int] = (None, None)):
+    def _summed(self, flat: torch.Tensor, what: str, async_op: bool = False, tags: tuple[int, int] = (None, None),
+                narrow: bool = False):
         """A ring all-reduce (reduce-scatter, then all-gather) of ``flat``, padded to a multiple of R: the sum and,
         with ``async_op``, the work to wait for before reading it (else None). ``tags``: of the two ring ops
-        (default: drawn now)."""
+        (default: drawn now). ``narrow``: in ``reduce_format``."""
         r = self.size
         part = -(-flat.numel() // r)
         padded = flat.new_zeros(part * r)
         padded[:flat.numel()].copy_(flat)
         mine = padded.new_empty(part)
         label = f"{what} across the model's copies (HSDP)"
-        ring_reduce_scatter(mine, padded, self.group, label=label, async_op=async_op, tag=tags[0], **self.ring_kwargs)
+        wire = RowFormat(self.reduce_format, flat.dtype, part, [(0, part, True)], self.format_block) \
+            if narrow and part and r > 1 else None
+        ring_reduce_scatter(mine, padded, self.group, label=label, async_op=async_op, tag=tags[0], wire=wire,
+                            **self.ring_kwargs)
         # Ops of one ring run in the order they were issued (its one thread on CPU, its stream on CUDA)
-        work = ring_all_gather(padded, mine, self.group, label=label, async_op=async_op, tag=tags[1],
+        work = ring_all_gather(padded, mine, self.group, label=label, async_op=async_op, tag=tags[1], wire=wire,
                                **self.ring_kwargs)
         return padded[:flat.numel()], work
 

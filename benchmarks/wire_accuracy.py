@@ -1,0 +1,113 @@
+"""How much the narrow formats on the wire cost in accuracy: the demo's fine-tune (``recipes/finetune_clm.py`` on its
+embedded default, 2 CPU processes) once per setting, same data and seed, and each lossy setting's eval loss against
+the exact run's.
+
+    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 60 --json wire-60.json --png wire-60.png
+    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --json wire-300.json --png wire-300.png
+
+Each setting runs ``commfuse-dp demo --max_steps S`` with its ``COMMFUSE_*`` variables; the runs' summaries
+(``summary.json``) give the eval loss after training and the training loss every ``logging_steps``. The JSON has
+the command, every run's figures and the relative differences; the PNG draws the loss curves on one plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# name: the CommFuseConfig fields it sets (the first is the exact reference)
+SETTINGS = {
+    "exact": {},
+    "bf16": {"gather_format": "bf16", "reduce_format": "bf16"},
+    "fp8": {"gather_format": "fp8", "reduce_format": "bf16"},
+    "int8": {"gather_format": "int8", "reduce_format": "bf16"},
+    "int8_int8": {"gather_format": "int8", "reduce_format": "int8", "error_feedback": True},
+    "int8_int8_nofeedback": {"gather_format": "int8", "reduce_format": "int8"},
+}
+LIMITS = {"bf16": 0.002}  # the most a setting's eval loss may differ from the exact run's, relative; else 1 %
+DEFAULT_LIMIT = 0.01
+
+
+def run(name: str, fields: dict, steps: int, out_dir: str, schedule: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFUSE_")}
+    env["COMMFUSE_SCHEDULE"] = schedule
+    for field, value in fields.items():
+        env["COMMFUSE_" + field.upper()] = str(value).lower()
+    where = os.path.join(out_dir, name)
+    argv = [sys.executable, "-m", "commfuse_dp.demo", "--max_steps", str(steps), "--output_dir", where,
+            "--overwrite_output_dir"]
+    began = time.time()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: the demo failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    with open(os.path.join(where, "summary.json")) as f:
+        summary = json.load(f)
+    return {"setting": name, "config": fields, "eval_loss_before": summary["eval_loss_before"],
+            "eval_loss_after": summary["eval_loss_after"], "train_losses": summary["train_losses"],
+            "wire": summary.get("wire"), "step_wall_s": summary.get("step_wall_s"),
+            "seconds": round(time.time() - began, 1)}
+
+
+def plot(records: list[dict], path: str, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in records:
+        xs, ys = zip(*r["train_losses"])
+        ax.plot(xs, ys, label=f"{r['setting']} (eval {r['eval_loss_after']:.4f})", linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"finetune_clm, embedded default, 2 ranks, {steps} steps: formats on the wire")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max_steps", type=int, default=60, help="optimizer steps per run (default 60, the demo's)")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated subset of {','.join(SETTINGS)} (exact always runs first)")
+    parser.add_argument("--schedule", default="fused", help="COMMFUSE_SCHEDULE of every run (default fused)")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--png", help="draw the loss curves here")
+    parser.add_argument("--work_dir", help="where the runs' output folders go (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    names = ["exact"] + [n for n in args.settings.split(",") if n and n != "exact"]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; choose from {','.join(SETTINGS)}")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="wire-accuracy-") as tmp:
+        out_dir = args.work_dir or tmp
+        for name in names:
+            print(f"{name}: {args.max_steps} steps ...", flush=True)
+            records.append(run(name, SETTINGS[name], args.max_steps, out_dir, args.schedule))
+            print(f"  eval loss {records[-1]['eval_loss_after']:.5f} ({records[-1]['seconds']:.0f} s)", flush=True)
+    exact = records[0]["eval_loss_after"]
+    print(f"\neval loss after {args.max_steps} steps (exact {exact:.5f}):")
+    for r in records:
+        r["relative_to_exact"] = r["eval_loss_after"] / exact - 1
+        limit = LIMITS.get(r["setting"], DEFAULT_LIMIT)
+        r["within"] = abs(r["relative_to_exact"]) <= limit if r["setting"] != "exact" else True
+        verdict = "" if r["setting"] == "exact" else f"  (limit {100 * limit:.1f} %: {'ok' if r['within'] else 'OVER'})"
+        print(f"  {r['setting']:<22} {r['eval_loss_after']:.5f}  {100 * r['relative_to_exact']:+.3f} %{verdict}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(["python -m commfuse_dp.benchmarks.wire_accuracy", *(argv or sys.argv[1:])]),
+                       "max_steps": args.max_steps, "records": records}, f, indent=1)
+    if args.png:
+        plot(records, args.png, args.max_steps)
+    return 0 if all(r["within"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
