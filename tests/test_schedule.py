@@ -1,5 +1,6 @@
 """The order of ring steps and compute pieces (docs/design.md §3-4, §7), recorded, not timed."""
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -260,3 +261,31 @@ def test_both_schedules_implement_the_one_schedule_interface():
             assert list(inspect.signature(ours).parameters) == list(inspect.signature(protocol).parameters), \
                 f"{cls.__name__}.{name}{inspect.signature(ours)} against Schedule.{name}{inspect.signature(protocol)}"
         assert "self.dtype_hint" in inspect.getsource(cls.__init__), cls
+
+
+def _eval_then_train_worker(rank, world_size, lookahead):
+    import hf_models
+
+    import commfuse_dp as cf
+
+    model = hf_models.build("llama", tie_word_embeddings=True)
+    cf.shard(model, cf.CommFuseConfig(schedule="fused", lookahead_mb=lookahead, min_fuse_numel=0))
+    ref = hf_models.build("llama", tie_word_embeddings=True)
+    model.eval()
+    with torch.no_grad():  # (as the Trainer's evaluate() before training: a step without a backward)
+        model(**hf_models.batch(rank, 0))
+    model.train()
+    losses = []
+    for step in range(3):
+        loss = model(**hf_models.batch(rank, step)).loss
+        loss.backward()
+        losses.append(loss.detach())
+    ref_losses = [ref(**hf_models.batch(rank, step)).loss.detach() for step in range(3)]
+    return torch.allclose(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lookahead", [0, "auto"])
+def test_training_after_an_evaluation_forward(lookahead):
+    """The last group's forward keeps its weight for the backward only where its ring could hold it: after a step
+    with no backward, lockstep requested that ring ahead as two shards, and its backward gathers again."""
+    assert all(run_ranks(_eval_then_train_worker, 2, (lookahead,)))

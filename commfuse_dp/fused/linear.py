@@ -164,7 +164,9 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
         if step is not None:
             step.wait()
     sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
-    return weights if keep else None
+    # (a lockstep ring requested ahead before the order said a backward follows holds two shards, not all: its
+    # backward gathers the weight again)
+    return weights if keep and weights.slots is not None else None
 
 
 class ShardRuns:
