@@ -28,6 +28,9 @@ SETTINGS = {
     "int8": {"gather_format": "int8", "reduce_format": "bf16"},
     "int8_int8": {"gather_format": "int8", "reduce_format": "int8", "error_feedback": True},
     "int8_int8_nofeedback": {"gather_format": "int8", "reduce_format": "int8"},
+    "int8_b256": {"gather_format": "int8", "reduce_format": "bf16", "format_block": 256},
+    "int8_int8_b256": {"gather_format": "int8", "reduce_format": "int8", "error_feedback": True, "format_block": 256},
+    "int8_b64": {"gather_format": "int8", "reduce_format": "bf16", "format_block": 64},
     # exact controls: the same arithmetic in another order (the peer's schedule; lockstep's pieces), to show how far
     # apart exact runs land
     "exact_fsdp2": {"schedule": "fsdp2"},

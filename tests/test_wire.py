@@ -316,3 +316,18 @@ def _checkpoint_worker(rank, world_size, path):
 def test_checkpoints_save_the_masters_exactly(tmp_path):
     """The narrow formats live only on the wire: a sharded checkpoint holds the fp32 masters, bit for bit."""
     assert all(run_ranks(_checkpoint_worker, 2, (str(tmp_path / "ck"),)))
+
+
+def test_launch_block_carries_the_formats(monkeypatch):
+    """``commfuse-dp launch``'s ``commfuse:`` block: the formats reach the workers through the environment, and a
+    wrong one is refused naming what is allowed."""
+    from commfuse_dp import launch_config
+
+    for name in [k for k in __import__("os").environ if k.startswith("COMMFUSE_")]:
+        monkeypatch.delenv(name)
+    block = {"gather_format": "int8", "reduce_format": "int8", "error_feedback": True, "format_block": 1024}
+    cfg = launch_config.commfuse_config("c.yaml", block)
+    env = launch_config.worker_env(cfg)
+    assert env["COMMFUSE_GATHER_FORMAT"] == "int8" and CommFuseConfig.from_env(env) == cfg
+    with pytest.raises(launch_config.LaunchError, match="reduce_format='fp8'.*allowed values"):
+        launch_config.commfuse_config("c.yaml", {"reduce_format": "fp8"})
