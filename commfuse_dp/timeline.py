@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
-from .ring.transport import observe_ring
+from .ring.transport import observe_ring, observe_sent
 
 _NO_LABEL = contextlib.nullcontext()
 
@@ -35,6 +35,8 @@ class Timeline:
 
     events: list[dict] = field(default_factory=list)
     origin: float = field(default_factory=time.perf_counter)
+    # bytes this rank sent, per layer or unit and phase, and what was on the wire: {"layer op": [bytes, format]}
+    sent: dict[str, list] = field(default_factory=dict)
     LANES = ("compute", "device", "ring", "ring-thread", "ring-thread-2", "waited")
 
     def chrome_trace(self, rank: int = 0) -> list[dict]:
@@ -43,8 +45,14 @@ class Timeline:
                  for lane, tid in lanes.items()]
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         for e in self.events:
-            trace.append({"name": f"{e['op']} {e['step']}", "ph": "X", "pid": rank, "tid": lanes[e["lane"]],
-                          "ts": e["t0"] * 1e6, "dur": max(e["t1"] - e["t0"], 0.0) * 1e6, "cat": e["lane"]})
+            event = {"name": f"{e['op']} {e['step']}", "ph": "X", "pid": rank, "tid": lanes[e["lane"]],
+                     "ts": e["t0"] * 1e6, "dur": max(e["t1"] - e["t0"], 0.0) * 1e6, "cat": e["lane"]}
+            if "bytes" in e:
+                event["args"] = {"layer": e["layer"], "bytes": e["bytes"], "format": e["format"]}
+            trace.append(event)
+        if self.sent:  # the step's bytes per layer and phase, and their format on the wire
+            trace.append({"name": "bytes sent", "ph": "i", "s": "p", "pid": rank, "tid": lanes["ring"], "ts": 0,
+                          "args": {what: f"{nbytes} B, {fmt}" for what, (nbytes, fmt) in self.sent.items()}})
         return trace
 
 
@@ -57,6 +65,14 @@ def record_timeline() -> Iterator[Timeline]:
     open_steps: dict[tuple[int, str, int], float] = {}
     open_compute: dict[tuple[str, int], float] = {}
     open_waits: dict[tuple[str, int], float] = {}
+    sending: dict[tuple[int, str, int], tuple[str, int, str]] = {}  # a requested step's layer, bytes and format
+
+    def on_sent(what: str, op: str, step: int, nbytes: int, fmt: str) -> None:
+        sending[(threading.get_ident(), op, step)] = (what, nbytes, fmt)
+        total = timeline.sent.setdefault(f"{what} {op}", [0, fmt])
+        total[0] += nbytes
+        if total[1] != fmt:
+            total[1] = f"{total[1]}+{fmt}"
 
     def on_event(event: str, op: str, step: int) -> None:
         now, thread = time.perf_counter() - origin, threading.get_ident()
@@ -72,7 +88,11 @@ def record_timeline() -> Iterator[Timeline]:
             if t0 is not None:
                 lane = "ring" if thread == main else thread_lanes.setdefault(
                     thread, "ring-thread" if not thread_lanes else f"ring-thread-{len(thread_lanes) + 1}")
-                timeline.events.append({"lane": lane, "op": op, "step": step, "t0": t0, "t1": now})
+                interval = {"lane": lane, "op": op, "step": step, "t0": t0, "t1": now}
+                said = sending.pop((thread, op, step), None)
+                if said is not None:
+                    interval.update(layer=said[0], bytes=said[1], format=said[2])
+                timeline.events.append(interval)
         elif event == "compute_begin":
             open_compute[(op, step)] = now
         elif event == "compute":
@@ -80,7 +100,7 @@ def record_timeline() -> Iterator[Timeline]:
             if t0 is not None:
                 timeline.events.append({"lane": "compute", "op": op, "step": step, "t0": t0, "t1": now})
 
-    with observe_ring(on_event):
+    with observe_ring(on_event), observe_sent(on_sent):
         yield timeline
 
 

@@ -331,3 +331,29 @@ def test_launch_block_carries_the_formats(monkeypatch):
     assert env["COMMFUSE_GATHER_FORMAT"] == "int8" and CommFuseConfig.from_env(env) == cfg
     with pytest.raises(launch_config.LaunchError, match="reduce_format='fp8'.*allowed values"):
         launch_config.commfuse_config("c.yaml", {"reduce_format": "fp8"})
+
+
+def _timeline_worker(rank, world_size):
+    import hf_models
+
+    import commfuse_dp as cf
+    from commfuse_dp.timeline import record_timeline
+
+    out = {}
+    for name, formats in (("exact", {}), ("int8", dict(gather_format="int8", reduce_format="bf16"))):
+        model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, **formats))
+        model(**hf_models.batch(rank, 0)).loss.backward()  # (the second step has the recorded layer order)
+        with record_timeline() as timeline:
+            model(**hf_models.batch(rank, 1)).loss.backward()
+        trace = timeline.chrome_trace(rank)
+        out[name] = (timeline.sent, [e for e in trace if e.get("args", {}).get("bytes")])
+    return out
+
+
+def test_timeline_shows_bytes_per_layer_and_format():
+    out = run_ranks(_timeline_worker, 2)[0]
+    (exact, exact_steps), (narrow, narrow_steps) = out["exact"], out["int8"]
+    q = [k for k in exact if "q_proj" in k and k.endswith("forward")]
+    assert q and exact[q[0]][1] == "float32" and narrow[q[0]][1] == "encoded"
+    assert 0.2 < narrow[q[0]][0] / exact[q[0]][0] < 0.3  # int8 with a scale per block, against fp32
+    assert narrow_steps and all({"layer", "bytes", "format"} <= set(e["args"]) for e in narrow_steps)

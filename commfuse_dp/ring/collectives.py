@@ -108,7 +108,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
                                    residual)
 
         return collective(ring, "reduce_scatter", tag, label, [wire.nbytes] * (ring.size - 1), narrow,
-                          output.device, async_op, (output, input), stats)
+                          output.device, async_op, (output, input), stats, encoded=True)
     chunk = _chunk_numel(bucket_mb, input.element_size(), "ring_reduce_scatter")
     n = output.numel()
     direct = goes_direct(ring, input, direct_kb, chunked=n > chunk)
@@ -273,7 +273,7 @@ def _narrow_all_gather(ring: Ring, output: torch.Tensor, input: torch.Tensor, wi
             wire.decode(rows[j], out[j * n:(j + 1) * n])
 
     return collective(ring, "all_gather", tag, label, _step_sizes(ring, wire.nbytes, chunk, direct), run,
-                      output.device, async_op, (output, input, rows), stats)
+                      output.device, async_op, (output, input, rows), stats, encoded=True)
 
 
 def _narrow_reduce_scatter(ring: Ring, out: torch.Tensor, inp: torch.Tensor, wire: RowFormat, tag: int,

@@ -181,10 +181,13 @@ class Issuer:
         ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: issued here at once when
         nothing of the ring is in flight or queued, else worked on the ring's thread in request order; CUDA:
         enqueued on its communication stream at once."""
-        if transport._OBSERVERS:
-            transport.notify("start", op.phase, k)
         ring = self.ring
         tensor = sends[0] if sends else recvs[0]
+        if transport._SENDERS:
+            transport.notify_sent(op.name, op.phase, k, sum(t.numel() * t.element_size() for t in sends),
+                                  tensor.dtype)
+        if transport._OBSERVERS:
+            transport.notify("start", op.phase, k)
         # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
         ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
         if self.stats.enabled:
@@ -219,9 +222,9 @@ class Issuer:
 
 def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int], run: Callable[[], None],
                device: torch.device, async_op: bool, tensors: tuple[torch.Tensor, ...],
-               stats: StatsRecorder | None, itemsize: int = 1) -> dist.Work | None:
+               stats: StatsRecorder | None, itemsize: int = 1, encoded: bool = False) -> dist.Work | None:
     """Request every step of a bucketed collective (``sizes``: the elements of ``itemsize`` bytes each of its ring
-    steps moves, in order)
+    steps moves, in order; ``encoded``: bytes of a narrow format)
     and run ``run``, its step loop, which issues them through ``issue``: on the ring's communication stream (CUDA),
     on the ring's thread (CPU, ``async_op``) or here. Returns a ``RingWork`` with ``async_op``, else waits for it.
     ``tensors``: what the loop reads and writes (CUDA: kept from the allocator until the stream is done)."""
@@ -236,6 +239,9 @@ def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int],
         return RingWork(landed)
     ring.fingerprint.add_collective(kind, tag, label, sizes)
     last = len(sizes) - 1
+    if transport._SENDERS:
+        transport.notify_sent(str(label) if label is not None else kind, kind, last, sum(sizes) * itemsize,
+                              torch.uint8 if encoded else tensors[0].dtype)
     if transport._OBSERVERS:
         for k in range(last + 1):
             transport.notify("start", kind, k)

@@ -51,6 +51,29 @@ def notify(event: str, op: str, step: int) -> None:
         callback(event, op, step)
 
 
+Sender = Callable[[str, str, int, int, str], None]
+_SENDERS: list[Sender] = []
+
+
+@contextlib.contextmanager
+def observe_sent(callback: Sender) -> Iterator[None]:
+    """Call ``callback(what, op, step, nbytes, fmt)`` when a ring step, or a collective's steps at once (its last
+    step's index), is requested: ``what`` the layer or unit it belongs to, ``op`` as ``observe_ring`` reports it,
+    ``nbytes`` what this rank sends in it, ``fmt`` the dtype on the wire (``"encoded"`` for a narrow format's
+    bytes, [Note: narrow formats]). Reported just before the step's ``"start"`` (timelines, ``record_timeline``)."""
+    _SENDERS.append(callback)
+    try:
+        yield
+    finally:
+        _SENDERS.remove(callback)
+
+
+def notify_sent(what: str, op: str, step: int, nbytes: int, dtype: torch.dtype) -> None:
+    fmt = "encoded" if dtype == torch.uint8 else str(dtype).replace("torch.", "")
+    for callback in _SENDERS:
+        callback(what, op, step, nbytes, fmt)
+
+
 class RingCommError(RuntimeError):
     """A ring step failed: a peer died, stopped answering within the timeout, or the ring broke earlier."""
 
