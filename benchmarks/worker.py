@@ -68,6 +68,11 @@ VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsd
 EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
                   "fused_ring", "fused_bf16", "fused_fp8", "fused_int8", "fused_int8_int8", "fsdp2_bf16", "fsdp2_int8",
                   "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
+# Narrow formats on the wire (commfuse_dp/wire.py) of the fused_<name> and fsdp2_<name> variants
+NARROW = {"bf16": dict(gather_format="bf16", reduce_format="bf16"),
+          "fp8": dict(gather_format="fp8", reduce_format="bf16"),
+          "int8": dict(gather_format="int8", reduce_format="bf16"),
+          "int8_int8": dict(gather_format="int8", reduce_format="int8", error_feedback=True)}
 NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
@@ -90,10 +95,19 @@ class Runner:
             self.accelerator = EmulatedAccelerator(args.tflops,
                                                    host_ahead=getattr(args, "emulated_host", "sync") == "ahead")
             with self.accelerator:  # (what shard() measures of the device is the emulated one's)
-                getattr(self, f"_build_{name}")()
+                self._builder(name)()
                 self._synchronize()
         else:
-            getattr(self, f"_build_{name}")()
+            self._builder(name)()
+
+    def _builder(self, name):
+        """The build method of variant ``name``; ``fused_<format>`` and ``fsdp2_<format>``: fused or the peer with
+        a narrow format on the wire (``NARROW``)."""
+        schedule, _, fmt = name.partition("_")
+        if schedule in ("fused", "fsdp2") and fmt in NARROW:
+            build = self._build_fused if schedule == "fused" else self._build_fsdp2_overlap
+            return lambda: build(**NARROW[fmt])
+        return getattr(self, f"_build_{name}")
 
     def _optimizer(self, params):
         # fused: torch's one-kernel AdamW, the Trainer's default (optim="adamw_torch_fused"); foreach: torch's
@@ -156,19 +170,6 @@ class Runner:
     def _build_fused_ring(self):
         self._build_fused(direct_kb=0)
 
-    # Narrow formats on the wire (commfuse_dp/wire.py): the fused schedule with each lossy setting
-    def _build_fused_bf16(self):
-        self._build_fused(gather_format="bf16", reduce_format="bf16")
-
-    def _build_fused_fp8(self):
-        self._build_fused(gather_format="fp8", reduce_format="bf16")
-
-    def _build_fused_int8(self):
-        self._build_fused(gather_format="int8", reduce_format="bf16")
-
-    def _build_fused_int8_int8(self):
-        self._build_fused(gather_format="int8", reduce_format="int8", error_feedback=True)
-
     def _build_slicing(self):
         self._build_fused("slicing")
 
@@ -197,16 +198,6 @@ class Runner:
 
     def _build_fsdp2_coarse(self):
         self._build_fsdp2_overlap(coarse=True)
-
-    # The peer with the narrow formats of fused_bf16 / fused_int8 / fused_int8_int8
-    def _build_fsdp2_bf16(self):
-        self._build_fsdp2_overlap(gather_format="bf16", reduce_format="bf16")
-
-    def _build_fsdp2_int8(self):
-        self._build_fsdp2_overlap(gather_format="int8", reduce_format="bf16")
-
-    def _build_fsdp2_int8_int8(self):
-        self._build_fsdp2_overlap(gather_format="int8", reduce_format="int8", error_feedback=True)
 
     def _build_fsdp2_torch(self):
         from .fsdp2_torch import build

@@ -173,13 +173,10 @@ def with_formats(cl: Cluster, gather: str, reduce: str, dtype_bytes: int, codec:
     ``dtype_bytes``-byte values; a scale per block counted in) and the codec's compute seconds per element and
     pass (``codec``: per format, ``wire.measure_codec``'s mean of encode and decode; the dearer of the two
     formats)."""
-    import torch
-
     from .wire import bytes_per_element
 
-    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}.get(dtype_bytes, torch.float32)
-    gbytes = dtype_bytes if gather == "exact" else min(dtype_bytes, bytes_per_element(gather, dtype))
-    rbytes = dtype_bytes if reduce == "exact" else min(dtype_bytes, bytes_per_element(reduce, dtype))
+    gbytes = min(dtype_bytes, bytes_per_element(gather, dtype_bytes))
+    rbytes = min(dtype_bytes, bytes_per_element(reduce, dtype_bytes))
     coded = [reduce] if reduce != "exact" else []  # (narrow gradients are always decoded into float32 sums)
     if gather != "exact" and not (gather == "bf16" and dtype_bytes <= 2):  # (a bf16 gather of bf16: as it is)
         coded.append(gather)

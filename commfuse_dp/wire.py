@@ -33,10 +33,10 @@ _INT8_MAX = 127.0
 _TINY = 1e-30  # a block of zeros gets this scale: its values decode to zero
 
 
-def bytes_per_element(fmt: str, dtype: torch.dtype, block: int = DEFAULT_BLOCK) -> float:
-    """Bytes a weight element costs on the wire in ``fmt`` (a scale per block counted in), from ``dtype``."""
+def bytes_per_element(fmt: str, itemsize: int, block: int = DEFAULT_BLOCK) -> float:
+    """Bytes an element of ``itemsize`` bytes costs on the wire in ``fmt`` (a scale per block counted in)."""
     if fmt == "exact":
-        return float(torch.empty((), dtype=dtype).element_size())
+        return float(itemsize)
     if fmt == "bf16":
         return 2.0
     return 1.0 + 4.0 / block
@@ -68,7 +68,7 @@ class RowFormat:
         self.fmt, self.dtype, self.numel, self.block = fmt, dtype, numel, block
         self.segments: list[Segment] = []
         offset, covered = 0, 0
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = itemsize = dtype.itemsize
         for start, n, narrow in segments:
             if start != covered:
                 raise ValueError(f"wire segments must cover the row in order: {start} after {covered}")
@@ -103,8 +103,7 @@ class RowFormat:
         for seg in self.segments:
             x = row[seg.start:seg.start + seg.numel]
             if not seg.narrow:
-                out[seg.offset:seg.offset + seg.numel * row.new_empty((), dtype=self.dtype).element_size()] \
-                    .view(self.dtype).copy_(x)
+                out[seg.offset:seg.offset + seg.numel * self.itemsize].view(self.dtype).copy_(x)
             elif self.fmt == "bf16":
                 out[seg.offset:seg.offset + 2 * seg.numel].view(torch.bfloat16).copy_(x)
             else:
@@ -138,13 +137,19 @@ class RowFormat:
         for seg in self.segments:
             y = out[seg.start:seg.start + seg.numel]
             if not seg.narrow:
-                size = torch.empty((), dtype=self.dtype).element_size()
-                y.copy_(wire[seg.offset:seg.offset + seg.numel * size].view(self.dtype))
+                y.copy_(wire[seg.offset:seg.offset + seg.numel * self.itemsize].view(self.dtype))
             elif self.fmt == "bf16":
                 y.copy_(wire[seg.offset:seg.offset + 2 * seg.numel].view(torch.bfloat16))
             else:
                 self._decode_blocks(wire, seg, y)
         return out
+
+    def encode_fed(self, row: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> None:
+        """Error feedback: encode ``row`` plus what encoding lost before (``residual``, float32), and keep what it
+        loses now in ``residual``."""
+        fed = torch.add(row, residual)
+        self.encode(fed, out)
+        residual.copy_(fed.sub_(self.decode(out, torch.empty_like(fed))))
 
     def add_decoded(self, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out += decode(wire)`` (``out`` float32: a sum of contributions, each rounded once)."""
@@ -179,7 +184,7 @@ def row_bytes(fmt: str, dtype: torch.dtype, segments: Sequence[tuple[int, int, b
     (scales and alignment included)."""
     numel = sum(n for _, n, _ in segments)
     if fmt == "exact" or (gather and fmt == "bf16" and dtype == torch.bfloat16):
-        return numel * torch.empty((), dtype=dtype).element_size()
+        return numel * dtype.itemsize
     return RowFormat(fmt, dtype, numel, segments, block).nbytes
 
 

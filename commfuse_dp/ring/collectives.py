@@ -290,9 +290,7 @@ def _narrow_reduce_scatter(ring: Ring, out: torch.Tensor, inp: torch.Tensor, wir
         to, source = (rank - k) % world, (rank + k) % world
         piece = inp[to * n:(to + 1) * n]
         if residual is not None:
-            piece = piece.float().add_(residual[to])
-            wire.encode(piece, sent)
-            residual[to].copy_(piece.sub_(wire.decode(sent, torch.empty_like(piece))))
+            wire.encode_fed(piece, sent, residual[to])
         else:
             wire.encode(piece, sent)
         handle = issue(ring, [sent], [received[k % 2]], tag, "reduce_scatter", k - 1, world - 1, timeout_s, label,

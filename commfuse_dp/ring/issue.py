@@ -183,15 +183,16 @@ class Issuer:
         enqueued on its communication stream at once."""
         ring = self.ring
         tensor = sends[0] if sends else recvs[0]
-        if transport._SENDERS:
-            transport.notify_sent(op.name, op.phase, k, sum(t.numel() * t.element_size() for t in sends),
-                                  tensor.dtype)
+        if self.stats.enabled or transport._SENDERS:
+            nbytes = sum(t.numel() * t.element_size() for t in sends)
+            if self.stats.enabled:
+                self.stats.sent(nbytes)
+            if transport._SENDERS:
+                transport.notify_sent(op.name, op.phase, k, nbytes, tensor.dtype)
         if transport._OBSERVERS:
             transport.notify("start", op.phase, k)
         # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
         ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
-        if self.stats.enabled:
-            self.stats.sent(sum(t.numel() * t.element_size() for t in sends))
         if direct:
             send_to = ring.peers if send_to is None else send_to
             recv_from = ring.peers if recv_from is None else recv_from

@@ -66,16 +66,14 @@ class FusedGroupState:
             self.residual = torch.zeros(self.engine.ring.size, self.layout.numel, dtype=torch.float32, device=device)
         return self.residual
 
-    def encoded_own(self, params: list[torch.Tensor], fmt: RowFormat) -> torch.Tensor:
-        """This rank's row encoded in ``fmt`` from the members' local shards (the masters, in their own dtype;
-        padding rows zero). Encoded afresh at every ring: a parameter's version counter does not say whether it
-        changed (fused optimizers and DTensor's in-place ops leave it as it was)."""
+    def encode_own(self, params: list[torch.Tensor], fmt: RowFormat, out: torch.Tensor) -> None:
+        """This rank's row encoded in ``fmt`` into ``out`` from the members' local shards (the masters, in their
+        own dtype; padding rows zero). Encoded afresh at every ring: a parameter's version counter does not say
+        whether it changed (fused optimizers and DTensor's in-place ops leave it as it was)."""
         with torch.no_grad():
             row = torch.zeros(self.layout.numel, dtype=params[0].dtype, device=params[0].device)
             self.layout.pack(self.pairs(params), row.dtype, out=row)
-            wire = fmt.empty(None, row.device)
-            fmt.encode(row, wire)
-        return wire
+            fmt.encode(row, out)
 
     def params(self) -> list[nn.Parameter]:
         # ``_parameters`` itself: ``m.weight`` is the gathered read for code outside the fused forward (reads.py)

@@ -216,10 +216,7 @@ class GradRing:
         if k > 1:
             wire.add_decoded(self.received, self.racc)
         if self.residual is not None:
-            kept = self.residual[(self.rank - k) % self.world]
-            src = out.float().add_(kept)
-            wire.encode(src, self.sent)
-            kept.copy_(src.sub_(wire.decode(self.sent, torch.empty_like(src))))
+            wire.encode_fed(out, self.sent, self.residual[(self.rank - k) % self.world])
         else:
             wire.encode(out, self.sent)
 

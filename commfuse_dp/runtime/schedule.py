@@ -194,18 +194,19 @@ class FusedSchedule:
     def _new_narrow(self, state: FusedGroupState, params, op, wire, keep: bool) -> WeightRing:
         """A weight ring whose rows travel in ``wire``'s format: this rank's row encoded once, the rest arriving as
         bytes."""
-        ring = self.engine.ring
-        own = state.encoded_own(params, wire)
+        ring, device = self.engine.ring, params[0].device
         if keep or self.elastic:
-            pooled = not keep and own.device.type == "cpu"
-            slots = self._pool.take((ring.size, wire.nbytes), torch.uint8, own.device) if pooled else None
+            pooled = not keep and device.type == "cpu"
+            slots = self._pool.take((ring.size, wire.nbytes), torch.uint8, device) if pooled else None
             if slots is None:
-                slots = wire.empty(ring.size, own.device)
-            slots[ring.rank].copy_(own)
+                slots = wire.empty(ring.size, device)
+            state.encode_own(params, wire, slots[ring.rank])
             weights = WeightRing(self.engine, op, slots, views=self._views if pooled else None, wire=wire)
             weights.pooled = pooled
             return weights
-        return WeightRing(self.engine, op, None, (own.clone(), wire.empty(None, own.device)), wire=wire)
+        own = wire.empty(None, device)
+        state.encode_own(params, wire, own)
+        return WeightRing(self.engine, op, None, (own, wire.empty(None, device)), wire=wire)
 
     def release(self, weights: WeightRing) -> None:
         """``weights`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
