@@ -26,11 +26,11 @@ both in one loop::
 
 Across layers (``runtime/schedule.py``): when each ring step is requested and which buffers hold the shards. Lockstep
 (``lookahead_mb=0``) is the pseudocode above, with step 0 of the next layers requested during this layer's last
-piece and the last gradient step landing during the next layer's first piece (``Landing``): two weight-shard and
+piece and the last gradient step landing during the next layer's first piece (``Gradients.land``): two weight-shard and
 two gradient-shard buffers live, never the full W, except for the last layer of the forward (the lm_head), which
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
 partials only. Elastic (the default on 2 ranks or more): the weight ring of a layer is requested ahead, into an
-``(N, S)`` buffer, and the gradient steps lag (``Landing``). The loop below is the same for both, and for the
+``(N, S)`` buffer, and the gradient steps lag (``Gradients.land``). The loop below is the same for both, and for the
 slicing schedule (``runtime/slicing.py``): ``piece_steps`` requests piece k's own steps and returns what to wait for
 at its end; the schedule's ``before_piece`` and ``after_piece`` add other layers' steps beside it and take in the
 gradient rings that landed. With ``piece_shards`` = G > 1 and a whole gathered buffer, the forward's outputs and
@@ -307,8 +307,8 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
         if transport._OBSERVERS:
             transport.notify("compute", "backward", k)
         sched.after_piece(state, "backward", k)
-        if step is not None and not (grads is not None and grads.later and step is grads.last and k == world - 1):
-            step.wait()  # (a last step completed later lands in the schedule: ``Landing``)
+        if step is not None:
+            step.wait()
     if weights is not None:
         sched.release(weights)
     return bw.finish()
@@ -391,14 +391,8 @@ def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.
                  params_need_grad) -> list[torch.Tensor | None]:
     """Each parameter's gradient shard out of this rank's reduced flat buffer, to return through autograd."""
     grads: list[torch.Tensor | None] = [None] * len(params)
-    for j, m in enumerate(state.layout.members):
-        if not train[j]:
-            continue
-        w_idx, *b_idx = state.param_index(j)
-        rows = params[w_idx].shape[1] if m.transposed else params[w_idx].shape[0]
-        unpacked = state.layout.unpack_grad(flat, m, rows, params[w_idx].dtype)
-        for idx, g in zip((w_idx, *b_idx), unpacked):
-            grads[idx] = g if params_need_grad[idx] else None
+    for i, g in state.grad_shards(flat, params, [p.dtype for p in params], train):
+        grads[i] = g if params_need_grad[i] else None
     return grads
 
 

@@ -8,15 +8,16 @@ there, from ``StepState.register``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from .engine import Engine
 from ..ring.collectives import goes_direct
-from .layer_rings import GradRing, WeightRing, piece_steps
+from .engine import Engine
+from .gradients import GradRing, Travel
+from .layer_rings import WeightRing, piece_steps
 
 
 class RingOwner(Protocol):
@@ -86,7 +87,7 @@ def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device:
     world = engine.ring.size
     numel = math.prod(shape)
     op = state.steps.ring_op(state.op, phase) if world > 1 else None
-    grads = GradRing(engine, op, numel, dtype, device, zeroed=False, communicates=True, lag=False)
+    grads = GradRing(engine, op, numel, dtype, device, zeroed=False, travel=Travel.WITH_PIECES)
     for k in range(world):
         step = piece_steps(engine, k, None, grads)
         if then is not None and k == world - 1:

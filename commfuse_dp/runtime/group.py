@@ -100,16 +100,21 @@ class FusedGroupState:
         """Each trainable parameter's gradient shard out of this rank's reduced flat buffer (in the group
         layout)."""
         params = self.params()
-        landed = []
+        shards = self.grad_shards(flat, [p._local_tensor for p in params], grad_dtypes, train)
+        return [(params[i], g) for i, g in shards if params[i].requires_grad]
+
+    def grad_shards(self, flat: torch.Tensor, local: list[torch.Tensor], dtypes,
+                    train) -> list[tuple[int, torch.Tensor]]:
+        """``(index, gradient)`` of each parameter of a member with a gradient (``train``), out of this rank's
+        reduced flat buffer: shaped as its local shard ``local[index]``, in ``dtypes[index]``."""
+        shards = []
         for j, m in enumerate(self.layout.members):
             if not train[j]:
                 continue
             idx = self.param_index(j)
-            rows = params[idx[0]].to_local().shape[1 if m.transposed else 0]
-            for i, g in zip(idx, self.layout.unpack_grad(flat, m, rows, grad_dtypes[idx[0]])):
-                if params[i].requires_grad:
-                    landed.append((params[i], g))
-        return landed
+            rows = local[idx[0]].shape[1 if m.transposed else 0]
+            shards += zip(idx, self.layout.unpack_grad(flat, m, rows, dtypes[idx[0]]))
+        return shards
 
     # -- the local shards as views of one packed buffer ---------------------------------------------------------
 

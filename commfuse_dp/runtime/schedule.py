@@ -10,7 +10,7 @@ first after a ``reset()``, run without looking ahead). Two ways to use it, one l
   gradient-shard buffers are live. During a layer's last piece, step 0 of the next ``prefetch_depth`` layers is
   requested (``start_next``; ``start_first`` from a ring embedding); after the last layer of the forward the
   backward's first layers follow, so their weight shards land during the loss. A layer's last gradient step is
-  waited after the next layer's first piece (``Landing``), or at the end of the backward.
+  waited after the next layer's first piece (``Gradients.land``), or at the end of the backward.
 - *Elastic* (``lookahead_mb`` > 0, default ``"auto"``). When a layer begins, the whole all-gather rings of the
   layers that follow it are chosen, in order, as long as their gathered weights fit in the budget; their steps
   are requested beside the layer's pieces, spread over them (``pace``), so they queue between its own gradient
@@ -18,7 +18,7 @@ first after a ``reset()``, run without looking ahead). Two ways to use it, one l
   layer's weight ring gathers into an ``(N, numel)`` buffer; piece k still starts as soon as shard k has landed, so
   the first layer's head stays fused. Gradient partials go into an ``(N, numel)`` buffer each and are requested
   beside the next piece, but not waited for: they lag behind the all-gathers queued before them and land during later
-  compute (``Landing``, completed on the compute thread at piece boundaries and, at the latest, when the
+  compute (``Gradients.land``, completed on the compute thread at piece boundaries and, at the latest, when the
   backward ends). So the step still ends with one exposed hop at most, as in lockstep. A unit's weight rings
   share their steps (``Bundle``: one ring's latency per unit) in the backward, and in the forward where
   ``CommFuseConfig.forward_bundles`` says so: there step k carries shard k of every group, so the unit's first
@@ -38,8 +38,9 @@ from collections.abc import Callable
 import torch
 
 from .engine import Engine
+from .gradients import GradBundle, Gradients, GradRing, Lands, Travel
 from .group import FusedGroupState
-from .layer_rings import Bundle, GradBundle, GradRing, Landing, SlotPool, WeightRing
+from .layer_rings import Bundle, SlotPool, WeightRing
 from .step import StepState
 
 
@@ -62,7 +63,7 @@ class FusedSchedule:
         self._ahead: dict[tuple[int, str], WeightRing] = {}
         self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
         self._kept: set[int] = set()  # groups of this step whose forward kept the gathered weight (keeps_weight)
-        self._landing: list[Landing] = []
+        self.gradients = Gradients(engine)  # when each layer's gradient lands, and how
         self._paced: list[Bundle | GradBundle] = []  # chosen ahead, their steps requested piece by piece (pace)
         self._grads: GradBundle | None = None  # the gradient rings of the unit whose backward runs
         self._rest: dict[tuple[int, str], int] = {}  # groups after a group in its unit, in the phase's order
@@ -125,24 +126,21 @@ class FusedSchedule:
             if isinstance(item, GradBundle):
                 item.request()
         self._paced = []
-        self.land(block=True)
+        self.gradients.finish_backward()
 
     def reset(self) -> None:
         """Drop everything of an aborted step: requested steps are waited for (every rank requested them alike)
         and their bytes dropped; the layer order is forgotten (the next step runs as a first step)."""
-        rings, landing = list(self._ahead.values()), self._landing
+        rings = list(self._ahead.values())
         bundles = [b for b in (*self._paced, self._grads) if isinstance(b, GradBundle)]
         self._ahead.clear()
-        self._landing = []
         self._paced = []
         self._grads = None
         for ring in rings:
             ring.settle()
         for bundle in bundles:
             bundle.settle()
-        for land in landing:
-            if land.grads.last is not None:
-                land.grads.last.settle()
+        self.gradients.reset()
         self._order, self._current = [], []
         self._orders, self._at, self._chosen = {}, {}, {}
         self._needs_dx.clear()
@@ -217,38 +215,29 @@ class FusedSchedule:
 
     def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None, accumulates: bool) -> GradRing:
-        """The gradient ring of one backward of ``state``; it shares the ring op of ``weights`` (the same
-        backward's weight ring) when that travels, as one ring operation of the layer. ``accumulates``: the
-        gradients may be put into ``.grad`` by us later; then its last step lands after the backward returns
-        (``later``), with its unit's other rings where they share steps (``bundles_grads``)."""
-        op = None
+        """The gradient ring of one backward of ``state`` ([Note: the gradient path]); it shares the ring op of
+        ``weights`` (the same backward's weight ring) when that travels, as one ring operation of the layer. Its
+        hops lag in elastic mode, else join the pieces' weight steps. ``accumulates``: the gradients may be put
+        into ``.grad`` by us; then its last hop lands after the backward returns (``Lands.LATER``), with its
+        unit's other rings where they share hops (``bundles_grads``)."""
+        op, travel, lands = None, Travel.LOCAL, Lands.NOW
         if communicates and self.engine.ring.size > 1:
             op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.op,
                                                                                                       "backward")
-        wire = state.wire_format("reduce", reduce_dtype) if communicates else None
-        residual = state.feedback(device) if wire is not None and wire.lossy else None
-        ring = GradRing(self.engine, op, numel, reduce_dtype, device, zeroed, communicates, self.elastic, wire,
-                        residual)
-        ring.later = self.defer_last_reduce and ring.racc is not None and accumulates
-        if ring.later and self.bundles_grads(state):
-            ring.bundled = True  # its steps go with its unit's other gradient rings, beside the unit's last group
+            travel = Travel.LAGGING if self.elastic else Travel.WITH_PIECES
+            if self.defer_last_reduce and accumulates:
+                lands = Lands.LATER
+                if self.bundles_grads(state):  # its hops go with its unit's other rings, beside the last group
+                    travel = Travel.BUNDLED
+        ring = self.gradients.ring(state, op, numel, reduce_dtype, device, zeroed, travel, lands)
+        if travel is Travel.BUNDLED:
             self.add_grads(state, ring)
         return ring
 
     def finish_grads(self, state: FusedGroupState, grads: GradRing, post: float, dtypes: tuple,
                      train: tuple) -> torch.Tensor | None:
-        """At the end of a synced backward of ``state``, after its pieces: this rank's reduced gradient shard to
-        return through autograd, or None when the schedule puts it into the parameters' grads later
-        (``Landing``)."""
-        if grads.later:
-            self.land_later(Landing(grads, state, post, dtypes, train))
-            return None
-        if grads.last is not None:
-            grads.last.wait()
-        final = grads.final(post)
-        if self.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
-            final = self.engine.replicas.exchange_now(final, f"the gradient of {state.name}")
-        return final
+        """At the end of a synced backward of ``state``, after its pieces: ``Gradients.finish``."""
+        return self.gradients.finish(state, grads, post, dtypes, train)
 
     def pace(self, state: FusedGroupState, phase: str, pieces_left: int) -> None:
         """Elastic, beside each fused piece: request the next steps of the rings chosen ahead (weight bundles, and
@@ -271,7 +260,7 @@ class FusedSchedule:
         """Beside compute piece k of ``state`` (its own steps requested already, ``piece_steps``): a unit's gradient
         step (``unit_grads_step``), the steps of the rings chosen ahead (``pace``), and at the last piece the next
         layers' first steps (lockstep, ``start_next``)."""
-        if grads is not None and grads.bundled:
+        if grads is not None and grads.travel is Travel.BUNDLED:
             self.unit_grads_step(state, k)
         if self._paced:
             self.pace(state, phase, self.engine.ring.size - k)
@@ -283,7 +272,7 @@ class FusedSchedule:
         have landed (lockstep: the previous layer's last step, which had this first piece to land, waited for at
         k = 0)."""
         if phase == "backward":
-            self.land(block=k == 0 and not self.elastic)
+            self.gradients.land(block=k == 0 and not self.elastic)
 
     # -- gradient rings by unit ---------------------------------------------------------------------------------
 
@@ -314,31 +303,6 @@ class FusedSchedule:
             self._grads.request(1)
             if not self._grads.unrequested:
                 self._grads = None
-
-    # -- gradient rings that land later ------------------------------------------------------------------------
-
-    def land_later(self, landing: Landing) -> None:
-        self._landing.append(landing)
-
-    def land(self, block: bool) -> None:
-        """Complete the landings whose last step arrived (``block``: all, waiting), in request order. HSDP: a landing
-        whose last step is requested goes at once to the replicate ring (CPU: its thread, ``Replicas.after``; CUDA:
-        its stream, ``Replicas.after_event``), which completes it when the step lands and sends it across the
-        copies: a host running ahead of its compute (a GPU's, an emulated one's) never holds it back."""
-        replicas = self.engine.replicas
-        while self._landing:
-            head = self._landing[0]
-            last = head.grads.last
-            if replicas is not None and last is not None and last.future is not None:
-                landing = self._landing.pop(0)
-                replicas.after(landing.finish, landing.dtypes)
-            elif replicas is not None and last is not None and last.event is not None:
-                landing = self._landing.pop(0)
-                replicas.after_event(landing.finish, last.event, landing.buffers())
-            elif block or (head.grads.last is not None and head.grads.last.done()):
-                self._landing.pop(0).complete()
-            else:
-                break
 
     # -- across layers ---------------------------------------------------------------------------------------
 

@@ -24,11 +24,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..ring.collectives import ring_all_gather, ring_reduce_scatter
+from ..ring.collectives import ring_all_gather
 from ..ring.transport import RingCommError
 from .engine import Engine
+from .gradients import Gradients, Lands, WholeGrads
 from .group import FusedGroupState
-from .layer_rings import WeightRing, WholeGrads
+from .layer_rings import WeightRing
 from .step import StepState
 
 
@@ -37,16 +38,6 @@ class Gathered(NamedTuple):
 
     work: dist.Work | None
     flat: torch.Tensor  # (N, numel): every rank's packed shards
-
-
-class Reducing(NamedTuple):
-    """A group's reduce-scatter in flight, with what its landing needs (the state, dtypes, trained members)."""
-
-    work: dist.Work | None
-    shard: torch.Tensor  # (numel,): this rank's summed gradient shards
-    state: FusedGroupState
-    grad_dtypes: tuple[torch.dtype, ...]
-    train: tuple[bool, ...]
 
 
 class SlicingScheduler:
@@ -59,7 +50,7 @@ class SlicingScheduler:
         self._order: list[FusedGroupState] = []  # forward order of the previous step
         self._current: list[FusedGroupState] = []
         self._prefetched: dict[tuple[int, str], tuple[Gathered, list[torch.Tensor]]] = {}
-        self._reducing: list[Reducing] = []
+        self.gradients = Gradients(engine)  # the reduce-scatters in flight, landed when the backward ends
         self.prefetch_hits = 0  # gathers that were already in flight when their layer asked for them
         self.gathers = 0  # gathers started
         self._backward_gathers: dict[int, bool] = {}  # per group: does its backward need the weight (dx)?
@@ -96,9 +87,9 @@ class SlicingScheduler:
     def reset(self) -> None:
         """Drop everything of an aborted step: in-flight gathers and reduce-scatters are waited for (every rank
         started them alike) and their results dropped; the layer order is forgotten."""
-        works = [g.work for g, _ in self._prefetched.values()] + [r.work for r in self._reducing]
+        works = [g.work for g, _ in self._prefetched.values()]
         self._prefetched.clear()
-        self._reducing = []
+        self.gradients.reset()
         for work in works:
             if work is not None:
                 try:
@@ -166,39 +157,20 @@ class SlicingScheduler:
                 return None
         return None
 
-    # -- reduce-scatter in the background, waited at the end of backward ------------------------------------
+    # -- reduce-scatter in the background, landed when the backward ends ------------------------------------
 
     def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None, accumulates: bool) -> WholeGrads:
         """The partials of one backward of ``state`` (always zeroed); ``accumulates``: reduce-scattered in the
-        background and put into ``.grad`` when the backward ends, else at once."""
-        return WholeGrads(self.engine, numel, reduce_dtype, device, accumulates)
+        background and put into ``.grad`` when the backward ends (``Lands.LATER``), else at once."""
+        return WholeGrads(self.engine, numel, reduce_dtype, device, Lands.LATER if accumulates else Lands.NOW)
 
     def finish_grads(self, state: FusedGroupState, grads: WholeGrads, post: float, dtypes: tuple,
                      train: tuple) -> torch.Tensor | None:
-        """After a synced backward's pieces: the partials' reduce-scatter, in the background (None) or waited for
-        and returned (the gradients must go back through autograd)."""
-        ring = self.engine.ring
-        shard = grads.parts.new_empty(state.layout.numel)
-        op = self.steps.ring_op(state.op, "backward")
-        work = ring_reduce_scatter(shard, grads.parts.view(-1), ring.group, dist.ReduceOp.SUM, async_op=grads.later,
-                                   tag=op.tag, label=op, stats=self.engine.stats, **self.engine.config.ring_kwargs)
-        if grads.later:
-            self._reducing.append(Reducing(work, shard, state, dtypes, train))
-            return None
-        self._wait(work)
-        shard = shard.div_(post) if post != 1.0 else shard
-        if self.engine.replicas is not None:  # HSDP: it goes back through autograd, so it crosses the copies now
-            shard = self.engine.replicas.exchange_now(shard, f"the gradient of {state.name}")
-        return shard
+        """After a synced backward's pieces: the partials' reduce-scatter starts, then ``Gradients.finish``."""
+        grads.reduce_scatter(self.steps.ring_op(state.op, "backward"))
+        return self.gradients.finish(state, grads, post, dtypes, train)
 
     def end_backward(self) -> None:
-        """At the end of the backward (``StepState``'s callback): wait for the reduce-scatters and put the
-        gradients in place."""
-        _, post = self.engine.divide_factors()
-        pending, self._reducing = self._reducing, []
-        for red in pending:
-            self._wait(red.work)
-            if post != 1.0:
-                red.shard.div_(post)
-            red.state.accumulate_grads(red.shard, red.grad_dtypes, red.train)
+        """At the end of the backward (``StepState``'s callback): the reduce-scatters land in the grads."""
+        self.gradients.finish_backward()
