@@ -153,13 +153,13 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
         step = piece_steps(engine, k, weights, None)  # brings piece k+1's shard
         if not recompute:
             sched.before_piece(state, "forward", k)
-        if transport._OBSERVERS:
+        if transport.watched():
             transport.notify("compute_begin", "forward", k)
         if runs.piecewise:
             _forward_piece(state.layout, weights, k, x2, outs, weights.shard(k))
         elif (run := runs.add(k)) is not None:
             _forward_run(state.layout, weights.slots, *run, x2, outs)
-        if transport._OBSERVERS:
+        if transport.watched():
             transport.notify("compute", "forward", k)
         if step is not None:
             step.wait()
@@ -298,13 +298,13 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     for k in range(world):
         step = piece_steps(engine, k, weights, grads)
         sched.before_piece(state, "backward", k, grads)
-        if transport._OBSERVERS:
+        if transport.watched():
             transport.notify("compute_begin", "backward", k)
         if bw.dx is not None:
             bw.dx_piece(k)
         if grads is not None:
             bw.grad_piece(k)
-        if transport._OBSERVERS:
+        if transport.watched():
             transport.notify("compute", "backward", k)
         sched.after_piece(state, "backward", k)
         if step is not None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..stats import StatsRecorder
 from ..wire import RowFormat
-from .issue import collective, issue
+from .issue import Hop, collective, issue
 from .topology import Ring, get_ring
 
 DEFAULT_BUCKET_MB = 25.0
@@ -193,8 +193,8 @@ def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int,
         return
     if direct:  # one round: the own shard to every peer, shard p from rank p
         peers = ring.peers
-        issue(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag, "all_gather", 0, 1,
-              timeout_s, label, peers, peers)
+        issue(Hop(ring, [own] * len(peers), [out[p * n:(p + 1) * n] for p in peers], tag, "all_gather", 0, 1,
+                  timeout_s, label, peers, peers))
         return
     bounds = _chunks(n, chunk)
     ticks = len(bounds) + world - 2
@@ -205,7 +205,7 @@ def _all_gather_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int,
             held, incoming = ring.shard_held(k), ring.shard_held(k + 1)
             sends.append(out[held * n + lo:held * n + hi])
             recvs.append(out[incoming * n + lo:incoming * n + hi])
-        issue(ring, sends, recvs, tag, "all_gather", tick, ticks, timeout_s, label)
+        issue(Hop(ring, sends, recvs, tag, "all_gather", tick, ticks, timeout_s, label))
 
 
 def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: int, chunk: int,
@@ -249,7 +249,7 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
                 outgoing = torch.add(mine, incoming, out=partial[slot][:hi - lo])
             sends.append(outgoing)
             recvs.append(incoming)
-        issue(ring, sends, recvs, tag, "reduce_scatter", tick, ticks, timeout_s, label)
+        issue(Hop(ring, sends, recvs, tag, "reduce_scatter", tick, ticks, timeout_s, label))
     complete(len(bounds) - 1)
     if average:
         out.div_(world)
@@ -293,8 +293,8 @@ def _narrow_reduce_scatter(ring: Ring, out: torch.Tensor, inp: torch.Tensor, wir
             wire.encode_fed(piece, sent, residual[to])
         else:
             wire.encode(piece, sent)
-        handle = issue(ring, [sent], [received[k % 2]], tag, "reduce_scatter", k - 1, world - 1, timeout_s, label,
-                       [to], [source], wait=False)
+        handle = issue(Hop(ring, [sent], [received[k % 2]], tag, "reduce_scatter", k - 1, world - 1, timeout_s,
+                           label, [to], [source]), wait=False)
         if k > 1:
             wire.add_decoded(received[(k - 1) % 2], total)
         handle.wait(observed=False)
@@ -321,8 +321,8 @@ def _reduce_scatter_direct(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag
     n, rank = out.numel(), ring.rank
     peers = ring.peers
     received = inp.new_empty(len(peers), n)
-    issue(ring, [inp[p * n:(p + 1) * n] for p in peers], list(received.unbind(0)), tag, "reduce_scatter", 0, 1,
-          timeout_s, label, peers, peers)
+    issue(Hop(ring, [inp[p * n:(p + 1) * n] for p in peers], list(received.unbind(0)), tag, "reduce_scatter", 0, 1,
+              timeout_s, label, peers, peers))
     total = received[0]
     for piece in received[1:]:
         total.add_(piece)

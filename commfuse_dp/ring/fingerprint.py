@@ -7,7 +7,7 @@ differs) then exchange bytes between *different* ring steps of the same size and
 where the sizes differ. Each ``Ring`` keeps one fingerprint. While a step of a sharded model is open, every ring
 step requested on the ring is folded in where it is requested (``ring/issue.py``), on the requesting thread, in
 program order:
-- each step of a fused ring, ring embedding or weight read, as the link takes it (``Issuer.step``): the op's
+- each step of a fused ring, ring embedding or weight read, as the link takes it (``Link.step``): the op's
   identity tag, its index in its ring, the ring's length, and on a ring (not a direct exchange, whose sizes may
   differ between ranks) the elements a tensor moves;
 - each step of a bucketed collective on the shard ring (FSDP2 units, the slicing schedule, the non-finite check,

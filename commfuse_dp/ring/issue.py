@@ -4,7 +4,7 @@
 A ring step passes three points, each of them here and nowhere else:
 - *Requested*, on the thread that calls for it, in program order: folded into the ring's fingerprint
   (``ring/fingerprint.py``) and reported as ``"start"`` to ``observe_ring``. A step of a fused layer, ring embedding
-  or weight read is requested on its own (``Issuer.step``, the link scheduler's ``runtime/link.py``); a bucketed
+  or weight read is requested on its own (``Link.step``, the link scheduler's ``runtime/link.py``); a bucketed
   collective (``ring/collectives.py``) requests all of its steps at once when it is called (``collective``), their
   sizes known from its wavefront before any of them runs.
 - *Issued* by ``issue``, the one call of ``transport.start_step``, on the worker that runs the step: the ring's
@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ class Pending:
         if self.waited:
             return
         self.waited = True
-        if transport._OBSERVERS:
+        if transport.watched():
             transport.notify("wait", self.op, self.k)
         stats = self.stats
         began = time.perf_counter()
@@ -86,7 +87,7 @@ class Pending:
             self.run()
         if stats.enabled:
             stats.ring_step(self.requested, began, time.perf_counter(), self.count)
-        if transport._OBSERVERS:
+        if transport.watched():
             transport.notify("done", self.op, self.k)
 
     def settle(self) -> None:
@@ -98,30 +99,46 @@ class Pending:
             pass
 
 
-def issue(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int, op: str, k: int,
-          steps: int, timeout_s: float, label: object, send_to: Sequence[int] | None = None,
-          recv_from: Sequence[int] | None = None, before: Callable[[], None] | None = None,
-          wait: bool = True) -> transport.StepHandle:
+class Hop(NamedTuple):
+    """One ring step to issue (``issue``): the arguments of ``transport.start_step``, and ``before``, run first on
+    the worker that issues it (a received partial sum's add, a narrow contribution's encoding)."""
+
+    ring: Ring
+    sends: Sequence[torch.Tensor]
+    recvs: Sequence[torch.Tensor]
+    tag: int
+    op: str  # the fused ring's phase, or the collective's kind
+    k: int  # its index in its ring
+    steps: int  # the ring's steps
+    timeout_s: float
+    label: object
+    send_to: Sequence[int] | None = None
+    recv_from: Sequence[int] | None = None
+    before: Callable[[], None] | None = None
+
+
+def issue(hop: Hop, wait: bool = True) -> transport.StepHandle:
     """Issue one ring step and wait for it on the worker running it (CPU: until its bytes landed; CUDA: the
-    communication stream, current here, is ordered after it). ``before`` runs first (a received partial sum's
-    add). The arguments are ``transport.start_step``'s. ``wait=False``: return at once (``Posted`` waits)."""
-    observed = bool(transport._OBSERVERS) and not (sends[0] if sends else recvs[0]).is_cuda
+    communication stream, current here, is ordered after it). ``wait=False``: return at once (``Posted``
+    waits)."""
+    observed = transport.watched() and not (hop.sends[0] if hop.sends else hop.recvs[0]).is_cuda
     if observed:
-        transport.notify("issued", op, k)
-    if before is not None:
-        before()
-    handle = transport.start_step(ring, sends, recvs, tag=tag, op=op, step=k, steps=steps, timeout_s=timeout_s,
-                                  label=label, observed=False, send_to=send_to, recv_from=recv_from)
+        transport.notify("issued", hop.op, hop.k)
+    if hop.before is not None:
+        hop.before()
+    handle = transport.start_step(hop.ring, hop.sends, hop.recvs, tag=hop.tag, op=hop.op, step=hop.k,
+                                  steps=hop.steps, timeout_s=hop.timeout_s, label=hop.label, observed=False,
+                                  send_to=hop.send_to, recv_from=hop.recv_from)
     if wait:
         handle.wait(observed=False)
         if observed:
-            transport.notify("landed", op, k)
+            transport.notify("landed", hop.op, hop.k)
     return handle
 
 
 class Posted:
     """A ring step issued on the thread that requested it (CPU, the ring's thread idle and no other step of the
-    ring in flight: ``Issuer.step``), as a ``Job`` of the ring's thread is seen: ``done()`` never blocks,
+    ring in flight: ``Link.step``), as a ``Job`` of the ring's thread is seen: ``done()`` never blocks,
     ``result()`` waits for its bytes (its deadline bounds it) once, on whichever thread asks first, and raises
     its error on every call."""
 
@@ -144,7 +161,7 @@ class Posted:
                 except BaseException as err:  # noqa: BLE001 - raised below, on every call
                     self.error = err
                 self.landed = True
-                if transport._OBSERVERS:
+                if transport.watched():
                     transport.notify("landed", self.op, self.k)
         if self.error is not None:
             raise self.error
@@ -162,63 +179,6 @@ def after_posted(ring: Ring, run: Callable[[], object]) -> Callable[[], object]:
         return run()
 
     return ordered
-
-
-class Issuer:
-    """Ring steps of fused layers, ring embeddings and weight reads on one ring (``step``), with the deadline per
-    step and the step statistics they are recorded in."""
-
-    def __init__(self, ring: Ring, timeout_s: float, stats: StatsRecorder) -> None:
-        self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
-
-    def step(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, steps: int,
-             before: Callable[[], None] | None = None, direct: bool = False,
-             send_to: list[int] | None = None, recv_from: list[int] | None = None) -> Pending:
-        """Request one ring step: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
-        ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
-        must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
-        instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``), or from the group
-        ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: issued here at once when
-        nothing of the ring is in flight or queued, else worked on the ring's thread in request order; CUDA:
-        enqueued on its communication stream at once."""
-        ring = self.ring
-        tensor = sends[0] if sends else recvs[0]
-        if self.stats.enabled or transport._SENDERS:
-            nbytes = sum(t.numel() * t.element_size() for t in sends)
-            if self.stats.enabled:
-                self.stats.sent(nbytes)
-            if transport._SENDERS:
-                transport.notify_sent(op.name, op.phase, k, nbytes, tensor.dtype)
-        if transport._OBSERVERS:
-            transport.notify("start", op.phase, k)
-        # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
-        ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
-        if direct:
-            send_to = ring.peers if send_to is None else send_to
-            recv_from = ring.peers if recv_from is None else recv_from
-        timeout_s = self.timeout_s
-        if tensor.is_cuda:
-            with ring.on_comm_stream(tensor.device) as (stream, _):  # after the compute that wrote the inputs
-                issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from, before)
-                event = stream.record_event()
-            for t in (*sends, *recvs):
-                t.record_stream(stream)
-            return Pending(self.stats, op.phase, k, event=event, device=stream.device_index)
-
-        posted = ring.posted
-        if posted is not None and posted.done():
-            posted = ring.posted = None
-        if posted is None and not ring.executor.queued and device_ready() is None:
-            # Nothing of this ring in flight or queued: issue it here, now (no hand-over to the ring's thread)
-            handle = issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from,
-                           before, wait=False)
-            ring.posted = Posted(handle, op.phase, k)
-            return Pending(self.stats, op.phase, k, future=ring.posted)
-
-        def run() -> None:
-            issue(ring, sends, recvs, op.tag, op.phase, k, steps, timeout_s, op, send_to, recv_from, before)
-
-        return Pending(self.stats, op.phase, k, future=ring.submit(after_posted(ring, run)))
 
 
 def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int], run: Callable[[], None],
@@ -240,10 +200,10 @@ def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int],
         return RingWork(landed)
     ring.fingerprint.add_collective(kind, tag, label, sizes)
     last = len(sizes) - 1
-    if transport._SENDERS:
+    if transport.bytes_watched():
         transport.notify_sent(str(label) if label is not None else kind, kind, last, sum(sizes) * itemsize,
                               torch.uint8 if encoded else tensors[0].dtype)
-    if transport._OBSERVERS:
+    if transport.watched():
         for k in range(last + 1):
             transport.notify("start", kind, k)
     stats = stats if stats is not None else OFF

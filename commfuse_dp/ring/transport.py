@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from itertools import repeat
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,12 @@ def observe_ring(callback: Observer) -> Iterator[None]:
         _OBSERVERS.remove(callback)
 
 
+def watched() -> bool:
+    """Whether anything observes the rings' events (``observe_ring``): callers skip building what they would
+    report otherwise. The one way, with ``bytes_watched``, that code outside this module asks."""
+    return bool(_OBSERVERS)
+
+
 def notify(event: str, op: str, step: int) -> None:
     for callback in _OBSERVERS:
         callback(event, op, step)
@@ -66,6 +72,11 @@ def observe_sent(callback: Sender) -> Iterator[None]:
         yield
     finally:
         _SENDERS.remove(callback)
+
+
+def bytes_watched() -> bool:
+    """Whether anything observes the bytes each ring step sends (``observe_sent``)."""
+    return bool(_SENDERS)
 
 
 def notify_sent(what: str, op: str, step: int, nbytes: int, dtype: torch.dtype) -> None:

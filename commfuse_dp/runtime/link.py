@@ -20,19 +20,77 @@ piece k; an elastic one requests the steps of coming layers ahead of their compu
   the host never waits. Tensors used on the communication stream are marked with ``record_stream`` so that the
   caching allocator does not reuse them before the step ran. Waiting time is measured by CUDA events on the
   compute stream and read at the end of the step. (Written for NCCL and never run here: no GPU.)
-- The request, its issue and its wait are the ring layer's (``Issuer.step``, ``issue``, ``Pending.wait`` in
-  ``ring/issue.py``), the ones the bucketed collectives' steps go through too ([Note: one place for a ring
-  step]): the link adds the order, not another way to issue or time a step.
+- The issue and the wait are the ring layer's (``issue``, ``Pending.wait`` in ``ring/issue.py``), the ones the
+  bucketed collectives' steps go through too ([Note: one place for a ring step]): the link adds the request and
+  its order, not another way to issue or time a step.
 """
 
 from __future__ import annotations
 
-from ..ring.issue import Issuer, Pending
+from collections.abc import Callable
+
+import torch
+
+from ..ring import transport
+from ..ring.issue import Hop, Pending, Posted, after_posted, issue
+from ..ring.topology import Ring, device_ready
+from ..stats import StatsRecorder
 
 __all__ = ["Link", "Pending"]
 
 
-class Link(Issuer):
-    """The link scheduler of one ring (module docstring): ``step`` requests one ring step, worked in request
-    order; every request is folded into the ring's fingerprint (``ring/fingerprint.py``). ``Link(ring, timeout_s,
-    stats)``: ``Issuer``'s."""
+class Link:
+    """The link scheduler of one ring (module docstring): ``step`` requests one ring step of a fused layer, ring
+    embedding or weight read, worked in request order; every request is folded into the ring's fingerprint
+    (``ring/fingerprint.py``). It keeps the deadline per step and the step statistics they are recorded in."""
+
+    def __init__(self, ring: Ring, timeout_s: float, stats: StatsRecorder) -> None:
+        self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
+
+    def step(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, steps: int,
+             before: Callable[[], None] | None = None, direct: bool = False,
+             send_to: list[int] | None = None, recv_from: list[int] | None = None) -> Pending:
+        """Request one ring step: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
+        ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
+        must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
+        instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``), or from the group
+        ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: issued here at once when
+        nothing of the ring is in flight or queued, else worked on the ring's thread in request order; CUDA:
+        enqueued on its communication stream at once."""
+        ring = self.ring
+        tensor = sends[0] if sends else recvs[0]
+        if self.stats.enabled or transport.bytes_watched():
+            nbytes = sum(t.numel() * t.element_size() for t in sends)
+            if self.stats.enabled:
+                self.stats.sent(nbytes)
+            if transport.bytes_watched():
+                transport.notify_sent(op.name, op.phase, k, nbytes, tensor.dtype)
+        if transport.watched():
+            transport.notify("start", op.phase, k)
+        # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
+        ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
+        if direct:
+            send_to = ring.peers if send_to is None else send_to
+            recv_from = ring.peers if recv_from is None else recv_from
+        hop = Hop(ring, sends, recvs, op.tag, op.phase, k, steps, self.timeout_s, op, send_to, recv_from, before)
+        if tensor.is_cuda:
+            with ring.on_comm_stream(tensor.device) as (stream, _):  # after the compute that wrote the inputs
+                issue(hop)
+                event = stream.record_event()
+            for t in (*sends, *recvs):
+                t.record_stream(stream)
+            return Pending(self.stats, op.phase, k, event=event, device=stream.device_index)
+
+        posted = ring.posted
+        if posted is not None and posted.done():
+            posted = ring.posted = None
+        if posted is None and not ring.executor.queued and device_ready() is None:
+            # Nothing of this ring in flight or queued: issue it here, now (no hand-over to the ring's thread)
+            handle = issue(hop, wait=False)
+            ring.posted = Posted(handle, op.phase, k)
+            return Pending(self.stats, op.phase, k, future=ring.posted)
+
+        def run() -> None:
+            issue(hop)
+
+        return Pending(self.stats, op.phase, k, future=ring.submit(after_posted(ring, run)))
