@@ -140,7 +140,7 @@ class CommFuseConfig:
     it makes up only where compute is the slower: one ring's latency per linear against a layer's compute once per
     step. ``"auto"`` (default): together where ``(ranks - 1) x units²`` exceeds 512 (units: decoder layers and the
     root; many ring steps per step: any model of 32 layers; apart for a few layers on a few ranks, as the bench's);
-    ``True``/``False`` force it. ``commfuse-dp plan`` plays both (``plays.elastic``)."""
+    ``True``/``False`` force it. ``commfuse-dp plan`` plays both (``plays.fused``)."""
 
     piece_shards: int | str = "auto"
     """Weight shards per compute piece of a fused layer: its outputs in the forward and its input gradient in the

@@ -22,7 +22,7 @@ resources per rank, the compute stream and the link, and plays each schedule on 
   before it; step 0 of the next ``prefetch_depth`` groups goes during a group's last piece.
 - ``fused`` (the default, elastic lookahead): when a group begins, the whole weight rings of the following units
   are chosen while they fit the lookahead budget, a unit's rings sharing their steps (a bundle); gradient partials
-  lag and go as one ring per unit (``plays.elastic``).
+  lag and go as one ring per unit (``plays.fused``).
   For both, parameters that are not fused (norms) and the ring embedding's exchanges are exposed at the step's
   head and tail.
 The last three fuse what ``shard()`` fuses (``costs.placed``, ``--min-fuse-numel``): a group whose weight shard is
@@ -126,8 +126,7 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
                 "host_s": cl.peer_host_s}
     if schedule in ("fused", "lockstep"):
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
-        play = plays.lockstep if lockstep else plays.elastic
-        t = compute if n == 1 else play(units, cl)
+        t = compute if n == 1 else plays.fused(units, cl, lockstep)
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops, "host_s": host,
                 "pieces_s": costs.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
     raise ValueError(f"unknown schedule {schedule!r}")

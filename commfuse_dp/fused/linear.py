@@ -52,10 +52,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..ring import transport
 from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
-from ..runtime.layer_rings import WeightRing, piece_steps
+from ..runtime.layer_rings import WeightRing, run_pieces
 from ..runtime.layout import GroupLayout, Member, MemberBlocks
 from ..timeline import labelled
 
@@ -149,20 +148,14 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
     keep = world > 1 and not recompute and sched.keeps_weight(state)
     weights = sched.weights(state, params, compute_dtype, "forward", keep, recompute)
     runs = ShardRuns(engine, weights)
-    for k in range(runs.pieces):
-        step = piece_steps(engine, k, weights, None)  # brings piece k+1's shard
-        if not recompute:
-            sched.before_piece(state, "forward", k)
-        if transport.watched():
-            transport.notify("compute_begin", "forward", k)
+
+    def compute(k: int) -> None:
         if runs.piecewise:
             _forward_piece(state.layout, weights, k, x2, outs, weights.shard(k))
         elif (run := runs.add(k)) is not None:
             _forward_run(state.layout, weights.slots, *run, x2, outs)
-        if transport.watched():
-            transport.notify("compute", "forward", k)
-        if step is not None:
-            step.wait()
+
+    run_pieces(state, "forward", runs.pieces, weights, None, compute, beside=not recompute)
     sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
     # (a lockstep ring requested ahead before the order said a backward follows holds two shards, not all: its
     # backward gathers the weight again)
@@ -293,24 +286,17 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     step k brings the weight shard of piece k+1 and passes on the partial sum of piece k-1. ``full``: the
     forward's ring that kept every weight shard; then no weight shard travels."""
     bw = BackwardCall(state, x2, params, grad_outs, need_dx, params_need_grad, call, full)
-    engine, sched, world = state.engine, state.steps.schedule, state.engine.ring.size
     weights, grads = bw.weights, bw.grads
-    for k in range(world):
-        step = piece_steps(engine, k, weights, grads)
-        sched.before_piece(state, "backward", k, grads)
-        if transport.watched():
-            transport.notify("compute_begin", "backward", k)
+
+    def compute(k: int) -> None:
         if bw.dx is not None:
             bw.dx_piece(k)
         if grads is not None:
             bw.grad_piece(k)
-        if transport.watched():
-            transport.notify("compute", "backward", k)
-        sched.after_piece(state, "backward", k)
-        if step is not None:
-            step.wait()
+
+    run_pieces(state, "backward", state.engine.ring.size, weights, grads, compute)
     if weights is not None:
-        sched.release(weights)
+        state.steps.schedule.release(weights)
     return bw.finish()
 
 

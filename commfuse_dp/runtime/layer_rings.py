@@ -6,8 +6,11 @@ across layers: ``schedule.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..ring import transport
 from ..wire import RowFormat
 from .engine import Engine, RingOp
 from .gradients import GradRing, Lands, Peers, Travel, WholeGrads
@@ -151,6 +154,27 @@ class Bundle:
     def settle(self) -> None:
         for ring in self.rings:
             ring.settle()
+
+
+def run_pieces(state, phase: str, pieces: int, weights: WeightRing | None, grads: GradRing | WholeGrads | None,
+               compute: Callable[[int], None], beside: bool = True) -> None:
+    """The fused layer loop ([Note: the fused schedule], ``fused/linear.py``), the one the planner plays too
+    (``replay.py``): piece k's own ring steps requested (``piece_steps``), the schedule's beside it
+    (``before_piece``; not for a recomputed forward: ``beside=False``), its compute, what landed taken in
+    (``after_piece``), then the wait for what the next piece needs."""
+    engine, sched = state.engine, state.steps.schedule
+    for k in range(pieces):
+        step = piece_steps(engine, k, weights, grads)
+        if beside:
+            sched.before_piece(state, phase, k, grads)
+        if transport.watched():
+            transport.notify("compute_begin", phase, k)
+        compute(k)
+        if transport.watched():
+            transport.notify("compute", phase, k)
+        sched.after_piece(state, phase, k)
+        if step is not None:
+            step.wait()
 
 
 def piece_steps(engine: Engine, k: int, weights: WeightRing | None,
