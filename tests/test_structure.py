@@ -1,0 +1,63 @@
+"""tools/structure.py: the package has no import circles and no long functions, and the check finds both."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tools", "structure.py")
+
+_spec = importlib.util.spec_from_file_location("structure_check", SCRIPT)
+structure = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = structure  # its dataclasses look their module up there
+_spec.loader.exec_module(structure)
+
+
+def _write(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def test_check_finds_circles_and_long_functions(tmp_path):
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(structure.MAX_LINES))
+    _write(tmp_path, {
+        "commfuse_dp/__init__.py": "",
+        # a circle through an import inside a function and a relative import
+        "commfuse_dp/a.py": "def f():\n    from . import b\n",
+        "commfuse_dp/b.py": "import commfuse_dp.a.x\n",
+        # not a circle: c imports d, d imports nothing of the package
+        "commfuse_dp/c.py": "from commfuse_dp.d import thing\n",
+        "commfuse_dp/d.py": "import os\nthing = 1\n",
+        # integrations/ is commfuse_dp.integrations: a circle across the two folders, two levels up
+        "integrations/__init__.py": "",
+        "integrations/sub/__init__.py": "",
+        "integrations/sub/e.py": "from ...launch import go\n",
+        "commfuse_dp/launch.py": "class L:\n    def go(self):\n        from commfuse_dp.integrations.sub import e\n",
+        "commfuse_dp/long.py": "class K:\n    def method(self):\n" + "    " + long_body.replace("\n    ", "\n        ")
+                               + "def short():\n    pass\n",
+        "commfuse_dp/launch_help.py": "def help_text():\n" + long_body,
+    })
+    graph = structure.import_graph(str(tmp_path))
+    assert graph["commfuse_dp.b"] == {"commfuse_dp.a"}
+    assert graph["commfuse_dp.integrations.sub.e"] == {"commfuse_dp.launch"}
+    assert structure.circles(graph) == [["commfuse_dp.a", "commfuse_dp.b"],
+                                        ["commfuse_dp.integrations.sub.e", "commfuse_dp.launch"]]
+    long = {f.name: f.lines for f in structure.long_functions(str(tmp_path))}
+    assert long == {"commfuse_dp.long.K.method": structure.MAX_LINES + 1,
+                    "commfuse_dp.launch_help.help_text": structure.MAX_LINES + 1}
+
+    run = subprocess.run([sys.executable, SCRIPT, "--root", str(tmp_path)], check=False, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "circles: 2" in run.stdout
+    assert "functions over 60 lines: 1 (allowed: 1)" in run.stdout
+
+    (tmp_path / "commfuse_dp" / "b.py").write_text("")
+    (tmp_path / "integrations" / "sub" / "e.py").write_text("")
+    (tmp_path / "commfuse_dp" / "long.py").write_text("")
+    run = subprocess.run([sys.executable, SCRIPT, "--root", str(tmp_path)], check=False, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "circles: 0" in run.stdout
