@@ -47,6 +47,7 @@ import tempfile
 
 from commfuse_dp.launch_help import _EXAMPLE, help_text  # noqa: F401  (launch.help_text, launch._EXAMPLE)
 
+from commfuse_dp.integrations.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
 from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
 
 BOOTSTRAP = "commfuse_dp.integrations.worker"   # runs integrations/bootstrap.py's main()
@@ -133,8 +134,6 @@ def _launch(args: argparse.Namespace, *, nested: bool = False) -> None:
     """Start the workers of ``args`` (accelerate launch's parsed options), each through the bootstrap."""
     from accelerate.commands import launch as accelerate_launch
     from accelerate.commands.config import default_config_file
-
-    from commfuse_dp.integrations.autoload import LAUNCH_CONFIG_ENV, pythonpath
 
     if args.no_python:
         raise LaunchError("--no_python: the workers must run a Python script or module for commfuse to hook "

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 
+from commfuse_dp.integrations.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
 from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
 
 LAUNCHERS = ("accelerate", "trl", "torchrun")
@@ -98,8 +99,6 @@ def _torchrun_world_size(command: list[str]) -> int | None:
 def run_once(args: argparse.Namespace, command: list[str]) -> int:
     """Run a launcher once with the activation in its environment; its exit status is ours."""
     from accelerate.commands.config import default_config_file
-
-    from commfuse_dp.integrations.autoload import LAUNCH_CONFIG_ENV, pythonpath
 
     path = args.config_file
     if path is None and os.path.isfile(default_config_file):

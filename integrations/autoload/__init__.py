@@ -36,20 +36,6 @@ import sys
 
 from commfuse_dp.integrations import bootstrap
 
-LAUNCH_CONFIG_ENV = "COMMFUSE_LAUNCH_CONFIG"  # the accelerate part of the commfuse-dp launch config file
-
-
-def folder() -> str:
-    """The folder that goes first on ``PYTHONPATH`` (it holds ``sitecustomize.py``)."""
-    return os.path.dirname(os.path.abspath(__file__))
-
-
-def pythonpath(environ=None) -> str:
-    """``PYTHONPATH`` with :func:`folder` first (once)."""
-    current = (os.environ if environ is None else environ).get("PYTHONPATH", "")
-    rest = [p for p in current.split(os.pathsep) if p and os.path.abspath(p) != folder()]
-    return os.pathsep.join([folder(), *rest])
-
 
 def is_worker(environ=None) -> bool:
     env = os.environ if environ is None else environ
