@@ -235,6 +235,15 @@ class CommFuseConfig:
     backward (and, on CUDA, the host waits for the backward to finish before ``backward()`` returns)."""
 
     def __post_init__(self) -> None:
+        # always in this order: of several wrong values, the first one met is named
+        self._check_modes()
+        self._check_sizes()
+        self._check_wire()
+        self._check_planner_inputs()
+        self._check_run()
+
+    def _check_modes(self) -> None:
+        """schedule, grad_divide, nonfinite_grads: one of their names."""
         if self.schedule not in SCHEDULES:
             raise ValueError(f"CommFuseConfig.schedule={self.schedule!r}: allowed values are {SCHEDULES}")
         if self.grad_divide not in GRAD_DIVIDES:
@@ -244,6 +253,9 @@ class CommFuseConfig:
         if not isinstance(self.nonfinite_grads, str) or self.nonfinite_grads not in NONFINITE_MODES:
             raise ValueError(f"CommFuseConfig.nonfinite_grads={self.nonfinite_grads!r}: allowed values are "
                              f"{NONFINITE_MODES}")
+
+    def _check_sizes(self) -> None:
+        """The rings' and the schedule's sizes: buckets, thresholds, prefetch, lookahead, bundles, pieces."""
         self.bucket_mb = _number("bucket_mb", self.bucket_mb, float)
         if not self.bucket_mb > 0:
             raise ValueError(f"CommFuseConfig.bucket_mb={self.bucket_mb!r}: must be a number of MiB > 0, e.g. 25")
@@ -275,6 +287,9 @@ class CommFuseConfig:
                                  f"integer >= 1 (weight shards per compute piece; 1: one per ring step)")
         else:
             self.piece_shards = "auto"
+
+    def _check_wire(self) -> None:
+        """What travels: the formats on the wire, their block, error feedback, and the fsdp2 schedule's collectives."""
         if self.gather_format not in GATHER_FORMATS:
             raise ValueError(f"CommFuseConfig.gather_format={self.gather_format!r}: allowed values are "
                              f"{GATHER_FORMATS}")
@@ -292,6 +307,9 @@ class CommFuseConfig:
         if self.fsdp2_collectives not in FSDP2_COLLECTIVES:
             raise ValueError(f"CommFuseConfig.fsdp2_collectives={self.fsdp2_collectives!r}: allowed values are "
                              f"{FSDP2_COLLECTIVES}")
+
+    def _check_planner_inputs(self) -> None:
+        """What ``schedule="auto"`` plans with, where given: link, ring-step latency, GEMM rate, tokens."""
         for name, unit in (("link_gbps", "GB/s"), ("ring_latency_us", "microseconds"), ("tflops", "TFLOP/s")):
             if getattr(self, name) is not None:
                 setattr(self, name, _number(name, getattr(self, name), float))
@@ -303,6 +321,9 @@ class CommFuseConfig:
             if self.tokens_per_rank < 1:
                 raise ValueError(f"CommFuseConfig.tokens_per_rank={self.tokens_per_rank!r}: must be an integer "
                                  f">= 1, or None (unknown)")
+
+    def _check_run(self) -> None:
+        """The copies (HSDP), the timeout, the switches, the dtypes and the excluded modules."""
         self.replicate = _number("replicate", self.replicate, int)
         if self.replicate < 1:
             raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be an integer >= 1 (the number of "
