@@ -61,27 +61,37 @@ KNOWN_MODELS = {
 def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     """Step time (s), its compute, and the model FLOPs of one step on one rank."""
     schedule = ALIASES.get(schedule, schedule)
-    n = cl.ranks
-    steps = n - 1
     if schedule in PLACED:  # what shard() fuses for it
         units = costs.placed(units, cl, elastic=schedule == "fused" and cl.lookahead_bytes != 0)
-
-    def coll(numel: int, nbytes: int) -> float:  # one ring all-gather or reduce-scatter of numel elements
-        return 0.0 if numel == 0 or n == 1 else steps * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)
-
-    def moved(u: Unit, nbytes: int) -> float:  # one pass of a unit's parameters (or of a ring embedding's rows)
-        if u.table and schedule != "no_overlap":
-            return costs.table_seconds(u, cl, nbytes)
-        return coll(u.fused_numel + u.other_numel, nbytes)
-
     fwd = [u.flops / cl.flops_per_s for u in units]
     bwd = [2 * f for f in fwd]
     compute = sum(fwd) + sum(bwd)
     flops = 3 * sum(u.flops for u in units)
     if schedule == "no_overlap":
-        comm = sum(2 * coll(u.fused_numel + u.other_numel, cl.param_bytes) +
-                   coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units)
-        return {"step_s": compute + comm, "compute_s": compute, "flops": flops}
+        return {"step_s": compute + _unoverlapped_comm(units, cl), "compute_s": compute, "flops": flops}
+    slowed = _slowed_compute(units, cl, schedule, compute)
+    if slowed is not None:
+        return slowed
+    return _played(units, cl, schedule, compute, flops)
+
+
+def _unoverlapped_comm(units: list[Unit], cl: Cluster) -> float:
+    """``no_overlap``'s communication: each unit's parameters gathered twice and reduce-scattered once round the
+    ring, nothing hidden."""
+    n = cl.ranks
+
+    def coll(numel: int, nbytes: int) -> float:  # one ring all-gather or reduce-scatter of numel elements
+        return 0.0 if numel == 0 or n == 1 else (n - 1) * (cl.latency_s + numel / n * nbytes / cl.bytes_per_s)
+
+    return sum(2 * coll(u.fused_numel + u.other_numel, cl.param_bytes) +
+               coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units)
+
+
+def _slowed_compute(units: list[Unit], cl: Cluster, schedule: str, compute: float) -> dict | None:
+    """Where work of ``cl``'s on the computing thread slows the compute (the codec of narrow formats, the peer's or
+    the fused groups' host work, the CPU that overlapped communication takes): the schedule played with the compute
+    that much slower, each such cost in turn. None where there is none."""
+    n = cl.ranks
 
     def slowed(extra_s: float, **plain) -> dict:  # the compute takes extra_s more per step; reported against cl's rate
         slow = replace(cl, flops_per_s=cl.flops_per_s * compute / (compute + extra_s), **plain)
@@ -104,9 +114,16 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
         # stack): the compute of an overlapping schedule slows by that much.
         total = plays.fsdp2_bytes(units, cl, schedule == "fsdp2_coarse") if schedule in PEERS else sum(
             u.exchange(n, cl.rows_ring)[1] * (cl.param_bytes + cl.grad_bytes) if u.table else
-            (u.fused_numel + u.other_numel) * steps / n * (2 * cl.param_bytes + cl.grad_bytes)
+            (u.fused_numel + u.other_numel) * (n - 1) / n * (2 * cl.param_bytes + cl.grad_bytes)
             for u in units)  # bytes one rank sends per step
         return slowed(cl.cpu_s_per_byte * total, cpu_s_per_byte=0.0)
+    return None
+
+
+def _played(units: list[Unit], cl: Cluster, schedule: str, compute: float, flops: float) -> dict:
+    """The step of an overlapping schedule, its compute as ``cl`` rates it: the schedule's play on the compute
+    stream and the link (``plays.py``), at least the host's time to issue it."""
+    n = cl.ranks
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
     # ... and the host issues every ring step and piece of the fused groups (``costs.host_seconds``)
     host = costs.host_seconds(units, cl)
