@@ -16,6 +16,7 @@ import difflib
 import json
 import sys
 from dataclasses import replace
+from typing import NamedTuple
 
 from . import costs, plan
 from .config import MIN_FUSE_NUMEL
@@ -82,26 +83,26 @@ def _fixed_cost(by_rate: dict[float, dict[str, dict]]) -> tuple[float, float] | 
     return (slope, max(my - slope * mx, 0.0)) if slope > 0 else None
 
 
-def calibrate(path: str, latency_us: float | None = None, overhead_path: str | None = None) -> int:
-    """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
-    nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
-    and its GEMMs in pieces). ``latency_us`` None: the fixed cost of a ring step is fitted from the bench's
-    ``comm_only`` rows (what does not shrink with the rate, over the planner's count of ring steps), and each rate's
-    bandwidth from the rest. With real compute one thread computes and issues, so it adds to the compute; with the
-    emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
-    with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
-    group for fused, lockstep and slicing, ``costs.peer_host_on_cpu`` for the peer."""
-    with open(path) as f:
-        bench = json.load(f)
-    on_compute = bench.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
-    extra = _overhead(overhead_path, bench) if overhead_path else {}
+class _Bench(NamedTuple):
+    """What ``calibrate`` reads of a ``commfuse-dp bench`` file: the run's shape and the planner's units of it."""
+    world: int
+    tokens: int
+    direct_bytes: int  # bucketed collectives this small took one round (0: the file does not say; all went round)
+    rows_ring: bool  # the ring embedding's rows went round a ring (``Unit.exchange``)
+    min_fuse_numel: int
+    units: list
+    flops: float  # the model FLOPs of one step
+    zero3_bytes: float  # what the bench's comm_only moves per rank and step
+    names: dict[str, str]  # the planner's schedule -> the bench's record of it
+    by_rate: dict[float, dict[str, dict]]  # the bench's records per link rate (Mbit/s) and schedule
+
+
+def _read_bench(bench: dict) -> _Bench:
     m = bench["model"]
     model = (m["hidden"], m["intermediate"], m["layers"], m["heads"], m.get("kv_heads") or m["heads"], m["vocab"])
     tokens, seq, world = m["batch"] * m["seq"], m["seq"], bench["world_size"]
-    direct_bytes = m.get("direct_kb", 0) * 1024  # runs that do not record it went round the ring
     rows_ring = m.get("embedding_rows") != "direct"  # a file without it: the rows went round a ring
     units = units_for(*model, tokens=tokens, seq=seq)
-    flops = 3 * sum(u.flops for u in units)
     # What the bench's comm_only moves per rank: every unit gathered twice and reduce-scattered once, except the ring
     # embedding's two exchanges.
     zero3_bytes = sum(2 * u.exchange(world, rows_ring)[1] * 4 if u.table else
@@ -112,73 +113,110 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
              "lockstep": "fused_lockstep"}
     if m.get("peer_units") != "torchtitan":  # a file from before the peer took torchtitan's units: it ran the coarse
         names = {**{k: v for k, v in names.items() if k != "fsdp2"}, "fsdp2_coarse": "fsdp2_overlap"}
-    print(f"calibration against {path}: {world} ranks, fp32, {tokens} tokens per rank")
-    # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
-    # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
-    # alone shorter than compute alone). Without such a rate, none is assumed.
     by_rate: dict[float, dict[str, dict]] = {}
     for r in bench["records"]:
         by_rate.setdefault(r["rate_mbit"], {})[r["schedule"]] = r
-    per_byte = [max(rows["concurrent"]["step_s"] - rows["compute_only"]["step_s"], 0.0) / zero3_bytes
-                for rows in by_rate.values()
+    return _Bench(world, tokens, m.get("direct_kb", 0) * 1024,  # runs that do not record it went round the ring
+                  rows_ring, m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL), units,
+                  3 * sum(u.flops for u in units), zero3_bytes, names, by_rate)
+
+
+def calibrate(path: str, latency_us: float | None = None, overhead_path: str | None = None) -> int:
+    """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
+    nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
+    and its GEMMs in pieces). ``latency_us`` None: the fixed cost of a ring step is fitted from the bench's
+    ``comm_only`` rows (what does not shrink with the rate, over the planner's count of ring steps), and each rate's
+    bandwidth from the rest. With real compute one thread computes and issues, so it adds to the compute; with the
+    emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
+    with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
+    group for fused, lockstep and slicing, ``costs.peer_host_on_cpu`` for the peer."""
+    with open(path) as f:
+        raw = json.load(f)
+    on_compute = raw.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
+    extra = _overhead(overhead_path, raw) if overhead_path else {}
+    bench = _read_bench(raw)
+    print(f"calibration against {path}: {bench.world} ranks, fp32, {bench.tokens} tokens per rank")
+    # ``concurrent`` (compute and communication at once, independent) measures the CPU the communication takes from
+    # compute on this machine, per byte; it shows only where compute, not the link, bounds that run (communication
+    # alone shorter than compute alone). Without such a rate, none is assumed.
+    per_byte = [max(rows["concurrent"]["step_s"] - rows["compute_only"]["step_s"], 0.0) / bench.zero3_bytes
+                for rows in bench.by_rate.values()
                 if {"concurrent", "compute_only", "comm_only"} <= set(rows)
                 and rows["comm_only"]["step_s"] < rows["compute_only"]["step_s"]]
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
-    fit = _fixed_cost(by_rate) if latency_us is None else None
+    fit = _fixed_cost(bench.by_rate) if latency_us is None else None
     slope, fixed = fit if fit is not None else (None, 0.0)
-    if latency_us is None and fit is None:
-        latency_us = 15.0
-        print(f"fixed cost of a ring step: {latency_us:g} us, the default (the file's communication alone does not "
-              f"shrink over two or more link rates, so none could be fitted; --latency-us sets it)")
-    elif latency_us is None:
-        ring_steps = simulate(units, Cluster(world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=direct_bytes,
-                                             rows_ring=rows_ring,
-                                             min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL)),
-                              "no_overlap")["step_s"]  # (1 s per ring step, nothing else costs)
-        latency_us = fixed / ring_steps * 1e6
-        print(f"fixed cost of a ring step: {latency_us:.0f} us, fitted (communication alone is {fixed * 1e3:.0f} ms "
-              f"a step longer than its bytes over the rate, over {ring_steps:.0f} ring steps)")
-    else:
-        print(f"fixed cost of a ring step: {latency_us:g} us (--latency-us)")
+    latency_us = _ring_step_latency(bench, latency_us, fit is not None, fixed)
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
-    where = 'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'
-    groups = sum(len(u.groups) for u in units)
-    a, b = costs.CPU_HOST_FIT
-    print(f"each schedule's own host work per step (the planner's CPU model; {where}): fused, lockstep and slicing "
-          f"{groups} groups x ({a * 1e3:g} + {b * 1e3:g} x {world}) ms = {groups * (a + b * world) * 1e3:.0f} ms, "
-          f"the peer's copies {costs.peer_host_on_cpu(units, Cluster(world, 1.0, 0.0, 1.0, 4, 4)) * 1e3:.0f} ms"
-          + (f"; measured instead ({overhead_path}): " + ", ".join(f"{name} {seconds * 1e3:.0f} ms"
-                                                                   for name, seconds in extra.items()) if extra else ""))
+    _print_host_work(bench, on_compute, extra, overhead_path)
     print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
           f"{'error':>7}")
     worst = 0.0
-    for rate, rows in sorted(by_rate.items()):
+    for rate, rows in sorted(bench.by_rate.items()):
         if "compute_only" not in rows or "comm_only" not in rows:
             continue
         compute, comm = rows["compute_only"]["step_s"], rows["comm_only"]["step_s"]
         # the bytes' time at this rate: communication alone less the fixed part, or the fitted line's where noise
         # leaves too little of it
         transfer = comm - fixed if slope is None or comm - fixed > 0.5 * slope / rate else slope / rate
-        f_rate, b_rate = flops / compute, zero3_bytes / transfer
-        cl = Cluster(world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
-                     cpu_s_per_byte=cpu_per_byte, direct_bytes=direct_bytes, rows_ring=rows_ring,
-                     host_on_compute=on_compute, min_fuse_numel=m.get("min_fuse_numel", BENCH_MIN_FUSE_NUMEL))
-        for schedule, measured_name in names.items():
-            if measured_name not in rows:
-                continue
-            # a schedule the overhead file measured plays with that (as a + b N per fused group), the others with
-            # the planner's CPU model
-            host = (extra[schedule] / groups, 0.0) if schedule in extra else costs.CPU_HOST_FIT
-            peer = extra.get(schedule, costs.peer_host_on_cpu(units, cl, coarse=schedule == "fsdp2_coarse"))
-            predicted = simulate(units, replace(cl, host_fit=host, peer_host_s=peer), schedule)["step_s"]
-            measured = rows[measured_name]["step_s"]
-            error = predicted / measured - 1
-            worst = max(worst, abs(error))
-            print(f"{rate:>11g} {f_rate / 1e9:>10.1f} {b_rate / 1e6:>8.1f} {schedule:>9} {predicted:>11.3f} "
-                  f"{measured:>10.3f} {error:>+7.1%}")
+        f_rate, b_rate = bench.flops / compute, bench.zero3_bytes / transfer
+        cl = Cluster(bench.world, b_rate, latency_us * 1e-6, f_rate, param_bytes=4, grad_bytes=4,
+                     cpu_s_per_byte=cpu_per_byte, direct_bytes=bench.direct_bytes, rows_ring=bench.rows_ring,
+                     host_on_compute=on_compute, min_fuse_numel=bench.min_fuse_numel)
+        worst = max(worst, _print_rate(bench, rate, rows, cl, extra))
     print(f"worst error {worst:.1%}")
     return 0
+
+
+def _ring_step_latency(bench: _Bench, latency_us: float | None, fitted: bool, fixed: float) -> float:
+    """The fixed cost of a ring step in microseconds (``--latency-us``, else fitted, else the default), said."""
+    if latency_us is None and not fitted:
+        latency_us = 15.0
+        print(f"fixed cost of a ring step: {latency_us:g} us, the default (the file's communication alone does not "
+              f"shrink over two or more link rates, so none could be fitted; --latency-us sets it)")
+    elif latency_us is None:
+        ring_steps = simulate(bench.units, Cluster(bench.world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=bench.direct_bytes,
+                                                   rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel),
+                              "no_overlap")["step_s"]  # (1 s per ring step, nothing else costs)
+        latency_us = fixed / ring_steps * 1e6
+        print(f"fixed cost of a ring step: {latency_us:.0f} us, fitted (communication alone is {fixed * 1e3:.0f} ms "
+              f"a step longer than its bytes over the rate, over {ring_steps:.0f} ring steps)")
+    else:
+        print(f"fixed cost of a ring step: {latency_us:g} us (--latency-us)")
+    return latency_us
+
+
+def _print_host_work(bench: _Bench, on_compute: bool, extra: dict[str, float], overhead_path: str | None) -> None:
+    where = 'on the computing thread: added to compute' if on_compute else 'the host ahead of the device'
+    groups, world = sum(len(u.groups) for u in bench.units), bench.world
+    a, b = costs.CPU_HOST_FIT
+    print(f"each schedule's own host work per step (the planner's CPU model; {where}): fused, lockstep and slicing "
+          f"{groups} groups x ({a * 1e3:g} + {b * 1e3:g} x {world}) ms = {groups * (a + b * world) * 1e3:.0f} ms, "
+          f"the peer's copies {costs.peer_host_on_cpu(bench.units, Cluster(world, 1.0, 0.0, 1.0, 4, 4)) * 1e3:.0f} ms"
+          + (f"; measured instead ({overhead_path}): " + ", ".join(f"{name} {seconds * 1e3:.0f} ms"
+                                                                   for name, seconds in extra.items()) if extra else ""))
+
+
+def _print_rate(bench: _Bench, rate: float, rows: dict[str, dict], cl: Cluster, extra: dict[str, float]) -> float:
+    """One link rate's rows of the calibration table: each schedule predicted on ``cl`` against its measured step.
+    Returns the largest error."""
+    groups = sum(len(u.groups) for u in bench.units)
+    worst = 0.0
+    for schedule, measured_name in bench.names.items():
+        if measured_name not in rows:
+            continue
+        # a schedule the overhead file measured plays with that (as a + b N per fused group), the others with
+        # the planner's CPU model
+        host = (extra[schedule] / groups, 0.0) if schedule in extra else costs.CPU_HOST_FIT
+        peer = extra.get(schedule, costs.peer_host_on_cpu(bench.units, cl, coarse=schedule == "fsdp2_coarse"))
+        predicted = simulate(bench.units, replace(cl, host_fit=host, peer_host_s=peer), schedule)["step_s"]
+        measured = rows[measured_name]["step_s"]
+        error = predicted / measured - 1
+        worst = max(worst, abs(error))
+        print(f"{rate:>11g} {cl.flops_per_s / 1e9:>10.1f} {cl.bytes_per_s / 1e6:>8.1f} {schedule:>9} "
+              f"{predicted:>11.3f} {measured:>10.3f} {error:>+7.1%}")
+    return worst
 
 
 def _overhead(path: str, bench: dict) -> dict[str, float]:
@@ -330,11 +368,58 @@ def formats_sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    fit, host_fit = _fits(parser, args)
+    if args.min_fuse_numel < 0:
+        parser.error("--min-fuse-numel must be at least 0")
+    if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
+        return calibrate(args.calibrate, args.latency_us, args.overhead)
+    if args.latency_us is None:
+        args.latency_us = 15.0
+    codec = said = None
+    if args.formats:
+        try:
+            codec, said = codec_costs(args.codec_ns, args.dtype_bytes)
+        except ValueError:
+            parser.error(f"--codec-ns {args.codec_ns!r}: give 'measure' or a number of ns (e.g. 0.002)")
+    if args.sweep and args.formats:
+        formats_sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.tokens, args.seq, codec, said,
+                      fit, host_fit, args.min_fuse_numel)
+        return 0
+    if args.sweep:
+        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
+              args.min_fuse_numel)
+        return 0
+    _check_cluster(parser, args)
+    model = load_model(args.model)
+    cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
+                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit,
+                 min_fuse_numel=args.min_fuse_numel, peer_nccl=True)
+    if args.nodes != 1:
+        if args.nodes < 1 or args.ranks % args.nodes:
+            parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
+        if args.inter_gbps <= 0:
+            parser.error("--inter-gbps must be > 0")
+        print_nodes(args, model, cl)
+        return 0
+    print_predictions(args, model, cl, codec, said)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     first, _, rest = __doc__.partition("\n\n")  # the help shows each once, without the docstring's markup
     model = plan.__doc__.partition("\n\n")[2].replace("The command line is ``plan_cli.py``.\n\n", "")
     parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=first.replace("``", ""),
                                      epilog=(rest + "\n" + model).replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _cluster_arguments(parser)
+    _mode_arguments(parser)
+    return parser
+
+
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the cluster planned for."""
     parser.add_argument("--model", default="llama-7b", help=f"known shape ({', '.join(KNOWN_MODELS)}) or an HF "
                                                             f"config.json path (default %(default)s)")
     parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default %(default)s)")
@@ -373,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: 1.7 ms + 0.30 ms x ranks, measured on an H200's host with "
                              "benchmarks/step_overhead.py --fake-worlds), 'none' (not modelled) or 'A,B' in seconds (that script "
                              "prints this machine's)")
+
+
+def _mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to print instead of one cluster's predictions: calibration, sweeps, narrow formats."""
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
     parser.add_argument("--overhead", metavar="JSON",
                         help="--calibrate: each schedule's own work per step on the bench's machine, from "
@@ -394,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", choices=("fsdp2", "unit_slicing", "slicing"), default="fsdp2",
                         help="--sweep: the schedule fused is divided by (fsdp2, also named unit_slicing: the peer, "
                              "stock FSDP2 as it runs on a GPU; slicing: this library's layer-level prefetch)")
-    args = parser.parse_args(argv)
+
+
+def _fits(parser: argparse.ArgumentParser, args: argparse.Namespace
+          ) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+    """``--piece-fit`` and ``--host-fit`` read; a wrong one is a usage error."""
     try:
         fit = _pair(args.piece_fit, costs.H200_PIECE_FIT)
     except ValueError:
@@ -403,26 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         host_fit = _pair(args.host_fit, costs.H200_HOST_FIT)
     except ValueError:
         parser.error(f"--host-fit {args.host_fit!r}: give 'h200', 'none' or two numbers 'A,B' (e.g. 1.7e-3,3e-4)")
-    if args.min_fuse_numel < 0:
-        parser.error("--min-fuse-numel must be at least 0")
-    if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
-        return calibrate(args.calibrate, args.latency_us, args.overhead)
-    if args.latency_us is None:
-        args.latency_us = 15.0
-    codec = said = None
-    if args.formats:
-        try:
-            codec, said = codec_costs(args.codec_ns, args.dtype_bytes)
-        except ValueError:
-            parser.error(f"--codec-ns {args.codec_ns!r}: give 'measure' or a number of ns (e.g. 0.002)")
-    if args.sweep and args.formats:
-        formats_sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.tokens, args.seq, codec, said,
-                      fit, host_fit, args.min_fuse_numel)
-        return 0
-    if args.sweep:
-        sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.seq, args.against, fit, host_fit,
-              args.min_fuse_numel)
-        return 0
+    return fit, host_fit
+
+
+def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -432,17 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.tflops > args.peak_tflops:
         parser.error(f"--tflops {args.tflops:g} (achievable) is above --peak-tflops {args.peak_tflops:g} (the "
                      f"hardware's peak); give the peak of the accelerator you plan for")
-    model = load_model(args.model)
-    cl = Cluster(args.ranks, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
-                 args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit,
-                 min_fuse_numel=args.min_fuse_numel, peer_nccl=True)
-    if args.nodes != 1:
-        if args.nodes < 1 or args.ranks % args.nodes:
-            parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
-        if args.inter_gbps <= 0:
-            parser.error("--inter-gbps must be > 0")
-        print_nodes(args, model, cl)
-        return 0
+
+
+def print_predictions(args: argparse.Namespace, model: tuple, cl: Cluster, codec: dict[str, float] | None,
+                      said: str | None) -> None:
+    """One cluster's table: each schedule's step, exposed communication, pieces, host time and MFU, what
+    ``CommFuseConfig()``'s defaults run there and the recommended config (with ``--formats``: the formats' rows)."""
     results = predict(model, cl, args.tokens, args.seq, args.peak_tflops * 1e12)
     results = {**{k: v for k, v in results.items() if k != "fsdp2"}, "fsdp2 NCCL": results["fsdp2"],
                "fsdp2 rings": predict(model, replace(cl, peer_nccl=False), args.tokens, args.seq,
@@ -488,7 +560,6 @@ def main(argv: list[str] | None = None) -> int:
           + (f", piece_shards={best})" if chosen == "fused" else ", schedule='fsdp2')"))
     if args.formats:
         print_formats(units_for(*model, tokens=args.tokens, seq=args.seq), cl, args.dtype_bytes, codec, said)
-    return 0
 
 
 if __name__ == "__main__":
