@@ -258,15 +258,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
                         f"pass the model that fully_shard / from_pretrained(distributed_config=...) returned")
     from_shard = recorder is not None  # only commfuse_dp.shard() passes a recorder
     if not from_shard:
-        for name, module in model.named_modules():
-            if getattr(module, "_commfuse_engine", None) is not None:
-                where = f"submodule '{name}'" if name else "this model"
-                raise ValueError(
-                    f"use_ring_collectives: {where} was sharded by commfuse_dp.shard(), which already runs every "
-                    f"collective of it on rings (fused layers and FSDP2 units alike), with its config's bucket_mb / "
-                    f"timeout_s and step statistics; calling use_ring_collectives again would drop both. Do not "
-                    f"call it on a model shard() sharded: pass those settings in the CommFuseConfig given to "
-                    f"shard().")
+        _refuse_shard_models(model)
     config = config if config is not None else CommFuseConfig()
     units = _units(model)
     if not units:
@@ -275,6 +267,28 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             "fully_shard(...) on the layers and the root, or on the model that "
             "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=N)) returned (with "
             "dp_replicate_size * fsdp_size > 1; a DistributedConfig with only tp_size applies no FSDP2)")
+    _check_units(units, from_shard)
+    deferred = DeferredReductions() if overlap else None
+    gathering = _install_rings(units, config, recorder, from_shard, deferred)
+    _install_schedule(model, gathering, overlap, deferred)
+    return model
+
+
+def _refuse_shard_models(model: nn.Module) -> None:
+    """A model that ``commfuse_dp.shard()`` sharded (or holds one) runs its rings already: refused."""
+    for name, module in model.named_modules():
+        if getattr(module, "_commfuse_engine", None) is not None:
+            where = f"submodule '{name}'" if name else "this model"
+            raise ValueError(
+                f"use_ring_collectives: {where} was sharded by commfuse_dp.shard(), which already runs every "
+                f"collective of it on rings (fused layers and FSDP2 units alike), with its config's bucket_mb / "
+                f"timeout_s and step statistics; calling use_ring_collectives again would drop both. Do not "
+                f"call it on a model shard() sharded: pass those settings in the CommFuseConfig given to "
+                f"shard().")
+
+
+def _check_units(units: list, from_shard: bool) -> None:
+    """Every unit can take the rings: one parameter group, FSDP2's own collectives (or ours), cpu or cuda."""
     for unit, module, state in units:
         groups = param_groups(state)
         if len(groups) > 1:
@@ -290,7 +304,12 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             if group.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"use_ring_collectives: FSDP2 unit '{unit}' is on {group.device.type!r}; the "
                                  f"rings run on cpu (gloo) and cuda (nccl) only")
-    deferred = DeferredReductions() if overlap else None
+
+
+def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder | None, from_shard: bool,
+                   deferred: DeferredReductions | None) -> list[nn.Module]:
+    """A ``RingAllGather`` and a ``RingReduceScatter`` on each unit with parameters; returns those units, in module
+    order."""
     gathering = []  # the units with parameters, in module order
     for unit, module, state in units:
         groups = param_groups(state)
@@ -304,6 +323,12 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             gather.owner = scatter.owner = _SHARD_OWNER
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(scatter)
+    return gathering
+
+
+def _install_schedule(model: nn.Module, gathering: list[nn.Module], overlap: bool,
+                      deferred: DeferredReductions | None) -> None:
+    """FSDP2's GPU schedule on the units (``overlap``), or FSDP2's own settings back where an earlier call set it."""
     if overlap or getattr(model, "_commfuse_deferred_reductions", None) is not None:  # (un)install the schedule
         for module, following in zip(gathering, gathering[1:] + [None]):
             module._set_unshard_async_op(overlap)
@@ -314,7 +339,6 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
     model._commfuse_backward_gather = (model.register_forward_hook(_gather_for_backward)
                                        if overlap and isinstance(model, FSDPModule) else None)
     model._commfuse_deferred_reductions = deferred
-    return model
 
 
 def _gather_for_backward(root: nn.Module, args, output) -> None:
