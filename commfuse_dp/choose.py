@@ -29,6 +29,7 @@ each input whether it was given, measured or assumed; an explicit setting is kep
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -36,12 +37,20 @@ import torch.nn as nn
 from .config import CommFuseConfig
 from .measure import Measured, layer_shapes, measure_machine
 from .plan import MARGIN, decide, peer_step
-from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, peer_host_on_cpu, placed, units_for
+from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, Unit, peer_host_on_cpu, placed, units_for
 
-__all__ = ["MARGIN", "Choice", "choose", "decide", "resolve"]
+__all__ = ["MARGIN", "Choice", "Resolved", "choose", "decide", "resolve"]
 
 DEFAULT_BATCH = 8  # sequences per micro-batch where nothing says: the Trainer's per_device_train_batch_size
 DEFAULT_TOKENS_CAP = 8192
+
+
+class Plan(NamedTuple):
+    """The cost model the plays run on (``costs.py``), built once per choice by :func:`cost_model`."""
+
+    units: list[Unit]  # the model's parts at this rank's tokens
+    cluster: Cluster  # ranks, link, GEMM rate, host, and the peer's host work and collectives
+    described: str  # the cluster in words, each input with where it came from
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,30 @@ class Choice:
     machine: str = ""  # the cluster the plays ran on, in words, each input with where it came from
     collectives: str = "rings"  # the fsdp2 schedule's: "rings" or "torch" (FSDP2 as shipped)
     measured: Measured | None = field(default=None, compare=False)  # what the plays read that was measured
+    plan: Plan | None = field(default=None, compare=False, repr=False)  # the cost model played; None: none was
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "piece_shards": self.piece_shards, "reason": self.reason,
                 "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives}
+
+    def fused_with(self, min_fuse_numel: int) -> Choice | None:
+        """The fused schedule at its best piece width on this choice's cost model with ``min_fuse_numel`` instead:
+        what ``choose`` gives for ``schedule="fused"`` with that threshold (the little-fused warning sets its step
+        beside this one's). None where nothing was played."""
+        if self.plan is None:
+            return None
+        cl = replace(self.plan.cluster, min_fuse_numel=min_fuse_numel)
+        _, width, predicted = decide(self.plan.units, cl, "fused", "auto")
+        reason = f"schedule='fused' as given; piece_shards={width}: the shortest predicted fused step"
+        return Choice("fused", width, reason, predicted, self.plan.described, "rings", self.measured,
+                      self.plan._replace(cluster=cl))
+
+
+class Resolved(NamedTuple):
+    """What :func:`resolve` made of a config's ``"auto"`` settings."""
+
+    config: CommFuseConfig  # the schedule, piece width and (under fsdp2) collectives as chosen
+    choice: Choice  # what they became and why, with the cost model that was played
 
 
 def model_shape(model: nn.Module) -> tuple[int, int, int, int, int, int] | None:
@@ -175,20 +204,13 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
             return Choice("fsdp2", pieces, "schedule='fsdp2' as given", collectives=collectives or "torch")
         return Choice(fixed or "fused", pieces, "the model has no transformers config giving its shapes: "
                                                 "fused, not planned")
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    cl, described = machine(config, ranks, device, dtype, one_node, measured)
-    tokens, t_from = tokens_of(model, config)
-    seq = min(tokens, getattr(model.config, "max_position_embeddings", tokens) or tokens)
-    described += f", {tokens} tokens per rank ({t_from})"
-    units = units_for(*shape, tokens=tokens, seq=seq)
-    if device.type != "cuda":  # FSDP2's copies on the computing thread
-        cl = replace(cl, peer_host_s=peer_host_on_cpu(units, cl))
-    cl = replace(cl, peer_nccl=device.type == "cuda" and collectives != "rings")  # (plays NCCL's and the rings)
+    plan = cost_model(model, config, shape, ranks, device, one_node, measured, collectives)
+    units, cl, described = plan
     if fixed == "fsdp2":
         predicted: dict[str, float] = {}
         predicted["fsdp2"] = peer_step(units, cl, predicted)
         return Choice("fsdp2", pieces, "schedule='fsdp2' as given" + (_on(predicted) if collectives is None else ""),
-                      predicted, described, _collectives_chosen(collectives, predicted), measured)
+                      predicted, described, _collectives_chosen(collectives, predicted), measured, plan)
     schedule, width, predicted = decide(units, cl, config.schedule, config.piece_shards)
     fused_s = predicted[f"fused, piece_shards={width}"] if schedule == "fused" else min(
         v for k, v in predicted.items() if k.startswith("fused"))
@@ -205,7 +227,24 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
         reason = (f"the peer (fsdp2) predicted {predicted['fsdp2']:.3g} s a step, fused at best {fused_s:.3g} s: "
                   f"fusing does not win by {MARGIN:.0%} here" + (_on(predicted) if collectives is None else ""))
     return Choice(schedule, width, reason, predicted, described,
-                  _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured)
+                  _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured, plan)
+
+
+def cost_model(model: nn.Module, config: CommFuseConfig, shape: tuple[int, ...], ranks: int, device: torch.device,
+               one_node: bool, measured: Measured | None, collectives: str | None) -> Plan:
+    """The planner's model of ``model`` (its ``shape``, ``model_shape``) on this machine, in one pass: the cluster
+    (``machine``), the units at a rank's tokens (``tokens_of``), the peer's host work on CPU, and the collectives the
+    peer plays on (``collectives``: "rings", else NCCL's own on CUDA, both where None)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    cl, described = machine(config, ranks, device, dtype, one_node, measured)
+    tokens, t_from = tokens_of(model, config)
+    seq = min(tokens, getattr(model.config, "max_position_embeddings", tokens) or tokens)
+    described += f", {tokens} tokens per rank ({t_from})"
+    units = units_for(*shape, tokens=tokens, seq=seq)
+    if device.type != "cuda":  # FSDP2's copies on the computing thread
+        cl = replace(cl, peer_host_s=peer_host_on_cpu(units, cl))
+    cl = replace(cl, peer_nccl=device.type == "cuda" and collectives != "rings")  # (plays NCCL's and the rings)
+    return Plan(units, cl, described)
 
 
 def narrow_formats(config: CommFuseConfig) -> bool:
@@ -242,9 +281,10 @@ def _on(predicted: dict[str, float]) -> str:
 
 
 def resolve(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.device, one_node: bool = True,
-            group=None) -> tuple[CommFuseConfig, Choice]:
-    """``config`` with its ``"auto"`` schedule, piece width and fsdp2 collectives replaced by what ``choose`` picks.
-    ``group``: the shard group, on which what is not given is measured first (every rank calls this alike)."""
+            group=None) -> Resolved:
+    """``config`` with its ``"auto"`` schedule, piece width and fsdp2 collectives replaced by what ``choose`` picks,
+    and the choice. ``group``: the shard group, on which what is not given is measured first (every rank calls this
+    alike)."""
     measured = None
     if group is not None:
         link, gemm = needs_machine(config, ranks, model, device)
@@ -256,5 +296,5 @@ def resolve(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.
                                        tokens_of(model, config)[0], link, gemm)
     choice = choose(model, config, ranks, device, one_node, measured)
     collectives = choice.collectives if choice.schedule == "fsdp2" else config.fsdp2_collectives
-    return config.replace(schedule=choice.schedule, piece_shards=choice.piece_shards,
-                          fsdp2_collectives=collectives), choice
+    return Resolved(config.replace(schedule=choice.schedule, piece_shards=choice.piece_shards,
+                                   fsdp2_collectives=collectives), choice)

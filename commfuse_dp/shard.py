@@ -44,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import fsdp_units, lockstep
 from .checks import check_not_sharded_elsewhere, check_ranks_agree
-from .choose import choose, narrow_formats, resolve
+from .choose import narrow_formats, resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
@@ -110,7 +110,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
     # "auto" settings from the planner's plays (choose.py) on what was given or is measured now (the median rank's
-    # figures: every rank chooses alike)
+    # figures: every rank chooses alike), in one pass: the choice keeps the cost model it played
     asked_schedule = config.schedule
     copies = mesh.size(0) if mesh.ndim == 2 else 1  # (HSDP from a mesh given: choose as for replicate=R)
     resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)),
@@ -191,10 +191,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
                 len(fused), config.schedule, choice.reason, len(plans), engine.ring.size)
     if not peer:
-        fused_at = lambda least: choose(model, config.replace(schedule="fused", piece_shards="auto",  # noqa: E731
-                                                              min_fuse_numel=least), engine.ring.size, device, one_node,
-                                        choice.measured)
-        warn_if_little_fused(model, config, asked_schedule, fused_at)
+        warn_if_little_fused(model, config, asked_schedule, choice.fused_with)
     return model
 
 
