@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import fsdp_units, lockstep
 from .checks import check_not_sharded_elsewhere, check_ranks_agree
-from .choose import narrow_formats, resolve
+from .choose import Resolved, narrow_formats, resolve
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
@@ -87,7 +88,43 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     ``PreTrainedModel`` must set its non-persistent buffers itself. ``device`` is only for meta models.
     """
     config = config if config is not None else CommFuseConfig()
-    requested = device
+    device, on_meta, mesh = _device_and_mesh(model, config, mesh, device)
+    group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
+    everyone = mesh.mesh.flatten().tolist()
+    one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
+    check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
+    asked_schedule = config.schedule
+    config, choice = _resolve_auto(model, config, mesh, group, device, one_node)
+    check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
+    replicas = None
+    if mesh.ndim == 2:
+        replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block)
+    world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
+    engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
+    steps = step_state(engine)  # drives the schedule the config names
+    fused = _fuse(model, config, engine, steps, units)
+    if replicas is not None:  # HSDP: the order in which their gradients cross the copies (the same on every rank)
+        replicas.track(module._parameters[p] for _, module, dims in fused.bound for p in dims
+                       if module._parameters.get(p) is not None)
+    plans, scalars = _shard_the_rest(model, config, engine, steps, mesh, units, fused)
+    _install(model, steps, ParamBindings(model, fused.bound), scalars)
+    if on_meta:
+        materialise(model, device)
+    for state in steps.states:  # each group's local shards as views of one buffer that its rings send as it is
+        state.adopt_packed()
+    model._commfuse_excluded = dict(fused.excluded.reasons)
+    model._commfuse_choice = choice
+    logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
+                len(fused.linears), config.schedule, choice.reason, len(plans), engine.ring.size)
+    if config.schedule != "fsdp2":
+        warn_if_little_fused(model, config, asked_schedule, choice.fused_with)
+    return model
+
+
+def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh | None,
+                     requested: torch.device | str | None) -> tuple[torch.device, bool, DeviceMesh]:
+    """The device the model's shards live on, whether the model is on the meta device, and the data-parallel mesh;
+    a model sharded already, on several devices, or on another device than the mesh is refused."""
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
     check_not_sharded_elsewhere(model)  # DeepSpeed or FSDP2 shards it already (checks.py)
@@ -105,36 +142,48 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if mesh.device_type != device.type:
         raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
                          f"move the model to the mesh's device first")
-    group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
-    everyone = mesh.mesh.flatten().tolist()
-    one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
-    check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
-    # "auto" settings from the planner's plays (choose.py) on what was given or is measured now (the median rank's
-    # figures: every rank chooses alike), in one pass: the choice keeps the cost model it played
-    asked_schedule = config.schedule
+    return device, on_meta, mesh
+
+
+def _resolve_auto(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh, group, device: torch.device,
+                  one_node: bool) -> Resolved:
+    """``config``'s "auto" settings, decided in one pass of the planner's plays (``choose.resolve``) on what was
+    given or is measured now (the median rank's figures: every rank chooses alike); the formats on the wire checked
+    against the schedule chosen."""
+    ranks = dist.get_world_size(group)
     copies = mesh.size(0) if mesh.ndim == 2 else 1  # (HSDP from a mesh given: choose as for replicate=R)
-    resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)),
-                               dist.get_world_size(group), device, one_node, group)
-    config = resolved.replace(replicate=config.replicate)
-    if narrow_formats(config) and config.schedule == "fsdp2" and config.fsdp2_collectives == "torch":
-        raise ValueError(f"shard: gather_format={config.gather_format!r} and reduce_format="
-                         f"{config.reduce_format!r} travel on the library's rings, but fsdp2_collectives='torch' runs "
-                         f"torch's own collectives; set fsdp2_collectives=\"rings\" (or \"auto\"), or leave both "
-                         f"formats \"exact\"")
-    if narrow_formats(config) and config.schedule == "slicing" and dist.get_world_size(group) > 1:
-        raise ValueError(f"shard: gather_format={config.gather_format!r} and reduce_format="
-                         f"{config.reduce_format!r} apply to the fused and fsdp2 schedules, not to "
+    resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)), ranks, device,
+                               one_node, group)
+    resolved = resolved.replace(replicate=config.replicate)
+    if narrow_formats(resolved) and resolved.schedule == "fsdp2" and resolved.fsdp2_collectives == "torch":
+        raise ValueError(f"shard: gather_format={resolved.gather_format!r} and reduce_format="
+                         f"{resolved.reduce_format!r} travel on the library's rings, but fsdp2_collectives='torch' "
+                         f"runs torch's own collectives; set fsdp2_collectives=\"rings\" (or \"auto\"), or leave "
+                         f"both formats \"exact\"")
+    if narrow_formats(resolved) and resolved.schedule == "slicing" and ranks > 1:
+        raise ValueError(f"shard: gather_format={resolved.gather_format!r} and reduce_format="
+                         f"{resolved.reduce_format!r} apply to the fused and fsdp2 schedules, not to "
                          f"schedule='slicing'; set schedule=\"fused\" (or \"auto\"), or leave both formats "
                          f"\"exact\"")
-    check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
-    replicas = None
-    if mesh.ndim == 2:
-        replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block)
-    world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
-    engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
-    steps = step_state(engine)  # drives the schedule the config names
-    names = {id(m): name or "(root)" for name, m in model.named_modules()}
+    return Resolved(resolved, choice)
 
+
+class _Fused(NamedTuple):
+    """What ``shard()`` put on the fused path, and what the rest of it needs to know."""
+
+    linears: list[tuple[str, nn.Module, bool]]  # (name, module, transposed) of each fused linear
+    params: set[nn.Parameter]  # the fused linears' and ring embeddings' parameters
+    bound: list[tuple[str, nn.Module, dict[str, int]]]  # fused modules and their sharded params' dims
+    excluded: lockstep.Exclusions  # modules kept off the fused path and out of units of their own, and why
+    data_dependent: dict[str, str]  # modules the model calls data-dependently (lockstep.py)
+    unit_modules: list[nn.Module]  # the FSDP2 unit candidates
+
+
+def _fuse(model: nn.Module, config: CommFuseConfig, engine: Engine, steps: StepState,
+          units: tuple[type[nn.Module], ...] | None) -> _Fused:
+    """Convert the eligible linears (grouped where they read the same input) and embeddings to the fused rings, and
+    bind their weights for reads from outside their forward. Nothing under the fsdp2 schedule."""
+    names = {id(m): name or "(root)" for name, m in model.named_modules()}
     data_dependent = lockstep.data_dependent_modules(model)
     excluded = lockstep.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
     peer = config.schedule == "fsdp2"  # nothing fused: FSDP2's units and its GPU schedule on the rings
@@ -158,19 +207,24 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
             bound.append((names[id(module)], module, {"weight": 0}))
     for name, module, dims in bound:
         attach_reads(steps, module, name, dims)  # module.weight read from outside: full value, summed gradient
-    if replicas is not None:  # HSDP: the order in which their gradients cross the copies (the same on every rank)
-        replicas.track(module._parameters[p] for _, module, dims in bound for p in dims
-                       if module._parameters.get(p) is not None)
+    return _Fused(fused, fused_params, bound, excluded, data_dependent, unit_modules)
 
+
+def _shard_the_rest(model: nn.Module, config: CommFuseConfig, engine: Engine, steps: StepState, mesh: DeviceMesh,
+                    units: tuple[type[nn.Module], ...] | None, fused: _Fused) -> tuple[list, ScalarParams]:
+    """Everything not fused: 0-d parameters replicated, the rest in FSDP2 units on the bucketed rings (the peer's:
+    torchtitan's units on FSDP2's GPU schedule). Returns the units' plans and the 0-d parameters."""
+    peer = config.schedule == "fsdp2"
     scalars = ScalarParams(model, mesh, engine)  # 0-d: fully_shard refuses them; replicated, averaged (scalars.py)
-    kept_out = fused_params | scalars.params  # what fully_shard leaves alone
+    kept_out = fused.params | scalars.params  # what fully_shard leaves alone
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    unit_modules = fused.unit_modules
     bundle_units(steps, unit_modules)
     if units is None and not peer:  # (the peer's shape: every decoder layer a unit of its own)
         unit_modules = [u for u in unit_modules
                         if unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
-    plans = (fsdp_units.peer_plan(model, unit_modules, kept_out, lockstep.inside(model, data_dependent)) if peer
-             else fsdp_units.coarse_plan(model, unit_modules, kept_out))
+    plans = (fsdp_units.peer_plan(model, unit_modules, kept_out, lockstep.inside(model, fused.data_dependent))
+             if peer else fsdp_units.coarse_plan(model, unit_modules, kept_out))
     fsdp_units.apply(plans, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(p not in kept_out for p in model.parameters()):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
@@ -179,20 +233,9 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if isinstance(model, FSDPModule) and callable(getattr(model, "generate", None)):
         # generate() may call submodules directly (T5's encoder): the root's parameters must be gathered for it
         register_fsdp_forward_method(model, "generate")
-    lockstep.reduce_unused_params(model, data_dependent)
+    lockstep.reduce_unused_params(model, fused.data_dependent)
     lockstep.mark_fsdp_managed(model)
-    _install(model, steps, ParamBindings(model, bound), scalars)
-    if on_meta:
-        materialise(model, device)
-    for state in steps.states:  # each group's local shards as views of one buffer that its rings send as it is
-        state.adopt_packed()
-    model._commfuse_excluded = dict(excluded.reasons)
-    model._commfuse_choice = choice
-    logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
-                len(fused), config.schedule, choice.reason, len(plans), engine.ring.size)
-    if not peer:
-        warn_if_little_fused(model, config, asked_schedule, choice.fused_with)
-    return model
+    return plans, scalars
 
 
 def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device: torch.device) -> DeviceMesh:
@@ -255,11 +298,25 @@ def _refuse_resize(*args, **kwargs) -> None:
 # ---- what the model gains ---------------------------------------------------------------------------------
 
 def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalars: ScalarParams) -> None:
+    """What the model gains: the step's hooks, gradient-sync control, recovery after an error, and refusals of what
+    a sharded model cannot do."""
     engine = steps.engine
     fsdp_root = model if isinstance(model, FSDPModule) else None
-    fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
     # FSDP2's recovery after a step that raised (torch 2.13; torch 2.11, met on the GPU check, has none)
     fsdp_reset = getattr(fsdp_root, "reset_iter_state", None) if fsdp_root is not None else None
+    _install_step_hooks(model, steps, bindings, scalars, fsdp_reset)
+    _install_sync_control(model, steps, scalars, fsdp_root, fsdp_reset)
+    model.__deepcopy__ = engine.__deepcopy__  # before FSDP2's own refusal, which does not say what to do
+    if callable(getattr(model, "resize_token_embeddings", None)):
+        model.resize_token_embeddings = _refuse_resize
+    model._commfuse_engine = engine
+    model._commfuse_steps = steps
+
+
+def _install_step_hooks(model: nn.Module, steps: StepState, bindings: ParamBindings, scalars: ScalarParams,
+                        fsdp_reset) -> None:
+    """The model's forward begins a step (after a step that raised, cleaning up first) and ends its forward part;
+    the non-finite check watches the outputs."""
 
     @torch.compiler.disable
     def begin_step(module, args) -> None:
@@ -269,7 +326,7 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
         scalars.begin_step()
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if engine.config.nonfinite_grads != "off":
+    if steps.engine.config.nonfinite_grads != "off":
         steps.nonfinite = NonfiniteCheck(model, steps)  # checks the shards after each synced backward
 
     @torch.compiler.disable
@@ -285,6 +342,17 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
             # train(), after an evaluate()) would then hold those stale tensors and never update the shards.
             for unit in units:
                 unit.reshard()
+
+    model.register_forward_pre_hook(begin_step, prepend=True)
+    model.register_forward_hook(end_forward)
+
+
+def _install_sync_control(model: nn.Module, steps: StepState, scalars: ScalarParams, fsdp_root: FSDPModule | None,
+                          fsdp_reset) -> None:
+    """``set_requires_gradient_sync`` and ``no_sync`` over the fused layers and every FSDP2 unit, and
+    ``reset_iter_state`` after an exception."""
+    engine = steps.engine
+    fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
 
     def reset_iter_state() -> None:
         """After an exception aborted a forward or backward: drop the step's in-flight ring steps, deferred
@@ -310,13 +378,6 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
         finally:
             set_requires_gradient_sync(True)
 
-    model.register_forward_pre_hook(begin_step, prepend=True)
-    model.register_forward_hook(end_forward)
     model.set_requires_gradient_sync = set_requires_gradient_sync
     model.no_sync = no_sync
     model.reset_iter_state = reset_iter_state
-    model.__deepcopy__ = engine.__deepcopy__  # before FSDP2's own refusal, which does not say what to do
-    if callable(getattr(model, "resize_token_embeddings", None)):
-        model.resize_token_embeddings = _refuse_resize
-    model._commfuse_engine = engine
-    model._commfuse_steps = steps
