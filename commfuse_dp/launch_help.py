@@ -16,7 +16,6 @@ num_processes: 2
 mixed_precision: 'no'
 use_cpu: false
 commfuse:                            # read by commfuse-dp launch, removed before accelerate sees the file
-  schedule: fused
   bucket_mb: 25
   param_dtype: bf16
   reduce_dtype: fp32

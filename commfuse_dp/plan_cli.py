@@ -4,7 +4,7 @@ ranks, links and tokens, and calibration against a ``commfuse-dp bench`` file.
     commfuse-dp plan --model llama-7b --ranks 8 --link-gbps 50 --tflops 400 --tokens 8192
     commfuse-dp plan --model path/to/config.json --ranks 16 --link-gbps 25 --latency-us 20 --tflops 300
     commfuse-dp plan --calibrate bench.json          # predictions against the emulated cluster's measurements
-    commfuse-dp plan --model llama3-8b --sweep      # fused / slicing over ranks, links and tokens per rank
+    commfuse-dp plan --model llama3-8b --sweep      # the defaults over the peer: ranks, links, tokens per rank
     commfuse-dp plan --model llama3-8b --ranks 64 --link-gbps 25 --formats --codec-ns 0.002   # narrow formats
     commfuse-dp plan --model llama3-8b --sweep --formats --codec-ns 0.002   # their gain at 16-256 ranks
 """
@@ -467,7 +467,7 @@ def _mode_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--calibrate: each schedule's own work per step on the bench's machine, from "
                              "benchmarks/step_overhead.py --fake-worlds W --bench-model real|emulated --json JSON")
     parser.add_argument("--sweep", action="store_true",
-                        help=f"fused / slicing step time over ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
+                        help=f"the step of CommFuseConfig()'s defaults over the peer's (--against) at ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
                              f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
     parser.add_argument("--formats", action="store_true",
@@ -481,8 +481,9 @@ def _mode_arguments(parser: argparse.ArgumentParser) -> None:
                              "'measure' (default): timed on this machine (its GPU where torch has one, else the "
                              "CPU), which a plan for other hardware should replace with that hardware's figure")
     parser.add_argument("--against", choices=("fsdp2", "unit_slicing", "slicing"), default="fsdp2",
-                        help="--sweep: the schedule fused is divided by (fsdp2, also named unit_slicing: the peer, "
-                             "stock FSDP2 as it runs on a GPU; slicing: this library's layer-level prefetch)")
+                        help="--sweep: the schedule the defaults' step is divided by (default fsdp2, also named "
+                             "unit_slicing: the peer, stock FSDP2 as it runs on a GPU; slicing: this library's "
+                             "layer-level prefetch)")
 
 
 def _fits(parser: argparse.ArgumentParser, args: argparse.Namespace
