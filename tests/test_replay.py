@@ -36,7 +36,7 @@ def _order_worker(rank, world_size, settings):
     with transport.observe_sent(sent):
         model(**hf_models.batch(rank, 1)).loss.backward()
     steps = model._commfuse_steps
-    order = steps.schedule._order  # the fused groups in the forward order the step recorded
+    order = steps.schedule.order.groups  # the fused groups in the forward order the step recorded
     groups = [Group(state.name, state.layout.numel * world_size, 0.0, state.unit) for state in order]
     first = any(isinstance(m, RingEmbedding) for m in model.modules())  # it requests the first layers' rings
     assert first

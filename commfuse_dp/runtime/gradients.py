@@ -310,6 +310,7 @@ class Gradients:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._in_flight: list[GradWork] = []
+        self._unit: GradBundle | None = None  # the gradient rings of the unit whose backward runs (BUNDLED)
 
     def ring(self, state: FusedGroupState, op: RingOp | None, numel: int, dtype: torch.dtype, device: torch.device,
              zeroed: bool, travel: Travel, lands: Lands) -> GradRing:
@@ -358,8 +359,36 @@ class Gradients:
         work.grads.wait()
         work.state.accumulate_grads(work.grads.final(work.post), work.dtypes, work.train)
 
+    # -- a unit's gradient rings as one bundle (``Travel.BUNDLED``) ----------------------------------------------
+
+    def join_unit(self, unit, ring: GradRing) -> None:
+        """``ring`` (before its group's pieces) joins the bundle of ``unit``, the unit whose backward runs."""
+        if self._unit is None:
+            self._unit = GradBundle(unit)
+        self._unit.rings.append(ring)
+
+    def unit_hop(self) -> None:
+        """Request the next hop of the running unit's bundle (beside piece k ≥ 1 of the unit's last group: every
+        group's partial k-1 exists by then)."""
+        if self._unit is not None:
+            self._unit.request(1)
+            if not self._unit.unrequested:
+                self._unit = None
+
+    def close_unit(self, unit) -> GradBundle | None:
+        """The running unit's bundle, if it is not ``unit``'s (None: whichever): its hops left go to the
+        schedule, which paces them over the next unit's pieces."""
+        bundle = self._unit
+        if bundle is None or bundle.unit == unit:
+            return None
+        self._unit = None
+        return bundle
+
     def reset(self) -> None:
         """An aborted step: wait for the work in flight (every rank requested it alike) and drop it."""
+        if self._unit is not None:
+            self._unit.settle()
+            self._unit = None
         in_flight, self._in_flight = self._in_flight, []
         for work in in_flight:
             work.grads.settle()

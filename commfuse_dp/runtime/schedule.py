@@ -41,6 +41,7 @@ from .engine import Engine
 from .gradients import GradBundle, Gradients, GradRing, Lands, Travel
 from .group import FusedGroupState
 from .layer_rings import Bundle, SlotPool, WeightRing
+from .order import LayerOrder, unit_key
 from .step import StepState
 
 
@@ -58,19 +59,12 @@ class FusedSchedule:
         self.defer_last_reduce = self.prefetch
         self.keep_last_weight = self.prefetch  # see keeps_weight
         self.dtype_hint: torch.dtype | None = None  # compute dtype under autocast, for the prefetched buffers
-        self._order: list[FusedGroupState] = []  # fused groups in the forward order of the previous step
-        self._current: list[FusedGroupState] = []
+        self.order = LayerOrder()  # the fused groups in the forward order of the previous step
         self._ahead: dict[tuple[int, str], WeightRing] = {}
-        self._needs_dx: dict[int, bool] = {}  # per group: does its backward send weight shards (input needs grad)?
         self._kept: set[int] = set()  # groups of this step whose forward kept the gathered weight (keeps_weight)
         self.gradients = Gradients(engine)  # when each layer's gradient lands, and how
         self._paced: list[Bundle | GradBundle] = []  # chosen ahead, their steps requested piece by piece (pace)
-        self._grads: GradBundle | None = None  # the gradient rings of the unit whose backward runs
-        self._rest: dict[tuple[int, str], int] = {}  # groups after a group in its unit, in the phase's order
-        self._last_unit = None  # the backward's last unit: its gradient steps go beside its own pieces
         self._held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
-        self._orders: dict[str, list[FusedGroupState]] = {}  # _order per phase (the backward's reversed)
-        self._at: dict[tuple[int, str], int] = {}  # each group's place in its phase's order
         self._chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
         self._pool = SlotPool()
         self._views: dict = {}  # WeightRing's views of the buffers that outlive a ring (pooled slots, own rows)
@@ -82,8 +76,7 @@ class FusedSchedule:
         return self.elastic
 
     def begin_step(self) -> None:
-        if self._current:
-            self._order, self._current = self._current, []
+        if self.order.rotate():
             self._units_of_order()
         self._kept.clear()
         for ring in self._ahead.values():  # requested on every rank alike but not used (another path was taken)
@@ -93,35 +86,22 @@ class FusedSchedule:
         self._ahead.clear()
         self._chosen = {}
         self._paced = []
-        self._grads = None
+        self.gradients.close_unit(None)
 
     def _units_of_order(self) -> None:
-        """From the recorded order: each group's run in its unit (``_rest``), the backward's last unit, and the
-        "auto" budget: two of the largest unit's gathered weights, what slicing per layer holds (the unit computed
-        and the next one)."""
+        """From the recorded order: whether the forward bundles a unit's rings, and the "auto" budget: two of the
+        largest unit's gathered weights, what slicing per layer holds (the unit computed and the next one)."""
         unit_bytes: dict = {}
-        for state in self._order:
+        for state in self.order.groups:
             unit_bytes[unit_key(state)] = unit_bytes.get(unit_key(state), 0) + self._gathered_bytes(state)
         if self.budget_auto:
             self.budget = 2 * max(unit_bytes.values())
         self._bundle_forward = self.engine.config.bundles_forward(self.engine.ring.size, len(unit_bytes))
-        self._last_unit = unit_key(self._order[0])
-        self._rest.clear()
-        self._orders = {"forward": self._order, "backward": self._order[::-1]}
-        self._at = {(id(state), phase): at for phase, order in self._orders.items() for at, state in enumerate(order)}
-        for phase, order in self._orders.items():
-            after = 0
-            for at in range(len(order) - 1, -1, -1):
-                same = at + 1 < len(order) and unit_key(order[at + 1]) == unit_key(order[at])
-                after = after + 1 if same else 0
-                self._rest[(id(order[at]), phase)] = after
 
     def end_backward(self) -> None:
         """The backward is done: the gradient rings still waiting to go are requested now, in order (the weight
         rings chosen ahead and not requested are dropped: no layer follows), and every landing completed."""
-        if self._grads is not None:
-            self._paced.append(self._grads)
-            self._grads = None
+        self._pace_later(self.gradients.close_unit(None))
         for item in self._paced:
             if isinstance(item, GradBundle):
                 item.request()
@@ -132,18 +112,16 @@ class FusedSchedule:
         """Drop everything of an aborted step: requested steps are waited for (every rank requested them alike)
         and their bytes dropped; the layer order is forgotten (the next step runs as a first step)."""
         rings = list(self._ahead.values())
-        bundles = [b for b in (*self._paced, self._grads) if isinstance(b, GradBundle)]
+        bundles = [b for b in self._paced if isinstance(b, GradBundle)]
         self._ahead.clear()
         self._paced = []
-        self._grads = None
         for ring in rings:
             ring.settle()
         for bundle in bundles:
             bundle.settle()
         self.gradients.reset()
-        self._order, self._current = [], []
-        self._orders, self._at, self._chosen = {}, {}, {}
-        self._needs_dx.clear()
+        self.order.forget()
+        self._chosen = {}
         self._kept.clear()
 
     # -- one layer call's rings ------------------------------------------------------------------------------
@@ -231,7 +209,7 @@ class FusedSchedule:
                     travel = Travel.BUNDLED
         ring = self.gradients.ring(state, op, numel, reduce_dtype, device, zeroed, travel, lands)
         if travel is Travel.BUNDLED:
-            self.add_grads(state, ring)
+            self.gradients.join_unit(unit_key(state), ring)
         return ring
 
     def finish_grads(self, state: FusedGroupState, grads: GradRing, post: float, dtypes: tuple,
@@ -246,7 +224,7 @@ class FusedSchedule:
         on the link between the pieces' own steps instead of all before them. By counts only."""
         if not self._paced:  # lockstep, or nothing chosen ahead
             return
-        pieces_left += self.engine.ring.size * self._rest.get((id(state), phase), 0)
+        pieces_left += self.engine.ring.size * self.order.rest(state, phase)
         left = sum(item.unrequested for item in self._paced)
         quota = -(-left // max(pieces_left, 1))
         while quota and self._paced:
@@ -279,46 +257,38 @@ class FusedSchedule:
     def backward_begins(self, state: FusedGroupState) -> None:
         """A fused group's backward begins: a gradient bundle of another unit is complete, its steps paced from
         here on."""
-        if self._grads is not None and self._grads.unit != unit_key(state):
-            self._paced.append(self._grads)
-            self._grads = None
+        self._pace_later(self.gradients.close_unit(unit_key(state)))
+
+    def _pace_later(self, bundle: GradBundle | None) -> None:
+        if bundle is not None:
+            self._paced.append(bundle)
 
     def bundles_grads(self, state: FusedGroupState) -> bool:
         """Whether ``state``'s gradient partials wait for its unit's gradient bundle (elastic, the order known,
         not the backward's last unit, whose partials go beside its own pieces so that the step ends with one hop
         at most)."""
-        return self.elastic and bool(self._order) and unit_key(state) != self._last_unit
-
-    def add_grads(self, state: FusedGroupState, grads: GradRing) -> None:
-        """``grads`` (before its group's pieces, after ``backward_begins``) joins its unit's gradient bundle."""
-        if self._grads is None:
-            self._grads = GradBundle(unit_key(state))
-        self._grads.rings.append(grads)
+        return self.elastic and bool(self.order) and unit_key(state) != self.order.last_unit
 
     def unit_grads_step(self, state: FusedGroupState, k: int) -> None:
         """Beside piece k (k ≥ 1) of the unit's last group in the backward (by the recorded order): request step k
         of the unit's gradient bundle; every group's partial k-1 is written by then. So a unit's gradients travel
         during its own last group, one ring for the unit, as early as their bytes exist."""
-        if k and self._grads is not None and not self._rest.get((id(state), "backward"), 0):
-            self._grads.request(1)
-            if not self._grads.unrequested:
-                self._grads = None
+        if k and not self.order.rest(state, "backward"):
+            self.gradients.unit_hop()
 
     # -- across layers ---------------------------------------------------------------------------------------
 
     def entered(self, state: FusedGroupState, needs_dx: bool) -> None:
         """A fused group's forward begins (records the order for the next step's prefetch)."""
         if self.prefetch:
-            self._current.append(state)
-            self._needs_dx[id(state)] = needs_dx
+            self.order.entered(state, needs_dx)
 
     def keeps_weight(self, state: FusedGroupState) -> bool:
         """Whether ``state``'s forward keeps every gathered weight shard for its own backward: the last fused group
         of the forward (the lm_head) when a backward follows. Its backward then sends gradient partials only, like
         FSDP2's root that is not resharded after forward; it holds the full weight from its forward to its
         backward (one layer's worth of memory, while the loss is computed)."""
-        return (self.keep_last_weight and bool(self._order) and self._order[-1] is state
-                and self._needs_dx.get(id(state), False))
+        return self.keep_last_weight and self.order.is_last(state) and self.order.needs_dx(state)
 
     def start_next(self, state: FusedGroupState, phase: str) -> None:
         """Lockstep, beside a layer's last piece: request step 0 of the ``prefetch_depth`` groups that follow
@@ -332,7 +302,7 @@ class FusedSchedule:
     def start_first(self, phase: str) -> None:
         """Before the first fused group of a forward (from a ring embedding, once its own exchange is under way):
         request that group's first ring step and those of the following ones (elastic: their whole rings)."""
-        if self.prefetch and phase == "forward" and not self._current and self._order:
+        if self.prefetch and phase == "forward" and not self.order.began and self.order:
             self._held = 0
             whole = lambda order, start, phase: self._request_whole(order, start, phase, split_first=True)  # noqa: E731
             self._following(None, phase, whole if self.elastic else self._request_first)
@@ -343,20 +313,20 @@ class FusedSchedule:
     def _following(self, state: FusedGroupState | None, phase: str, request: Callable) -> None:
         """``request(order, start, phase)`` the groups after ``state`` (None: from the first) in the phase's order,
         and at the forward's last group the backward's from its first; nothing for a group not in the order."""
-        order = self._orders.get(phase)
+        order = self.order.phases.get(phase)
         if not order:
             return
-        at = -1 if state is None else self._at.get((id(state), phase))
+        at = -1 if state is None else self.order.place(state, phase)
         if at is None:
             return
         if not request(order, at + 1, phase):
             return
-        if phase == "forward" and at == len(order) - 1 and state is not None and self._needs_dx.get(id(state), False):
-            request(self._orders["backward"], 0, "backward")
+        if phase == "forward" and at == len(order) - 1 and state is not None and self.order.needs_dx(state):
+            request(self.order.phases["backward"], 0, "backward")
 
     def _wants(self, state: FusedGroupState, phase: str) -> bool:
         # a backward that sends no weight shards (no input gradient, or the forward kept them): nothing to request
-        return phase == "forward" or (self._needs_dx.get(id(state), False) and id(state) not in self._kept)
+        return phase == "forward" or (self.order.needs_dx(state) and id(state) not in self._kept)
 
     def _request_first(self, order, start: int, phase: str) -> bool:
         wanted = self.engine.config.prefetch_depth
@@ -428,8 +398,3 @@ class FusedSchedule:
         keep = phase == "forward" and self.keeps_weight(state)
         return self.new_weights(state, state.local_params(), self._dtype(state), phase, keep)
 
-
-def unit_key(state: FusedGroupState):
-    """The unit whose groups share ring steps: the innermost FSDP2 unit around the group (``shard()`` sets
-    ``state.unit``), or the group alone."""
-    return state.unit if state.unit is not None else ("group", id(state))
