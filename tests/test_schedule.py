@@ -214,7 +214,7 @@ def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
             model(x).square().sum().backward()
     starts = {phase: sum(1 for e in events if e[0] == "start" and e[1] == phase) for phase in ("forward", "backward")}
     if lookahead_mb != 0:  # the gathered-weight buffers of finished rings served later rings (CPU pool)
-        assert model._commfuse_steps.schedule._pool.reused > 0
+        assert model._commfuse_steps.schedule.rings._pool.reused > 0
     return starts, [p.grad.full_tensor() for p in model.parameters()]
 
 

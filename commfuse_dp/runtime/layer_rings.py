@@ -124,6 +124,62 @@ class SlotPool:
         self._free.setdefault((tuple(buf.shape), buf.dtype, buf.device), []).append(buf)
 
 
+class WeightRings:
+    """Makes the weight rings of the fused schedule's layers and takes their buffers back: elastic (or a weight
+    kept for the backward), an ``(N, numel)`` buffer where every row stays, reused on CPU (``SlotPool``); lockstep,
+    two alternating row buffers; in a narrow format, rows of its bytes ([Note: narrow formats])."""
+
+    def __init__(self, engine: Engine, elastic: bool) -> None:
+        self.engine, self.elastic = engine, elastic
+        self._pool = SlotPool()
+        self._views: dict = {}  # WeightRing's views of the buffers that outlive a ring (pooled slots, own rows)
+
+    def new(self, state, params, compute_dtype: torch.dtype, op: RingOp | None, keep: bool) -> WeightRing:
+        """The ring of ``state``'s weights ``params`` (its local shards) in ``compute_dtype``."""
+        layout, ring = state.layout, self.engine.ring
+        wire = state.wire_format("gather", compute_dtype)
+        if wire is not None:
+            return self._narrow(state, params, op, wire, keep)
+        if keep or (self.elastic and ring.size > 1):
+            device = params[0].device
+            pooled = not keep and device.type == "cpu"
+            slots = self._pool.take((ring.size, layout.numel), compute_dtype, device) if pooled else None
+            if slots is None:
+                slots = torch.empty(ring.size, layout.numel, dtype=compute_dtype, device=device)
+            own = state.own_packed(params, compute_dtype)  # the params are views of it: nothing to pack (adopt_packed)
+            if own is None:
+                layout.pack(state.pairs(params), compute_dtype, out=slots[ring.rank])
+            weights = WeightRing(self.engine, op, slots, own=own, views=self._views if pooled else None)
+            weights.pooled = pooled
+            return weights
+        buf = layout.pack(state.pairs(params), compute_dtype)
+        return WeightRing(self.engine, op, None, (buf, torch.empty_like(buf) if ring.size > 1 else None))
+
+    def _narrow(self, state, params, op: RingOp | None, wire: RowFormat, keep: bool) -> WeightRing:
+        """A weight ring whose rows travel in ``wire``'s format: this rank's row encoded once, the rest arriving as
+        bytes."""
+        ring, device = self.engine.ring, params[0].device
+        if keep or self.elastic:
+            pooled = not keep and device.type == "cpu"
+            slots = self._pool.take((ring.size, wire.nbytes), torch.uint8, device) if pooled else None
+            if slots is None:
+                slots = wire.empty(ring.size, device)
+            state.encode_own(params, wire, slots[ring.rank])
+            weights = WeightRing(self.engine, op, slots, views=self._views if pooled else None, wire=wire)
+            weights.pooled = pooled
+            return weights
+        own = wire.empty(None, device)
+        state.encode_own(params, wire, own)
+        return WeightRing(self.engine, op, None, (own, wire.empty(None, device)), wire=wire)
+
+    def release(self, weights: WeightRing) -> None:
+        """``weights`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
+        later ring (CPU: a fresh buffer is first touched, page by page, in every ring of every step)."""
+        if weights.pooled:
+            weights.pooled = False
+            self._pool.give(weights.slots)
+
+
 class Bundle:
     """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): step k of all
     of them travels as one request, so a unit pays one ring's latency, as slicing's per-layer gather does."""

@@ -40,7 +40,7 @@ import torch
 from .engine import Engine
 from .gradients import GradBundle, Gradients, GradRing, Lands, Travel
 from .group import FusedGroupState
-from .layer_rings import Bundle, SlotPool, WeightRing
+from .layer_rings import Bundle, WeightRing, WeightRings
 from .order import LayerOrder, unit_key
 from .step import StepState
 
@@ -66,8 +66,7 @@ class FusedSchedule:
         self._paced: list[Bundle | GradBundle] = []  # chosen ahead, their steps requested piece by piece (pace)
         self._held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
         self._chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
-        self._pool = SlotPool()
-        self._views: dict = {}  # WeightRing's views of the buffers that outlive a ring (pooled slots, own rows)
+        self.rings = WeightRings(engine, self.elastic)  # each ring's buffers (CPU: reused)
         self._bundle_forward = False  # whether a unit's forward rings share steps (from the order: _units_of_order)
 
     @property
@@ -147,49 +146,12 @@ class FusedSchedule:
 
     def new_weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str,
                     keep: bool) -> WeightRing:
-        layout, ring = state.layout, self.engine.ring
-        op = self.steps.ring_op(state.op, phase) if ring.size > 1 else None
-        wire = state.wire_format("gather", compute_dtype)
-        if wire is not None:
-            return self._new_narrow(state, params, op, wire, keep)
-        if keep or (self.elastic and ring.size > 1):
-            device = params[0].device
-            pooled = not keep and device.type == "cpu"
-            slots = self._pool.take((ring.size, layout.numel), compute_dtype, device) if pooled else None
-            if slots is None:
-                slots = torch.empty(ring.size, layout.numel, dtype=compute_dtype, device=device)
-            own = state.own_packed(params, compute_dtype)  # the params are views of it: nothing to pack (adopt_packed)
-            if own is None:
-                layout.pack(state.pairs(params), compute_dtype, out=slots[ring.rank])
-            weights = WeightRing(self.engine, op, slots, own=own, views=self._views if pooled else None)
-            weights.pooled = pooled
-            return weights
-        buf = layout.pack(state.pairs(params), compute_dtype)
-        return WeightRing(self.engine, op, None, (buf, torch.empty_like(buf) if ring.size > 1 else None))
-
-    def _new_narrow(self, state: FusedGroupState, params, op, wire, keep: bool) -> WeightRing:
-        """A weight ring whose rows travel in ``wire``'s format: this rank's row encoded once, the rest arriving as
-        bytes."""
-        ring, device = self.engine.ring, params[0].device
-        if keep or self.elastic:
-            pooled = not keep and device.type == "cpu"
-            slots = self._pool.take((ring.size, wire.nbytes), torch.uint8, device) if pooled else None
-            if slots is None:
-                slots = wire.empty(ring.size, device)
-            state.encode_own(params, wire, slots[ring.rank])
-            weights = WeightRing(self.engine, op, slots, views=self._views if pooled else None, wire=wire)
-            weights.pooled = pooled
-            return weights
-        own = wire.empty(None, device)
-        state.encode_own(params, wire, own)
-        return WeightRing(self.engine, op, None, (own, wire.empty(None, device)), wire=wire)
+        op = self.steps.ring_op(state.op, phase) if self.engine.ring.size > 1 else None
+        return self.rings.new(state, params, compute_dtype, op, keep)
 
     def release(self, weights: WeightRing) -> None:
-        """``weights`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
-        later ring (CPU: a fresh buffer is first touched, page by page, in every ring of every step)."""
-        if weights.pooled:
-            weights.pooled = False
-            self._pool.give(weights.slots)
+        """``weights`` is done (every step it is part of was waited for): ``WeightRings.release``."""
+        self.rings.release(weights)
 
     def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None, accumulates: bool) -> GradRing:
