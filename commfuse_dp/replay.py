@@ -1,20 +1,21 @@
 """The fused schedule's own decisions on a simulated link and clock: how ``commfuse-dp plan`` plays it.
 
 [Note: one policy, two clocks]
-The planner does not model the fused schedule a second time. ``play`` builds the runtime's own objects, a
+The planner does not model the fused schedule a second time. ``traced`` builds the runtime's own objects, a
 ``FusedSchedule`` (elastic or lockstep) with its ``Gradients``, over stand-in groups whose buffers live on the
 ``meta`` device (no memory, no arithmetic), and drives them as the fused layer loop does (``run_pieces``, the
-loop of ``fused/linear.py``): the same requests, in the same order, beside the same pieces. Only the clocks are
-simulated:
+loop of ``fused/linear.py``): the same requests, in the same order, beside the same pieces. What happens is
+recorded as a ``Trace`` (``TracedLink``, ``TracedPending``), and only the clocks are simulated (``Trace.time``):
 
-- the link (``SimLink``) works requests in order, one at a time: a request made at compute time ``t`` ends at
+- the link works requests in order, one at a time: a request made at compute time ``t`` ends at
   ``max(t, link free) + latency + bytes / bandwidth``;
 - the compute clock advances by each piece's modelled seconds, and a wait on a request moves it to the request's
-  end (``SimPending``).
+  end.
 
 Every decision of the schedule depends on the recorded layer order and byte counts, never on timing, so the order
-of requests here is the runtime's (a test compares them on a real model and ring). What the planner predicts is
-then what runs, apart from the cost model: seconds per piece, per byte, per step.
+of requests here is the runtime's (``tests/test_replay.py`` compares them on a real model and ring), and one
+trace serves every link rate, latency and compute rate (``play`` caches them). What the planner predicts is then
+what runs, apart from the cost model: seconds per piece, per byte, per step.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from .runtime.layout import GroupLayout
 from .runtime.schedule import FusedSchedule
 from .runtime.step import StepState
 
-WEIGHT_DTYPE = torch.float32  # the played weights' dtype: its bytes on the link count at ``Played.param_bytes``
-GRAD_DTYPE = torch.bfloat16  # the played gradients': at ``Played.grad_bytes``
+WEIGHT_DTYPE = torch.float32  # the played weights' dtype: an element of it takes ``param_s_per_elem`` on the link
+GRAD_DTYPE = torch.bfloat16  # the played gradients': ``grad_s_per_elem``
 
 
 # trace events (``Trace.events``): what the compute and the link do, in program order
