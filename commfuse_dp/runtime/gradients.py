@@ -221,6 +221,8 @@ class GradBundle:
     requested beside piece k of the unit's last group; if that group does not run (the order changed), the hops
     left are paced over the next unit's pieces."""
 
+    completes = True  # hops left when the backward ends are requested then: the unit's gradients need them
+
     def __init__(self, unit) -> None:
         self.unit, self.rings, self.pending = unit, [], []
         self.next = 1  # the next hop to request (a gradient ring's hops are 1 .. N-1)

@@ -11,6 +11,7 @@ Decided by the recorded order and byte counts only ([Note: across layers], ``sch
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -18,6 +19,75 @@ from .gradients import GradBundle
 from .group import FusedGroupState
 from .layer_rings import Bundle, WeightRing
 from .order import unit_key
+
+
+class Paced(Protocol):
+    """Rings whose steps are requested piece by piece (``PacedQueue``): a unit's weight rings chosen ahead
+    (``layer_rings.Bundle``) or its gradient rings (``gradients.GradBundle``)."""
+
+    completes: bool  # its steps left are requested when the backward ends (gradients), else dropped (weights)
+
+    @property
+    def unrequested(self) -> int: ...
+
+    def request(self, steps: int | None = None) -> int: ...
+
+    def settle(self) -> None: ...
+
+
+class PacedQueue:
+    """The link's queue of steps still to request beside the coming pieces, in the order they were chosen (the
+    order every rank requests them in): weight bundles chosen ahead and the gradient bundles of units whose
+    backward ended, in one FIFO because the link works one request after the other."""
+
+    def __init__(self) -> None:
+        self._items: list[Paced] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, item: Paced) -> None:
+        self._items.append(item)
+
+    def remove(self, item: Paced) -> None:
+        """``item``'s layer began before all of its steps were paced: the layer requests the rest itself."""
+        self._items.remove(item)
+
+    def unrequested(self) -> int:
+        return sum(item.unrequested for item in self._items)
+
+    def request(self, quota: int) -> None:
+        """Request up to ``quota`` steps from the head of the queue on."""
+        while quota and self._items:
+            quota -= self._items[0].request(quota)
+            if not self._items[0].unrequested:
+                self._items.pop(0)
+
+    def request_all(self) -> None:
+        for item in self._items:
+            item.request()
+        self._items = []
+
+    def end_backward(self) -> None:
+        """No piece follows: what completes (gradient bundles) is requested now, in order; the rest is dropped."""
+        for item in self._items:
+            if item.completes:
+                item.request()
+        self._items = []
+
+    def drop(self) -> list[Paced]:
+        """Empty the queue, returning what was in it."""
+        items, self._items = self._items, []
+        return items
+
+
+class Choice(NamedTuple):
+    """What one look at the coming groups chose (``Lookahead._whole``/``_first``), before anything is requested."""
+
+    runs: list[list[FusedGroupState]]  # in order: a unit's groups together (bundled rings), or one group each
+    whole: bool  # every step of their rings (elastic), or step 0 only (lockstep)
+    resume_at: int | None  # elastic: the next look in this phase goes on from this place (None: where it was)
+    complete: bool  # the phase's groups were looked at to its end (the next phase's may follow)
 
 
 class Lookahead:
@@ -32,8 +102,8 @@ class Lookahead:
         self.budget = 0 if self.budget_auto else int(float(config.lookahead_mb) * (1 << 20))
         self.bundle_forward = False  # whether a unit's forward rings share steps (from the order: ``plan``)
         self.ahead: dict[tuple[FusedGroupState, str], WeightRing] = {}
-        self.paced: list[Bundle | GradBundle] = []  # chosen ahead, their steps requested piece by piece (pace)
-        self.held = 0  # gathered weight bytes held while choosing ahead (_request_whole)
+        self.paced = PacedQueue()  # chosen ahead, their steps requested piece by piece (pace)
+        self.held = 0  # gathered weight bytes held: the running group's and those chosen ahead (elastic)
         self.chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
         self.kept: set[FusedGroupState] = set()  # groups of this step whose forward kept the gathered weight
 
@@ -48,44 +118,45 @@ class Lookahead:
             self.sched.release(ring)
         self.ahead.clear()
         self.chosen = {}
-        self.paced = []
+        self.paced.drop()
 
     def end_backward(self) -> None:
         """The gradient bundles still waiting are requested now, in order; weight rings chosen ahead and not
         requested are dropped (no layer follows)."""
-        for item in self.paced:
-            if isinstance(item, GradBundle):
-                item.request()
-        self.paced = []
+        self.paced.end_backward()
 
     def reset(self) -> None:
         """An aborted step: requested steps are waited for (every rank requested them alike) and dropped."""
         rings = list(self.ahead.values())
-        bundles = [b for b in self.paced if isinstance(b, GradBundle)]
         self.ahead.clear()
-        self.paced = []
-        for ring in rings:
-            ring.settle()
-        for bundle in bundles:
-            bundle.settle()
+        for item in [*rings, *self.paced.drop()]:
+            item.settle()
         self.chosen = {}
         self.kept.clear()
 
     # -- a layer's ring --------------------------------------------------------------------------------------
 
     def take(self, state: FusedGroupState, phase: str) -> WeightRing | None:
-        """The ring of ``state`` in ``phase`` requested ahead, if any (no longer ahead once taken)."""
-        return self.ahead.pop((state, phase), None)
+        """The ring of ``state`` in ``phase`` requested ahead, if any (no longer ahead once taken); one whose
+        steps were not all paced yet leaves the queue: its layer requests them now."""
+        ring = self.ahead.pop((state, phase), None)
+        if ring is not None and ring.unrequested and ring.bundle is not None:
+            self.paced.remove(ring.bundle)
+        return ring
+
+    def keeps(self, state: FusedGroupState) -> None:
+        """``state``'s forward keeps its gathered weight: its backward sends no weight shards (``_wants``)."""
+        self.kept.add(state)
 
     def entering(self, state: FusedGroupState, phase: str, ring: WeightRing) -> None:
         """Elastic: ``state``'s ring is in use; the rings of the groups after it are chosen while they fit."""
         self.held = ring.nbytes + sum(ahead.nbytes for ahead in self.ahead.values())
-        self._following(state, phase, self._request_whole)
+        self._following(state, phase, self._whole)
 
     def pace_later(self, bundle: GradBundle | None) -> None:
         """A unit's gradient bundle whose hops left are paced over the next pieces, after what is queued."""
         if bundle is not None:
-            self.paced.append(bundle)
+            self.paced.add(bundle)
 
     def plan(self) -> None:
         """From the recorded order: whether the forward bundles a unit's rings, and the "auto" budget: two of the
@@ -105,12 +176,7 @@ class Lookahead:
         if not self.paced:  # lockstep, or nothing chosen ahead
             return
         pieces_left += self.engine.ring.size * self.order.rest(state, phase)
-        left = sum(item.unrequested for item in self.paced)
-        quota = -(-left // max(pieces_left, 1))
-        while quota and self.paced:
-            quota -= self.paced[0].request(quota)
-            if not self.paced[0].unrequested:
-                self.paced.pop(0)
+        self.paced.request(-(-self.paced.unrequested() // max(pieces_left, 1)))
 
     def start_next(self, state: FusedGroupState, phase: str) -> None:
         """Lockstep, beside a layer's last piece: request step 0 of the ``prefetch_depth`` groups that follow
@@ -119,65 +185,97 @@ class Lookahead:
         follow (the last group's input needed grad: not under ``no_grad``)."""
         if not self.prefetch or self.elastic:
             return
-        self._following(state, phase, self._request_first)
+        self._following(state, phase, self._first)
 
     def start_first(self, phase: str) -> None:
         """Before the first fused group of a forward (from a ring embedding, once its own exchange is under way):
         request that group's first ring step and those of the following ones (elastic: their whole rings)."""
         if self.prefetch and phase == "forward" and not self.order.began and self.order:
             self.held = 0
-            whole = lambda order, start, phase: self._request_whole(order, start, phase, split_first=True)  # noqa: E731
-            self._following(None, phase, whole if self.elastic else self._request_first)
-            for item in self.paced:  # no pieces run before the first group: the link takes them at once
-                item.request()
-            self.paced = []
+            whole = lambda order, start, phase: self._whole(order, start, phase, split_first=True)  # noqa: E731
+            self._following(None, phase, whole if self.elastic else self._first)
+            self.paced.request_all()  # no pieces run before the first group: the link takes them at once
 
-    def _following(self, state: FusedGroupState | None, phase: str, request: Callable) -> None:
-        """``request(order, start, phase)`` the groups after ``state`` (None: from the first) in the phase's order,
-        and at the forward's last group the backward's from its first; nothing for a group not in the order."""
+    # -- choosing, then requesting ---------------------------------------------------------------------------
+
+    def _following(self, state: FusedGroupState | None, phase: str, choose: Callable[..., Choice]) -> None:
+        """Take ``choose(order, start, phase)`` for the groups after ``state`` (None: from the first) in the phase's
+        order, and at the forward's last group, when that look went to the end, the backward's from its first;
+        nothing for a group not in the order."""
         order = self.order.phases.get(phase)
         if not order:
             return
         at = -1 if state is None else self.order.place(state, phase)
         if at is None:
             return
-        if not request(order, at + 1, phase):
-            return
-        if phase == "forward" and at == len(order) - 1 and state is not None and self.order.needs_dx(state):
-            request(self.order.phases["backward"], 0, "backward")
+        choice = choose(order, at + 1, phase)
+        self._take(choice, phase)
+        if choice.complete and phase == "forward" and at == len(order) - 1 and state is not None \
+                and self.order.needs_dx(state):
+            self._take(choose(self.order.phases["backward"], 0, "backward"), "backward")
+
+    def _take(self, choice: Choice, phase: str) -> None:
+        """Request what ``choice`` chose: whole rings go to the paced queue (a unit's together as one ``Bundle``,
+        their steps beside the coming pieces); lockstep's step 0 is requested now."""
+        for run in choice.runs:
+            rings = [self._prepared(state, phase) for state in run]
+            for state, ring in zip(run, rings):
+                self.ahead[(state, phase)] = ring
+            if choice.whole:
+                self.held += sum(self._gathered_bytes(state) for state in run)
+                self.paced.add(Bundle(rings))
+            else:
+                for ring in rings:
+                    sends, recvs = ring.io(0)
+                    ring.pending[0] = self.engine.link.step(sends, recvs, ring.op, 0, ring.world - 1)
+                    ring.requested = 1
+        if choice.resume_at is not None:
+            self.chosen[phase] = choice.resume_at
 
     def _wants(self, state: FusedGroupState, phase: str) -> bool:
         # a backward that sends no weight shards (no input gradient, or the forward kept them): nothing to request
         return phase == "forward" or (self.order.needs_dx(state) and state not in self.kept)
 
-    def _request_first(self, order, start: int, phase: str) -> bool:
-        wanted = self.engine.config.prefetch_depth
+    def _first(self, order, start: int, phase: str) -> Choice:
+        """Lockstep: the next ``prefetch_depth`` wanted groups from ``order[start]`` on, those not requested yet
+        (a group requested already counts); complete if the order ended first."""
+        wanted, runs = self.engine.config.prefetch_depth, []
         for at in range(start, len(order)):
             following = order[at]
             if not self._wants(following, phase):
                 continue
             if wanted == 0:
-                return False
+                return Choice(runs, False, None, False)
             wanted -= 1
-            key = (following, phase)
-            if key not in self.ahead:
-                ring = self._prepared(following, phase)
-                sends, recvs = ring.io(0)
-                ring.pending[0] = self.engine.link.step(sends, recvs, ring.op, 0, ring.world - 1)
-                ring.requested = 1
-                self.ahead[key] = ring
-        return True
+            if (following, phase) not in self.ahead:
+                runs.append([following])
+        return Choice(runs, False, None, True)
 
-    def _request_whole(self, order, start: int, phase: str, split_first: bool = False) -> bool:
-        """Choose the whole weight rings of the groups from ``order[start]`` on, in order, while the gathered
-        weights held (``_held``: the running group's and those ahead) fit the budget, a unit's rings together
-        (``Bundle``; in the forward only with ``_bundle_forward``, else each ring alone; before the first group,
-        ``split_first``, that group's ring alone). False once one does not fit (nothing after it is chosen either:
-        the link works in order). The groups before ``_chosen[phase]`` were chosen by an earlier call: each call
-        goes on from there, so a step chooses in time linear in its groups."""
+    def _whole(self, order, start: int, phase: str, split_first: bool = False) -> Choice:
+        """Elastic: the whole weight rings of the groups from ``order[start]`` on, in order, while the gathered
+        weights held (``held``: the running group's and those ahead) fit the budget, a unit's rings together (in
+        the forward only with ``bundle_forward``, else each ring alone; before the first group, ``split_first``,
+        that group's ring alone). Stops at the first run that does not fit (nothing after it either: the link
+        works in order). The groups before ``chosen[phase]`` were chosen by an earlier look, which this one goes
+        on from, so a step chooses in time linear in its groups."""
         together = phase == "backward" or self.bundle_forward
+        runs, held, fitted = [], self.held, 0
+        for at, run in self._runs(order, max(start, self.chosen.get(phase, 0)), phase, together, split_first):
+            run = [state for state in run if (state, phase) not in self.ahead]  # (all of it ahead: fits, adds none)
+            held += sum(self._gathered_bytes(state) for state in run)
+            if held > self.budget:
+                return Choice(runs, True, at if fitted else None, False)
+            fitted += 1
+            if run:
+                runs.append(run)
+        return Choice(runs, True, len(order), True)
+
+    def _runs(self, order, begin: int, phase: str, together: bool, split_first: bool):
+        """The wanted groups from ``order[begin]`` on as (place of the first, groups): a unit's together when
+        ``together`` (but the very first group alone when ``split_first``), else one group each."""
         run: list[FusedGroupState] = []
-        for at in range(max(start, self.chosen.get(phase, 0)), len(order)):
+        run_at = begin
+        for at in range(begin, len(order)):
             state = order[at]
             if not self._wants(state, phase):
                 continue
@@ -185,28 +283,11 @@ class Lookahead:
                 run.append(state)
                 continue
             if run:
-                if not self._choose(run, phase):
-                    return False
-                self.chosen[phase], split_first = at, False
-            run = [state]
-        if run and not self._choose(run, phase):
-            return False
-        self.chosen[phase] = len(order)
-        return True
-
-    def _choose(self, run: list[FusedGroupState], phase: str) -> bool:
-        """Choose the rings of ``run`` (one unit's groups, or one group) not chosen yet, if they fit the budget."""
-        run = [state for state in run if (state, phase) not in self.ahead]
-        nbytes = sum(self._gathered_bytes(state) for state in run)
-        if self.held + nbytes > self.budget:
-            return False
-        rings = [self._prepared(state, phase) for state in run]
-        for state, ring in zip(run, rings):
-            self.ahead[(state, phase)] = ring
-        if rings:
-            self.paced.append(Bundle(rings))  # its steps are requested beside the coming pieces (pace)
-        self.held += nbytes
-        return True
+                yield run_at, run
+                split_first = False
+            run, run_at = [state], at
+        if run:
+            yield run_at, run
 
     def _gathered_bytes(self, state: FusedGroupState) -> int:
         wire = state.wire_format("gather", self._dtype(state))

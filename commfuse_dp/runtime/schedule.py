@@ -99,9 +99,8 @@ class FusedSchedule:
                 ring.request()
         elif self.elastic and ring.unrequested:  # chosen ahead, not all requested yet: its pieces need them now
             ring.request()
-            self.lookahead.paced.remove(ring.bundle)
         if ring.slots is not None and keep:
-            self.lookahead.kept.add(state)
+            self.lookahead.keeps(state)
         if self.elastic and not recompute:
             self.lookahead.entering(state, phase, ring)
         return ring
