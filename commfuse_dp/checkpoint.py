@@ -24,6 +24,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from typing import Any, Iterable
 
 import torch
@@ -37,13 +39,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from .hf_safetensors import _named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _write_safetensors
 
 __all__ = ["CheckpointError", "is_sharded", "is_complete", "mark_complete", "unmark_complete", "latest_complete",
            "full_state_dict", "load_full_state_dict", "load_hf_weights", "load_pretrained_weights",
-           "mark_initialised", "save_pretrained", "save_sharded", "load_sharded", "verify", "optimizer_model",
-           "unwrap_optimizer"]
+           "mark_initialised", "save_pretrained", "save_sharded", "AsyncSaver", "load_sharded", "verify",
+           "optimizer_model", "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
 
@@ -62,9 +65,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -229,26 +232,32 @@ def save_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     folder ``path``. The folder is written beside its final name (``path.partial``) and renamed once every rank
     has finished, with a marker listing every file's size and SHA-256 (:func:`load_sharded` verifies them), so an
     interrupted or failed save never replaces the previous checkpoint at ``path`` and never looks complete.
-    ``extra``: more DCP-serialisable entries (tensors, DTensors, numbers). Collective.
+    ``extra``: more DCP-serialisable entries (tensors, DTensors, numbers). Collective. :class:`AsyncSaver` does
+    the same off the training thread.
 
     A write that fails on any rank (a full disk, a permission error) raises :class:`CheckpointError` on every rank
     naming the rank(s) and the cause; the partial folder is removed and the previous checkpoint is left as it was."""
-    path = os.fspath(path).rstrip(os.sep)
+    _write_sharded(os.fspath(path).rstrip(os.sep), _state(list(models), list(optimizers), extra), None)
+
+
+def _write_sharded(path: str, state: dict[str, Any], group) -> None:
+    """``save_sharded``'s steps for a state dict made already, with the collectives on ``group`` (None: the
+    default group)."""
     tmp = path + ".partial"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     try:
-        dcp.save(_state(list(models), list(optimizers), extra), checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
     except CheckpointException as err:  # raised alike on every rank (DCP gathers every rank's outcome)
-        _barrier()
+        _barrier(group)
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"save_sharded: writing {path} failed ({_failures(err)}). The partial folder was "
                               f"removed; {_previous(path)}") from err
-    _barrier()
+    _barrier(group)
     files = _files(tmp)
-    digests = _gather_digests(tmp, files)
+    digests = _gather_digests(tmp, files, group)
     if _rank() == 0:
         mark_complete(tmp, files=digests)
         # Never delete the previous folder in place (a kill inside rmtree could leave it half gone): move it
@@ -259,7 +268,114 @@ def save_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
+
+
+class AsyncSaver:
+    """:func:`save_sharded` off the training thread. ``save`` copies this rank's shards of the models and the
+    optimizers' state into host memory (buffers kept and reused by the next save: ``_Staging``) and returns; a background thread then writes the copy with ``save_sharded``'s steps (DCP into
+    ``path.partial``, every file's size and SHA-256, the marker, the renames) and runs ``then``, on a gloo process
+    group of its own, so that its collectives never meet the training's. Training goes on meanwhile.
+
+    - The next ``save`` first waits for the one before (so one copy is held at most: ``staged_bytes``).
+    - A process killed during the write leaves ``path.partial`` unmarked: the previous checkpoint at ``path`` is
+      still the newest complete one.
+    - A write that fails (a full disk) raises :class:`CheckpointError` on every rank at the next ``save`` or
+      ``wait``, the partial folder removed and the previous checkpoint untouched.
+
+    Collective: call ``save`` and ``wait`` on every rank alike, and ``wait`` before the process ends (a write
+    still running is lost when the process exits: it never looks complete). The thread is a daemon thread, so a
+    rank whose peer died is not held at exit by a write that cannot finish."""
+
+    def __init__(self) -> None:
+        self._job: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group = None
+        self._staging = _Staging()
+        self.staged_bytes = 0  # host memory the last save's copy holds (kept for the next save to reuse)
+
+    @property
+    def writing(self) -> bool:
+        """Whether a write is still running (this rank's view; never decide a collective on it)."""
+        return self._job is not None and self._job.is_alive()
+
+    def save(self, path: str | os.PathLike, models: list[torch.nn.Module],
+             optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = (), *,
+             extra: dict[str, Any] | None = None, then: Callable[[], None] | None = None) -> None:
+        """Copy the state now, write it in the background (``save_sharded``'s arguments); ``then``: run on the
+        writing thread of every rank once the folder is complete (e.g. mark an enclosing folder complete)."""
+        self.wait()
+        path = os.fspath(path).rstrip(os.sep)
+        group = self._process_group()
+        staged = self._staging.copy(_state(list(models), list(optimizers), extra))
+        self.staged_bytes = self._staging.nbytes
+
+        def write() -> None:
+            try:
+                _write_sharded(path, staged, group)
+                if then is not None:
+                    then()
+            except BaseException as err:  # handed to the training thread by wait()
+                self._error = err
+
+        self._job = threading.Thread(target=write, name="commfuse-async-save", daemon=True)
+        self._job.start()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is complete; re-raise its error. Collective."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """``wait``, then free the host copy."""
+        self.wait()
+        self._staging = _Staging()
+        self.staged_bytes = 0
+
+    def _process_group(self):
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank's first save makes it alike
+        return self._group
+
+
+class _Staging:
+    """Host copies of a state dict's tensors, one buffer per entry, reused by the next copy of the same shapes:
+    a DTensor's local shard is copied and wrapped again with its mesh, placements and global shape; a plain
+    tensor is copied; anything else (a step number) is taken as it is."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def copy(self, state: dict[str, Any]) -> dict[str, Any]:
+        self.nbytes = 0
+        return {key: self._copy(value, (key,)) for key, value in state.items()}
+
+    def _copy(self, value: Any, where: tuple) -> Any:
+        if isinstance(value, DTensor):
+            local = self._tensor(value.to_local(), where)
+            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, where)
+        if isinstance(value, dict):
+            return {key: self._copy(item, (*where, key)) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(item, (*where, i)) for i, item in enumerate(value))
+        return value
+
+    def _tensor(self, tensor: torch.Tensor, where: tuple) -> torch.Tensor:
+        buffer = self._buffers.get(where)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[where] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                                        pin_memory=tensor.is_cuda)
+        buffer.copy_(tensor.detach())
+        self.nbytes += buffer.numel() * buffer.element_size()
+        return buffer
 
 
 def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
@@ -353,14 +469,14 @@ def _digest(file: str) -> list:
         return [os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()]
 
 
-def _gather_digests(folder: str, files: list[str]) -> dict[str, list]:
+def _gather_digests(folder: str, files: list[str], group=None) -> dict[str, list]:
     """Size and SHA-256 of every file, each rank hashing its share of the files (the same list on every rank)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     mine = {name: _digest(os.path.join(folder, name)) for name in files[_rank()::world]}
     if world == 1:
         return mine
     parts: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(parts, mine)
+    dist.all_gather_object(parts, mine, group=group)
     return {name: value for part in parts for name, value in sorted(part.items())}
 
 
