@@ -234,6 +234,21 @@ class CommFuseConfig:
     check costs one pass over this rank's gradient shards and one all-gather of one byte per rank per synced
     backward (and, on CUDA, the host waits for the backward to finish before ``backward()`` returns)."""
 
+    auto_resume: bool = False
+    """Where the training loop is commfuse's (``CommFuseTrainer`` / ``commfuse_trainer(cls)``, the recipes): a run
+    that finds a complete checkpoint in its output folder resumes from the newest one (its step, weights,
+    optimizer and scheduler state), and starts from step 0 when there is none, so that a job restarted by
+    ``torchrun --max-restarts`` or ``commfuse-dp launch --max_restarts`` carries on by itself. A checkpoint whose
+    save was interrupted is passed over. The log names the checkpoint and its step. A bare ``CommFuseCallback``
+    refuses it (a callback cannot change where ``train()`` starts)."""
+
+    async_save: bool = False
+    """Where the training loop is commfuse's: write each checkpoint's sharded state off the training thread
+    (``checkpoint.AsyncSaver``): the state is copied to host memory at the save and written while training goes
+    on; the next save waits for the one before; a checkpoint counts (is resumed from) once every rank's write
+    finished. Such a checkpoint holds the sharded state only, not a consolidated ``from_pretrained`` copy of the
+    weights (the model saved at the end of training is consolidated, as always)."""
+
     def __post_init__(self) -> None:
         # always in this order: of several wrong values, the first one met is named
         self._check_modes()
@@ -478,7 +493,7 @@ def forward_bundles_auto(world: int, units: int) -> bool:
     return (world - 1) * units * units > FORWARD_BUNDLES_ABOVE
 
 _BOOL_FIELDS = ("stats", "prefetch_next", "ring_embeddings", "exclude_data_dependent", "shard_frozen",
-                "error_feedback")
+                "error_feedback", "auto_resume", "async_save")
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:

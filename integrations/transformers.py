@@ -229,6 +229,9 @@ class CommFuseTrainerMixin:
             callbacks.insert(0, ours[0])
         for cb in ours:
             cb.trainer = self   # the callback's on_init_end shards the model and prepares it with this Trainer
+        self._commfuse_callbacks = ours
+        self._commfuse_saver = ckpt.AsyncSaver()   # async_save: checkpoint-N/commfuse written in the background
+        self._commfuse_async_checkpoint = False    # set while _save_checkpoint runs with async_save
         bound.set("callbacks", callbacks)
 
         targs = bound.get("args")
@@ -260,6 +263,12 @@ class CommFuseTrainerMixin:
     def _commfuse_sharded(self) -> bool:
         return ckpt.is_sharded(getattr(self, "model", None))
 
+    @property
+    def commfuse_config(self) -> CommFuseConfig:
+        """The config of the CommFuseCallback that does the work (of two, the one ``_defer`` keeps)."""
+        working = [cb for cb in self._commfuse_callbacks if not cb.inert]
+        return (working or self._commfuse_callbacks)[0].cfg
+
     # ---- the five methods that write and read checkpoints --------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -270,8 +279,11 @@ class CommFuseTrainerMixin:
         # (tokenizer, training_args.bin). Anything else (a state_dict passed in, a model without save_pretrained):
         # every rank gathers (the full copy lands on rank 0, in CPU memory) and Trainer._save writes it.
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if state_dict is None and hasattr(self.model, "save_pretrained"):
-            ckpt.save_pretrained(self.model, output_dir, is_main_process=self.args.should_save)
+        if state_dict is None and (hasattr(self.model, "save_pretrained") or self._commfuse_async_checkpoint):
+            if not self._commfuse_async_checkpoint:   # (async_save: the weights go with checkpoint-N/commfuse)
+                ckpt.save_pretrained(self.model, output_dir, is_main_process=self.args.should_save)
+            elif self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
             if self.args.should_save:
                 tokenizer = self.processing_class
                 if tokenizer is None and self.data_collator is not None:
@@ -292,7 +304,10 @@ class CommFuseTrainerMixin:
         if not self._commfuse_sharded():
             return super()._save_optimizer_and_scheduler(output_dir)
         # Every rank writes its own model and optimizer shards (DCP); no optimizer.pt of rank 0's shard alone.
-        ckpt.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), [self.model], [(self.model, self.optimizer)])
+        # (async_save: _save_checkpoint starts that write once the rest of the checkpoint is written.)
+        if not self._commfuse_async_checkpoint:
+            ckpt.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), [self.model],
+                              [(self.model, self.optimizer)])
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         return None
@@ -300,6 +315,7 @@ class CommFuseTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._commfuse_sharded():
             return super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        self._commfuse_saver.wait()   # (the best checkpoint may be the one still being written)
         require_complete(resume_from_checkpoint)
         folder = os.path.join(resume_from_checkpoint, CHECKPOINT_SUBDIR)
         if ckpt.is_complete(folder):
@@ -353,23 +369,55 @@ class CommFuseTrainerMixin:
         if should_save:
             ckpt.unmark_complete(output_dir)
         dist.barrier()
-        super()._save_checkpoint(model, trial)   # no rotation in there: this Trainer's save_total_limit is None
+        self._commfuse_async_checkpoint = self.commfuse_config.async_save
+        try:
+            super()._save_checkpoint(model, trial)   # no rotation in there: this Trainer's save_total_limit is None
+        finally:
+            self._commfuse_async_checkpoint = False
         dist.barrier()   # every rank has written its part (its rng_state_<rank>.pth is its last file)
-        if should_save:
-            ckpt.mark_complete(output_dir)
-            rotate_complete(run_dir, limit, self.state.best_model_checkpoint, output_dir)
+        best = self.state.best_model_checkpoint
+
+        def complete() -> None:
+            if should_save:
+                ckpt.mark_complete(output_dir)
+                rotate_complete(run_dir, limit, best, output_dir)
+
+        if self.commfuse_config.async_save:   # the sharded state is written in the background, then complete()
+            pairs = [] if self.args.save_only_model else [(self.model, self.optimizer)]
+            self._commfuse_saver.save(os.path.join(output_dir, CHECKPOINT_SUBDIR), [self.model], pairs,
+                                      then=complete)
+            return
+        complete()
         dist.barrier()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint is None and self.commfuse_config.auto_resume:
+            resume_from_checkpoint = self._auto_resume_checkpoint()
         if self._commfuse_sharded():
             if isinstance(resume_from_checkpoint, bool):
                 if resume_from_checkpoint:
                     resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             elif resume_from_checkpoint is not None:
                 require_complete(resume_from_checkpoint)
-        result = super().train(resume_from_checkpoint, trial, *args, **kwargs)
+        try:
+            result = super().train(resume_from_checkpoint, trial, *args, **kwargs)
+        finally:
+            self._commfuse_saver.wait()   # the last checkpoint is complete when train() returns (or its error)
         self._rotate_at_train_end(trial)
         return result
+
+    def _auto_resume_checkpoint(self) -> str | None:
+        """``auto_resume``: the newest complete checkpoint of ``output_dir`` (None: there is none, start at 0)."""
+        output_dir = self.args.output_dir
+        last = ckpt.latest_complete(output_dir, PREFIX_CHECKPOINT_DIR) if os.path.isdir(output_dir) else None
+        if self.is_world_process_zero():
+            if last is None:
+                logger.warning("CommFuseTrainer: auto_resume: no complete checkpoint in %s; starting at step 0",
+                               output_dir)
+            else:
+                logger.warning("CommFuseTrainer: auto_resume: resuming from %s (step %s)", last,
+                               last.rsplit("-", 1)[-1])
+        return last if last is None else last_complete_checkpoint(output_dir)   # (warns of newer incomplete ones)
 
     def _rotate_at_train_end(self, trial) -> None:
         """What Trainer.train does at its end for save_total_limit=1 with a best model (keep the best checkpoint

@@ -12,6 +12,10 @@
     # and a .txt file, a folder of .txt / .jsonl files, or JSON lines with a "text" field
     torchrun --nproc_per_node 2 recipes/finetune_clm.py --model path/to/model --data corpus/ --output_dir runs/mine
     # GPUs: the same with torchrun (NCCL), or `accelerate launch --num_processes N recipes/finetune_clm.py ...`
+    # A run that carries on after a lost rank: a checkpoint every 50 steps, written in the background, and a
+    # restarted worker group resumes from the newest complete one
+    torchrun --nproc_per_node 2 --max-restarts 3 recipes/finetune_clm.py --output_dir runs/clm \
+        --save_strategy steps --save_steps 50 --auto_resume --async_save
 
 Any ``TrainingArguments`` flag works (``--max_steps``, ``--learning_rate``, ``--bf16``, ``--save_steps``,
 ``--resume_from_checkpoint``, ...); ``--help`` lists them after the recipe's own. The commfuse settings come from
@@ -57,6 +61,12 @@ class ClmArguments:
         "help": "a YAML file with the CommFuseConfig (a flat mapping or a commfuse: block); default: COMMFUSE_* "
                 "variables, else the defaults"})
     timeline_step: int = field(default=3, metadata={"help": "the training step whose timeline is drawn"})
+    auto_resume: bool = field(default=False, metadata={
+        "help": "resume from the newest complete checkpoint in --output_dir, if there is one, else start at step 0: "
+                "a job restarted by torchrun --max-restarts carries on (CommFuseConfig.auto_resume)"})
+    async_save: bool = field(default=False, metadata={
+        "help": "write each --save_steps checkpoint's sharded state off the training thread "
+                "(CommFuseConfig.async_save)"})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "write into an existing, non-empty --output_dir (files of the same names are replaced)"})
 
@@ -223,11 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         common.fail(str(exc).strip().splitlines()[0])
     rank, world = common.world()
     try:
-        common.check_output_dir(targs.output_dir, args.overwrite_output_dir)
+        cfg = common.commfuse_config(args.commfuse_config)
+        cfg = cfg.replace(auto_resume=cfg.auto_resume or args.auto_resume, async_save=cfg.async_save or args.async_save)
+        if cfg.auto_resume and str(getattr(targs.save_strategy, "value", targs.save_strategy)) == "no":
+            raise common.RecipeError("--auto_resume resumes from this run's checkpoints, and --save_strategy no "
+                                     "writes none: add --save_strategy steps --save_steps N")
+        # (a run that resumes by itself writes into the folder of the run it carries on)
+        common.check_output_dir(targs.output_dir, args.overwrite_output_dir or cfg.auto_resume)
         model, tokenizer, train, evaluation, info = prepare_inputs(
             args, world, targs.per_device_train_batch_size, targs.gradient_accumulation_steps,
             targs.per_device_eval_batch_size)
-        cfg = common.commfuse_config(args.commfuse_config)
     except common.RecipeError as exc:
         common.fail(str(exc))
     return train_and_report(args, targs, model, tokenizer, train, evaluation, cfg,

@@ -6,6 +6,10 @@ where a plain Trainer would delete checkpoint-2) leaves checkpoint-2 complete an
 ``commfuse_complete`` marker. transformers' own ``get_last_checkpoint`` would pick that checkpoint-4; a fresh run
 refuses it when named, and with ``resume_from_checkpoint=True`` resumes from checkpoint-2 and repeats the
 uninterrupted run's steps 3..6 exactly (same world size, same arithmetic, state read back bit for bit).
+
+With ``CommFuseConfig(auto_resume=True, async_save=True)`` (a fourth launch), checkpoints are written in the
+background, and a second Trainer on the same output folder, given nothing to resume from, resumes from the newest
+complete checkpoint by itself and repeats the uninterrupted (asynchronously saving) run's last steps exactly.
 """
 
 import json
@@ -129,3 +133,19 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
     assert sorted(os.listdir(ours)) == ["checkpoint-4", "checkpoint-8"]
     assert ck.latest_complete(ours) == str(ours / "checkpoint-4")
     assert ck.latest_complete(tmp_path / "missing") is None
+
+
+def test_auto_resume_takes_the_newest_async_checkpoint_and_matches(tmp_path):
+    proc = _launch(tmp_path, "asyncfull,auto")
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    full, auto = (json.loads((tmp_path / f"{mode}.json").read_text()) for mode in ("asyncfull", "auto"))
+    assert auto["first_checkpoints"] == ["checkpoint-4"]  # complete (marked) once train() returned; -2 rotated
+    assert auto["steps_run"] == [5, 6], "should resume after step 4 by itself"
+    message = f"auto_resume: resuming from {tmp_path / 'run-auto' / 'checkpoint-4'} (step 4)"
+    assert message in proc.stderr, proc.stderr[-4000:]
+    for step in map(str, auto["steps_run"]):
+        assert auto["losses"][step] == full["losses"][step], step
+        assert auto["grad_norms"][step] == full["grad_norms"][step], step
+    assert auto["checkpoints"] == full["checkpoints"] == ["checkpoint-6"]
+    assert os.path.isfile(tmp_path / "run-auto" / "checkpoint-6" / "commfuse_complete")
+    assert not os.path.exists(tmp_path / "run-auto" / "checkpoint-6" / "model.safetensors")  # sharded state only

@@ -209,6 +209,15 @@ def test_refuses_fsdp_and_saving_without_a_trainer(kw, word):
         cb.on_init_end(_args(**kw), None, None, model=torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("field", ["auto_resume", "async_save"])
+def test_bare_callback_refuses_resuming_and_async_saves(field):
+    from commfuse_dp import CommFuseConfig
+
+    cb = _integration()(CommFuseConfig(schedule="fused", **{field: True}))
+    with pytest.raises(ValueError, match=f"CommFuseConfig.{field}=True need that Trainer.*CommFuseTrainer"):
+        cb.on_init_end(_args(), None, None, model=torch.nn.Linear(2, 2))
+
+
 def test_refuses_without_process_group():
     import torch.distributed as dist
 

@@ -9,6 +9,10 @@ crash:  the same run (output OUT_DIR/run-crash), but rank 1 dies (os._exit) whil
         plain Trainer writes before it deletes older checkpoints -- and before rank 1's own rng_state_1.pth.
 resume: a fresh run on OUT_DIR/run-crash: first resume_from_checkpoint=<checkpoint-4> (must be refused: the message
         is recorded), then resume_from_checkpoint=True; losses in OUT_DIR/resume.json.
+asyncfull: the uninterrupted run with CommFuseConfig(async_save=True) (OUT_DIR/run-asyncfull, asyncfull.json).
+auto:   CommFuseConfig(auto_resume=True, async_save=True) on OUT_DIR/run-auto: a first Trainer stops after step 4
+        (its checkpoint-4 written in the background), then a second one, given no resume_from_checkpoint, resumes
+        from checkpoint-4 by itself; auto.json holds the second one's steps and losses.
 Several modes run one after another in the same processes, each with a Trainer of its own.
 """
 
@@ -42,7 +46,10 @@ def run(out_dir: str, mode: str) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    run_dir = os.path.join(out_dir, "run-full" if mode == "full" else "run-crash")
+    run_dir = os.path.join(out_dir, {"full": "run-full", "asyncfull": "run-asyncfull", "auto": "run-auto"}.get(
+        mode, "run-crash"))
+    config = CommFuseConfig(schedule="fused", min_fuse_numel=0, async_save=mode in ("asyncfull", "auto"),
+                            auto_resume=mode == "auto")
 
     class CrashingTrainer(CommFuseTrainer):
         def _save_rng_state(self, output_dir):
@@ -57,20 +64,34 @@ def run(out_dir: str, mode: str) -> None:
     steps_run = []   # the optimizer steps this process ran (a resumed run's log_history also holds earlier ones)
 
     class StepsRun(TrainerCallback):
+        def __init__(self, stop_at: int | None = None) -> None:
+            self.stop_at = stop_at
+
         def on_step_end(self, args, state, control, **kwargs):
             steps_run.append(state.global_step)
+            if state.global_step == self.stop_at:
+                control.should_training_stop = True   # (after the step's checkpoint: as if the job were killed)
 
     args = TrainingArguments(
         output_dir=run_dir, use_cpu=True, report_to=[], save_strategy="steps", save_steps=2, save_total_limit=1,
         per_device_train_batch_size=2, gradient_accumulation_steps=1, max_grad_norm=1.0, optim="adamw_torch",
         learning_rate=1e-2, lr_scheduler_type="linear", max_steps=6, logging_steps=1, seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True)
-    trainer = CrashingTrainer(model=hf_models.build("llama", seed=0), args=args,
-                              train_dataset=hf_models.Synthetic(24, seed=1),
-                              callbacks=[CommFuseCallback(CommFuseConfig(schedule="fused", min_fuse_numel=0)),
-                                                                         StepsRun()])
+
+    def trainer_of(stop_at: int | None = None):
+        return CrashingTrainer(model=hf_models.build("llama", seed=0), args=args,
+                               train_dataset=hf_models.Synthetic(24, seed=1),
+                               callbacks=[CommFuseCallback(config), StepsRun(stop_at)])
+
+    trainer = trainer_of(4 if mode == "auto" else None)
     result = {}
-    if mode == "resume":
+    if mode == "auto":
+        trainer.train()
+        result["first_checkpoints"] = sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-"))
+        steps_run.clear()
+        trainer = trainer_of()
+        trainer.train()
+    elif mode == "resume":
         try:
             trainer.train(resume_from_checkpoint=os.path.join(run_dir, "checkpoint-4"))
             result["explicit"] = None
