@@ -1,5 +1,6 @@
 """The fault-injection suite's report: one line at the end of the test run,
-``faults: N tried, M ended cleanly, B bytes of checkpoint lost``, and one line per fault with its wall time."""
+``faults: N tried, M ended cleanly, R completed after restart (final weights equal to an uninterrupted run's: max abs
+diff D in fp32), B bytes of checkpoint lost``, and one line per fault with its wall time."""
 
 import os
 import sys
@@ -19,6 +20,8 @@ class Fault:
     seconds: float = 0.0  # wall time of the launch that met the fault
     bytes_lost: int = 0  # bytes of an earlier complete checkpoint that the fault made unreadable
     detail: str = ""
+    completed: bool = False  # a restarted run that finished (tests/faults/test_restarts.py)
+    max_diff: float | None = None  # its final weights against an uninterrupted run's, max abs difference
 
 
 @pytest.fixture
@@ -35,8 +38,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write = terminalreporter.write_line
     write("")
     for f in _TRIED:
-        state = "ended cleanly" if f.clean else "NOT clean"
+        state = "completed after restart" if f.completed else "ended cleanly" if f.clean else "NOT clean"
         write(f"fault {f.name}: {state} in {f.seconds:.1f} s, {f.bytes_lost} bytes lost{f.detail}")
     clean = sum(f.clean for f in _TRIED)
     lost = sum(f.bytes_lost for f in _TRIED)
-    write(f"faults: {len(_TRIED)} tried, {clean} ended cleanly, {lost} bytes of checkpoint lost")
+    restarted = [f for f in _TRIED if f.max_diff is not None]
+    completed = sum(f.completed for f in restarted)
+    diff = max((f.max_diff for f in restarted), default=0.0)
+    write(f"faults: {len(_TRIED)} tried, {clean} ended cleanly, {completed} completed after restart (final weights "
+          f"equal to an uninterrupted run's: max abs diff {diff:g} in fp32), {lost} bytes of checkpoint lost")
