@@ -45,7 +45,7 @@ def _collectives_worker(rank, world_size):
     dist.all_gather_object(values, value)
     return {"started": started, "issued": issued, "landed": landed, "waited": waited,
             "requests": [(op[1], k, steps, numel) for op, k, steps, numel in requests],
-            "ring_steps": stats.current().ring_steps, "values": values}
+            "hops": stats.current().hops, "values": values}
 
 
 def test_every_step_of_a_collective_goes_through_the_one_issuing_point():
@@ -66,7 +66,7 @@ def test_every_step_of_a_collective_goes_through_the_one_issuing_point():
         ag = [r for r in got["requests"] if r[0] == "all_gather"]
         assert [steps for _, _, steps, _ in ag] == [5] * 5 + [1], ag
         assert [numel for _, _, _, numel in ag] == [64, 128, 128, 72, 8, 6], ag  # chunks in flight; direct: 3 x 2
-        assert got["ring_steps"] == len(expected) == 10
+        assert got["hops"] == len(expected) == 10
         assert len(set(got["values"])) == 1, got["values"]  # the same steps on every rank: the same fingerprint
 
 
@@ -111,7 +111,7 @@ def _slicing_worker(rank, world_size, schedule):
         issued = []
         with observe_ring(lambda event, op, k: issued.append(op) if event == "issued" else None):
             model(x).square().sum().backward()
-        counted = model._commfuse_engine.stats.current().ring_steps  # this step's, so far
+        counted = model._commfuse_engine.stats.current().hops  # this step's, so far
         folded = len(ring.fingerprint.requests)
         assert issued and counted == len(issued) == folded, (step, counted, len(issued), folded)
     return counted
@@ -124,3 +124,10 @@ def test_a_step_counts_and_fingerprints_every_collective_step(schedule):
     fingerprint, once."""
     counts = run_ranks(_slicing_worker, 3, (schedule,))
     assert counts == [counts[0]] * 3 and counts[0] > 0
+
+
+def test_step_stats_ring_steps_is_a_deprecated_alias_of_hops():
+    stats = cf.StepStats(step=0, wall_s=1.0, compute_s=1.0, comm_s=0.0, exposed_comm_s=0.0, hops=4)
+    with pytest.warns(DeprecationWarning, match="StepStats.ring_steps is now StepStats.hops"):
+        assert stats.ring_steps == 4
+    assert stats.as_dict()["hops"] == 4 and "ring_steps" not in stats.as_dict()

@@ -86,7 +86,7 @@ class Pending:
         elif self.run is not None:
             self.run()
         if stats.enabled:
-            stats.ring_step(self.requested, began, time.perf_counter(), self.count)
+            stats.hop(self.requested, began, time.perf_counter(), self.count)
         if transport.watched():
             transport.notify("done", self.op, self.k)
 
