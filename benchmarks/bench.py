@@ -20,9 +20,9 @@ shards, optimizer state) plus the peak of the process's resident size during a s
 
 Exposed communication is a schedule's step time minus compute alone at the same rate; it includes the CPU time the
 communication takes from compute on shared cores (the ``concurrent`` bound shows how much). ``waited`` (fused and
-slicing) is the time the compute thread was blocked on ring steps (``commfuse_dp.step_stats``), medians of the
+slicing) is the time the compute thread was blocked on hops (``commfuse_dp.step_stats``), medians of the
 rank that waited most (``waited_min_s`` in the records: of the rank that waited least; where they differ, one rank
-waited for another's slower compute, at a ring step that both must enter). ``opt s`` is the optimizer's step (and ``zero_grad``) on the host, slowest rank: never emulated, so
+waited for another's slower compute, at a hop that both must enter). ``opt s`` is the optimizer's step (and ``zero_grad``) on the host, slowest rank: never emulated, so
 under ``--compute emulated`` it is real CPU work on cores the ranks share, and HSDP's covers R times the parameters
 of a flat shard (compute alone's covers a flat one): compare HSDP's step minus it. The overlap limit is max(compute
 alone, communication alone) (``x limit``); the gather floor (``x floor``, ``gather_floor``) adds that a step's forward
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def balanced_rate(reference: float, compute: float, comm: float, comm_at_double: float) -> float:
     """The rate at which communication alone takes as long as compute alone, from communication times at
-    ``reference`` and twice it, fitted as ``fixed + bytes_term / rate`` (the fixed part: per-step latencies and
+    ``reference`` and twice it, fitted as ``fixed + bytes_term / rate`` (the fixed part: per-hop latencies and
     CPU work that a faster link does not shorten). Falls back to pure ``1/rate`` scaling when the two times do not
     fit that form (noise) or the fixed part alone exceeds the compute."""
     per_rate = 2 * reference * (comm - comm_at_double)  # seconds x Mbit/s

@@ -9,8 +9,8 @@ shaped with ``tc tbf rate R``.
   benchmarking) on a veth whose other end sits on the bridge ``cf<id>br``. Nothing else is addressed.
 - MTU 65000 on every veth and on the bridge: with 1500-byte packets the kernel's per-packet work stole the cores
   from compute. The ``tbf`` burst (default 128 KiB, two such packets at least) is the credit a link gathers while
-  idle and then sends above its rate; at 1 MB (the default before) it gave gappy schedules (lockstep) whole ring
-  steps for free at 4 ranks, which no real link does.
+  idle and then sends above its rate; at 1 MB (the default before) it gave gappy schedules (lockstep) whole hops
+  for free at 4 ranks, which no real link does.
 - Each rank's egress is shaped to R (both directions of its link: the ring sends to ``next`` and receives from
   ``prev`` at once). ``GLOO_SOCKET_IFNAME=eth0`` makes gloo use the shaped link.
 - ``nodes=K`` (``commfuse-dp bench --nodes K``): ranks ``[k·n, (k+1)·n)`` form node k (n = world / K), and each

@@ -234,7 +234,7 @@ def part_shard(args) -> dict:
                          "adamw": os.environ.get("CUDA_CHECK_ADAMW", "foreach"),
                          "unsharded_host_syncs_in_steps_2_to_5": theirs[2],
                          "stats": {"wall_s": stats.wall_s, "exposed_comm_s": stats.exposed_comm_s,
-                                   "ring_steps": stats.ring_steps}}
+                                   "hops": stats.hops}}
         tol = 2e-2 if autocast else 1e-5
         bad = {k: v for k, v in diffs.items() if v > tol * max(1.0, theirs[0].abs().max().item() if k == "loss"
                                                                   else 1.0)}
@@ -268,7 +268,7 @@ def part_fake(args) -> dict:
         stats = cf.step_stats(model)
         label = f"llama/{schedule}" + (f"/replicate={replicate}" if replicate > 1 else "")
         result[label] = {"ran_steps": len(losses), "host_syncs_in_steps_2_to_3": syncs,
-                         "ring_steps": stats.ring_steps, "exposed_comm_s": stats.exposed_comm_s}
+                         "hops": stats.hops, "exposed_comm_s": stats.exposed_comm_s}
         replicas = model._commfuse_engine.replicas
         if replicas is not None and device.type == "cuda":
             # fused landings completed and sent across the copies on the replicate ring's stream, not by compute

@@ -1,5 +1,5 @@
 """``benchmarks/cuda_check.py --parts collectives``: NCCL's own all-gather and reduce-scatter (what FSDP2 runs as
-shipped) against the library's rings (N-1 ring steps issued from Python, one send/recv pair per step), on every GPU
+shipped) against the library's rings (N-1 hops issued from Python, one send/recv pair per hop), on every GPU
 of the machine, at the sizes of FSDP2 units; and what ``shard()``'s defaults measure of the link there
 (``commfuse_dp/measure.py``). The planner plays the fsdp2 schedule on both (``CommFuseConfig.fsdp2_collectives``);
 this part is what it should be checked against.
@@ -83,7 +83,7 @@ def _worker(kind: str, out: str, sizes: str) -> None:
         shard = torch.randn(numel, device=device).to(dtype)
         whole = torch.empty(n * numel, device=device, dtype=dtype)
         part = torch.empty(numel, device=device, dtype=dtype)
-        bucket = 2 * mb + 1  # one bucket: the rings' steps whole, as FSDP2's unit goes
+        bucket = 2 * mb + 1  # one bucket: the rings' hops whole, as FSDP2's unit goes
         row = {"whole_mb": mb, "ranks": n, "dtype": str(dtype)}
         row["torch_all_gather_s"] = _seconds(lambda: dist.all_gather_into_tensor(whole, shard), device)
         row["ring_all_gather_s"] = _seconds(lambda: ring_all_gather(whole, shard, bucket_mb=bucket), device)

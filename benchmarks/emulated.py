@@ -24,7 +24,7 @@ cost their sum and not the sleeps' granularity.
 goes on, as it does beside a GPU, whose kernels queue while the host issues the next ones; the emulated device
 works its queue on the clock. Ring work requested by this thread does not start before the clock's time at its
 request (``commfuse_dp.ring.topology.set_device_clock``: a CUDA communication stream waits for the compute
-stream's event so), the host blocks where it waits for a ring step as before, and ``synchronize()`` sleeps until
+stream's event so), the host blocks where it waits for a hop as before, and ``synchronize()`` sleeps until
 the queue is done (the worker calls it after the backward and at the step's end). So host work of the schedule
 (Python, packing, the ring thread's issuing) overlaps the emulated compute, as on a GPU, instead of adding to it.
 ``host_ahead=False`` (``--emulated-host sync``): the host sleeps until each piece is done. Either way, work that is

@@ -15,9 +15,9 @@ COLORS = {"defaults": "#ff00ff", "fused": "#d62728", "slicing": "#1f77b4", "fsdp
           "fused_bf16": "#bcbd22", "fused_fp8": "#7f7f7f", "fused_int8": "#17a768", "fused_int8_int8": "#0b5d3a",
           "fsdp2_bf16": "#6b6b00", "fsdp2_int8": "#5fa8d3", "fsdp2_int8_int8": "#1b4f72"}
 LANES = {"compute": ("compute", "#4c72b0"), "device": ("emulated device busy", "#8172b3"),
-         "ring": ("ring steps (fused)", "#dd8452"), "ring-thread": ("ring thread (async)", "#55a868"),
+         "ring": ("hops (fused)", "#dd8452"), "ring-thread": ("ring thread (async)", "#55a868"),
          "ring-thread-2": ("replicate ring thread (HSDP)", "#c44e52"),
-         "waited": ("main thread waited on a ring step", "#937860")}
+         "waited": ("main thread waited on a hop", "#937860")}
 
 
 def sweep_png(records: list[dict], path: str, title: str) -> None:
@@ -49,7 +49,7 @@ def sweep_png(records: list[dict], path: str, title: str) -> None:
 
 
 def timeline_png(per_rank: dict[str, list[list[dict]]], path: str, title: str) -> None:
-    """One panel per schedule, one row per rank and lane: compute pieces and ring steps on a time axis."""
+    """One panel per schedule, one row per rank and lane: compute pieces and hops on a time axis."""
     schedules = [s for s in per_rank if any(per_rank[s])]
     fig, axes = plt.subplots(len(schedules), 1, figsize=(12, 1.2 + 1.6 * len(schedules) * max(
         (len(per_rank[s]) for s in schedules), default=1) / 2), squeeze=False)

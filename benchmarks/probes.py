@@ -19,7 +19,7 @@ def peak_step_bytes(fn) -> int:
     Needs the allocator settings of ``MMAP_ENV`` at process start (``--memory`` runs are started with them): every
     allocation of 64 KiB or more is then its own mapping and goes back to the system when freed, on whichever thread
     frees it, so the resident size follows the live tensors. (The profiler's per-op allocation events miss frees
-    made on gloo's threads, and overstated the schedules that keep ring steps in flight.) Sampled every 0.2 ms."""
+    made on gloo's threads, and overstated the schedules that keep hops in flight.) Sampled every 0.2 ms."""
     import gc
     import threading
 

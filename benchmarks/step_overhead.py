@@ -1,21 +1,21 @@
-"""Host overhead of one ring step on gloo: the time this thread spends issuing a step and waiting for it when the
-bytes have already arrived (the cost a fused layer pays per ring step on top of its compute).
+"""Host overhead of one hop on gloo: the time this thread spends issuing a hop and waiting for it when the
+bytes have already arrived (the cost a fused layer pays per hop on top of its compute).
 
     python benchmarks/step_overhead.py                    # 2 ranks over loopback, 4 KiB and 1 MiB shards
     python benchmarks/step_overhead.py --fake-worlds 2,4,8,16   # a whole training step's host time, no peers
 
-Per size, ``--steps`` ring steps run with a busy compute piece of ``--piece-ms`` between start and wait (long enough
-for the bytes to land), and the table shows the median time inside ``start_step`` (issue) and inside ``wait``.
-Their sum is the host overhead per ring step. It also times what a fused layer adds once per ring *operation*
-(not per step) to name it: ``StepState.ring_op`` (the identity tag and the label for errors) against the plain
+Per size, ``--steps`` hops run with a busy compute piece of ``--piece-ms`` between start and wait (long enough
+for the bytes to land), and the table shows the median time inside ``start_hop`` (issue) and inside ``wait``.
+Their sum is the host overhead per hop. It also times what a fused layer adds once per ring *operation*
+(not per hop) to name it: ``StepState.ring_op`` (the identity tag and the label for errors) against the plain
 counter tag it replaced (``Ring.next_tag``). This is a measurement, not a test.
 
 ``--fake-worlds``: the host time of whole training steps of a tiny Llama (2 layers, hidden 64, 2 x 64 tokens) in
 one process that is rank 0 of W on torch's ``fake`` process group (every send and receive completes at once and
 moves nothing; one thread), per schedule, against the same model unsharded. With compute this small, the
 difference is the library's host work per step (on a GPU the host issues it ahead of the device; it shows once it
-exceeds the device's time). Divided by the ring steps started and compute pieces run per step (counted with
-``observe_ring``), it gives a host cost per ring step, the floor a ring step costs whatever the link.
+exceeds the device's time). Divided by the hops started and compute pieces run per step (counted with
+``observe_ring``), it gives a host cost per hop, the floor a hop costs whatever the link.
 ``--bench-model``: the same with the bench's default model and batch under the emulated accelerator (its GEMMs
 cost neither CPU nor time): the host work one rank of ``commfuse-dp bench --compute emulated`` does per step
 (less the ring embedding, which a fake group cannot run). ``--bench-model real``: its GEMMs on this CPU, so the
@@ -53,7 +53,7 @@ def _busy(seconds: float) -> None:
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
     from commfuse_dp.ring.topology import get_ring
-    from commfuse_dp.ring.transport import start_step
+    from commfuse_dp.ring.transport import start_hop
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -67,8 +67,8 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         for i in range(args.steps + 20):
             dist.barrier() if i % 50 == 0 else None
             t0 = time.perf_counter()
-            handle = start_step(ring, [send], [recv], tag=ring.next_tag(), op="probe", step=0, steps=1,
-                                timeout_s=60)
+            handle = start_hop(ring, [send], [recv], tag=ring.next_tag(), op="probe", k=0, hops=1,
+                               timeout_s=60)
             t1 = time.perf_counter()
             _busy(args.piece_ms / 1e3)
             t2 = time.perf_counter()
@@ -192,8 +192,8 @@ def _fake_table(args) -> int:
              else "tiny Llama (2 layers, hidden 64, 128 tokens)")
     print(f"host time per training step, {model} on {args.device}, rank 0 of "
           f"W on a fake group (nothing moves), one thread, median of {args.reps} steps, the models taking turns")
-    print(f"{'W':>3} {'schedule':>9} {'step ms':>8} {'unsharded':>9} {'extra ms':>9} {'ring steps':>10} "
-          f"{'pieces':>7} {'us per step+piece':>17}")
+    print(f"{'W':>3} {'schedule':>9} {'step ms':>8} {'unsharded':>9} {'extra ms':>9} {'hops':>10} "
+          f"{'pieces':>7} {'us per hop+piece':>17}")
     per_group: dict[str, list[tuple[int, float]]] = {}  # schedule: (W, extra seconds per fused group)
     extras: dict[str, dict[str, float]] = {}  # W: {schedule: extra seconds per step} (--json)
     for world in args.fake_worlds:
@@ -208,13 +208,13 @@ def _fake_table(args) -> int:
         result = json.loads(lines[-1][7:])
         base = result.pop("unsharded")
         for schedule, (seconds, counts, groups) in result.items():
-            steps, pieces = counts.get("start", 0), counts.get("compute", 0)
+            hops, pieces = counts.get("start", 0), counts.get("compute", 0)
             extra = seconds - base
             per_group.setdefault(schedule, []).append((world, extra / max(groups, 1)))
             extras.setdefault(str(world), {})[schedule] = extra
-            per = extra / max(1, steps + pieces)
+            per = extra / max(1, hops + pieces)
             print(f"{world:>3} {schedule:>9} {seconds * 1e3:>8.1f} {base * 1e3:>9.1f} {extra * 1e3:>9.1f} "
-                  f"{steps:>10} {pieces:>7} {per * 1e6:>17.0f}")
+                  f"{hops:>10} {pieces:>7} {per * 1e6:>17.0f}")
     for schedule, points in per_group.items():
         if len(points) > 1:  # least squares: extra per fused group = a + b * W (``commfuse-dp plan --host-fit A,B``)
             a, b = _line(points)
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--sizes", default="4096,1048576", help="bytes per shard, comma-separated")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=500, help="hops timed per size")
     parser.add_argument("--piece-ms", type=float, default=2.0, help="busy compute between start and wait")
     parser.add_argument("--fake-worlds", default=None,
                         help="instead: whole training steps' host time on a fake group of each of these sizes")
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         print("a rank failed; see its output above")
         return 1
     rows, (op_s, tag_s) = result
-    print(f"host time per ring step, gloo over loopback, {args.world_size} ranks, median of {args.steps} steps, "
+    print(f"host time per hop, gloo over loopback, {args.world_size} ranks, median of {args.steps} hops, "
           f"{args.piece_ms:g} ms of compute between start and wait")
     print(f"{'shard':>10} {'issue us':>9} {'wait us':>8} {'total us':>9}")
     for size, issue, wait in rows:

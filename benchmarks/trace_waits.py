@@ -3,7 +3,7 @@
     python benchmarks/trace_waits.py bench-out/trace.json            # the fused step
     python benchmarks/trace_waits.py bench-out/trace.json --schedule slicing
 
-For each rank: the time its compute thread waited on ring steps, split at its first fused compute piece, the end
+For each rank: the time its compute thread waited on hops, split at its first fused compute piece, the end
 of its forward, the start of its backward and the end of its last piece (a wait after the last piece is the step's
 tail: the last hops, or the other rank still computing); the longest waits; and the idle gaps of its ring thread
 longer than ``--gap-ms`` (a link that idles while the step is link-bound is time lost). The bench's table gives the

@@ -440,7 +440,7 @@ def main(argv=None) -> int:
                             busy[-1][1] = t1
                         else:
                             busy.append([t0, t1])
-                    timeline.events += [{"lane": "device", "op": "busy", "step": i, "t0": t0 - timeline.origin,
+                    timeline.events += [{"lane": "device", "op": "busy", "k": i, "t0": t0 - timeline.origin,
                                          "t1": t1 - timeline.origin} for i, (t0, t1) in enumerate(busy)]
                     accelerator.spans = None
                 timelines[name] = timeline.events

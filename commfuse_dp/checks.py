@@ -1,6 +1,6 @@
 """Ranks checked at ``shard()``: same data-parallel group, same config, same model, before anything is converted.
 
-Ranks that disagree on any of these would not fail at once: they would enter ring steps of different sizes, or
+Ranks that disagree on any of these would not fail at once: they would enter hops of different sizes, or
 in a different order, and hang or silently compute wrong gradients, far from the cause. So ``shard()`` starts
 with one gather of Python objects over the world (pickled, on the world's ring: ``gather_objects``) of, per rank:
 
@@ -13,7 +13,7 @@ config fields (``schedule: rank 0 has 'fused', rank 1 has 'slicing'``), or, afte
 parameter lists (only when the digests differ), the first few parameters whose shape, dtype or ``requires_grad``
 differ and the counts of missing and extra ones.
 
-The gathers run on the ring of the world with ``config.timeout_s`` per ring step, not through
+The gathers run on the ring of the world with ``config.timeout_s`` per hop, not through
 ``dist.all_gather_object``, whose wait is the process group's timeout (30 minutes by default on gloo): a rank that never
 calls ``shard()`` (it stopped early, waits in a barrier, or died) makes the others raise ``RingCommError`` naming it
 within ``timeout_s``, instead of hanging.
@@ -84,7 +84,7 @@ _CHECK = ("shard()'s check that every rank passed the same group, config and mod
 
 
 def gather_objects(obj: Any, timeout_s: float, label: str) -> list[Any]:
-    """``obj`` of every rank of the world, rank-major: ``dist.all_gather_object`` on the world's ring, each ring step
+    """``obj`` of every rank of the world, rank-major: ``dist.all_gather_object`` on the world's ring, each hop
     bounded by ``timeout_s`` (a rank that does not take part makes the others raise ``RingCommError`` naming it,
     in ``label``). Two ring all-gathers: the lengths of the pickled objects, then the bytes padded to the longest."""
     ring = get_ring(None, op="shard")

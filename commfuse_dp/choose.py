@@ -151,7 +151,7 @@ def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: tor
     if config.link_gbps is not None:
         bandwidth, b_from = config.link_gbps * 1e9, "given"
     elif link is not None:
-        bandwidth, b_from = link.bytes_per_s, f"measured: ring steps of {link.sizes}"
+        bandwidth, b_from = link.bytes_per_s, f"measured: hops of {link.sizes}"
     else:
         bandwidth = (450e9 if one_node else 50e9) if cuda else 1.25e9
         b_from = ("assumed: NVLink, one node" if one_node else "assumed: across nodes") if cuda else \
@@ -177,7 +177,7 @@ def machine(config: CommFuseConfig, ranks: int, device: torch.device, dtype: tor
     cl = replace(cl, lookahead_bytes=None if config.lookahead_mb == "auto" else config.lookahead_mb * 2**20,
                  prefetch_depth=config.prefetch_depth)
     return cl, (f"{device.type}, {ranks} ranks, link {bandwidth / 1e9:.3g} GB/s ({b_from}), "
-                f"{latency * 1e6:.0f} us a ring step ({l_from}), {flops / 1e12:.3g} TFLOP/s ({f_from}), "
+                f"{latency * 1e6:.0f} us a hop ({l_from}), {flops / 1e12:.3g} TFLOP/s ({f_from}), "
                 f"{nbytes}-byte elements")
 
 
@@ -276,7 +276,7 @@ def _on(predicted: dict[str, float]) -> str:
     if rings <= (1 - MARGIN) * nccl:
         return (f"; on the rings ({rings:.3g} s), {1 - rings / nccl:.0%} faster than on NCCL's collectives "
                 f"({nccl:.3g} s)")
-    return (f"; on NCCL's own collectives ({nccl:.3g} s; the rings {rings:.3g} s: N-1 host-issued ring steps per "
+    return (f"; on NCCL's own collectives ({nccl:.3g} s; the rings {rings:.3g} s: N-1 host-issued hops per "
             f"collective against one kernel, at the same bandwidth)")
 
 

@@ -51,7 +51,8 @@ class CommFuseConfig:
     """``"auto"`` (default): ``"fused"`` where the planner predicts it faster than the peer (``"fsdp2"``) by 2 %
     for this model, its ranks, the device and the link, else ``"fsdp2"`` (``commfuse_dp/choose.py``;
     ``commfuse_dp.describe(model)`` says what was chosen and why).
-    ``"fused"``: CommFuse, each ring step runs during a shard-sized piece of the layer's own compute.
+    ``"fused"``: CommFuse, each hop (one exchange with the ring's neighbours) runs during a shard-sized piece of
+    the layer's own compute.
     ``"slicing"``: data-slicing overlap on the same rings (prefetch the next unit's all-gather, reduce-scatter a
     unit during the next unit's backward); kept so that every benchmark compares the two on one transport.
     ``"fsdp2"``: nothing fused; stock FSDP2 units (each decoder layer and the root) run FSDP2's GPU schedule on the
@@ -64,16 +65,16 @@ class CommFuseConfig:
 
     direct_kb: float = 1024.0
     """A bucketed collective (FSDP2 units, the bucketed rings) whose whole tensor is at most this many KiB, on more
-    than 2 ranks, exchanges with every peer in one round instead of going round the ring in N-1 steps: the same
+    than 2 ranks, exchanges with every peer in one round instead of going round the ring in N-1 hops: the same
     bytes, one latency instead of N-1 (the root unit's norms, gathered at a step's head and reduced at its tail,
     are such a bucket). Results are the ring's bit for bit. ``0``: always the ring."""
 
     min_fuse_numel: int = MIN_FUSE_NUMEL
-    """A linear whose weight shard has fewer elements than this is not fused (a ring step costs a fixed latency
+    """A linear whose weight shard has fewer elements than this is not fused (a hop costs a fixed latency
     that a tiny GEMM piece cannot hide); it goes through the bucketed rings instead. Linears that read the same
-    input (q/k/v, gate/up) share their ring steps, so they are judged together, by the sum of their shards: GQA's
+    input (q/k/v, gate/up) share their hops, so they are judged together, by the sum of their shards: GQA's
     small ``k_proj``/``v_proj`` are fused with ``q_proj``. Under the elastic schedule (``lookahead_mb`` not 0) the
-    fused groups of one FSDP2 unit share ring steps, so a small group is fused where its unit has a large one."""
+    fused groups of one FSDP2 unit share hops, so a small group is fused where its unit has a large one."""
 
     param_dtype: torch.dtype | None = None
     """Dtype of the forward/backward compute and of the weight shards sent around the ring (e.g. ``bfloat16``).
@@ -97,7 +98,7 @@ class CommFuseConfig:
     reduce-scatter in ``reduce_dtype``), ``"bf16"`` or ``"int8"`` (a scale per block of ``format_block``). A narrow
     format does not reduce round the ring (re-rounding a partial sum at every hop adds an error that grows with
     the ranks): each rank's contribution to a shard is encoded once and sent straight to the shard's owner in N-1
-    pairwise rounds (the ring's bytes, the ring's steps beside the backward's pieces), and the owner sums them in
+    pairwise rounds (the ring's bytes, the ring's hops beside the backward's pieces), and the owner sums them in
     float32. Biases travel in their own dtype."""
 
     error_feedback: bool = False
@@ -113,40 +114,40 @@ class CommFuseConfig:
     ``"split"`` by sqrt(N) on each side (safest against fp16 overflow/underflow)."""
 
     prefetch_next: bool = True
-    """Start the next layer's first ring step during this layer's last compute piece (docs/design.md §7, "Across
+    """Start the next layer's first hop during this layer's last compute piece (docs/design.md §7, "Across
     layers"), in forward and backward, using the layer order of the previous step. Off: each layer's ring starts
     with the layer, leaving a small bubble at every layer boundary."""
 
     prefetch_depth: int = 2
-    """With ``prefetch_next``: how many following layers have their first ring step in flight at once. Each one
+    """With ``prefetch_next``: how many following layers have their first hop in flight at once. Each one
     holds one more packed weight shard of that layer; a deeper queue lets the link run ahead of compute where
     a layer's compute is short, so its bytes land by the time a longer layer needs them."""
 
     lookahead_mb: float | str = "auto"
     """Memory the fused schedule may spend to run the link ahead of compute (docs/design.md §7, "Elastic
-    lookahead"): the all-gather ring steps of coming layers go as soon as the link is free, into buffers that
+    lookahead"): the all-gather hops of coming layers go as soon as the link is free, into buffers that
     hold those layers' gathered weights, up to this many MiB with the running layer's, and gradient partials
     wait in their own buffers until the link sends them (they land during later compute). ``"auto"`` (default):
     two of the largest unit's (decoder layer's) gathered fused weights, what slicing by FSDP2 unit holds (the
-    unit computed and the next one). ``0``: lockstep, each layer's ring steps
-    beside its own compute pieces, with only the first ring step of the next ``prefetch_depth`` layers in flight
+    unit computed and the next one). ``0``: lockstep, each layer's hops
+    beside its own compute pieces, with only the first hop of the next ``prefetch_depth`` layers in flight
     (two weight shards per layer live, the least memory). Needs ``prefetch_next``; the slicing schedule ignores
     it."""
 
     forward_bundles: bool | str = "auto"
-    """Whether the elastic schedule's forward sends a decoder layer's weight rings together (step k of all of them
+    """Whether the elastic schedule's forward sends a decoder layer's weight rings together (hop k of all of them
     as one request: one ring's latency per layer; the backward always does). Together, the layer's first linear
     waits for the bytes of all of them, so compute runs behind the link by the rest of one layer's forward, which
     it makes up only where compute is the slower: one ring's latency per linear against a layer's compute once per
     step. ``"auto"`` (default): together where ``(ranks - 1) x units²`` exceeds 512 (units: decoder layers and the
-    root; many ring steps per step: any model of 32 layers; apart for a few layers on a few ranks, as the bench's);
+    root; many hops per step: any model of 32 layers; apart for a few layers on a few ranks, as the bench's);
     ``True``/``False`` force it. ``commfuse-dp plan`` plays both (``plays.fused``)."""
 
     piece_shards: int | str = "auto"
     """Weight shards per compute piece of a fused layer: its outputs in the forward and its input gradient in the
     backward are computed ``piece_shards`` landed shards at a time, as one wider GEMM (the weight gradient stays one
     piece per shard: it feeds the gradient ring). ``"auto"`` (default): the width with the shortest predicted fused
-    step (``choose.py``; 1 on CPU, where pieces cost what whole GEMMs do). ``1``: a piece per ring step. On a GPU a GEMM cut into N
+    step (``choose.py``; 1 on CPU, where pieces cost what whole GEMMs do). ``1``: a piece per hop. On a GPU a GEMM cut into N
     thin pieces loses 7-41 % at 8 ranks on Llama-3-8B shapes, mostly in the input gradient, and about 2-13 % in
     pieces of 4 shards (docs/performance.md, "On one GPU"); the forward's first piece then waits for that many
     shards. Takes effect where the gathered weight stays whole (the elastic lookahead, the kept lm_head, the slicing
@@ -176,11 +177,10 @@ class CommFuseConfig:
 
     link_gbps: float | None = None
     """Each rank's link, GB/s (bytes), where known: what ``schedule="auto"`` plans with. ``None``: measured at
-    ``shard()`` (ring steps at two sizes on the shard group, ``commfuse_dp/measure.py``), with the fixed cost of a
-    ring step."""
+    ``shard()`` (hops at two sizes on the shard group, ``commfuse_dp/measure.py``), with the fixed cost of a hop."""
 
     ring_latency_us: float | None = None
-    """The fixed cost of one ring step, microseconds, where known: what ``schedule="auto"`` plans with. ``None``:
+    """The fixed cost of one hop, microseconds, where known: what ``schedule="auto"`` plans with. ``None``:
     measured at ``shard()`` with the link."""
 
     tflops: float | None = None
@@ -194,8 +194,8 @@ class CommFuseConfig:
     most 8192."""
 
     timeout_s: float = 300.0
-    """Seconds one ring step may wait for its peers. A peer that died or stopped answering makes the step raise
-    ``RingCommError`` naming that peer and the step, on every rank, instead of hanging."""
+    """Seconds one hop may wait for its peers. A peer that died or stopped answering makes the hop raise
+    ``RingCommError`` naming that peer and the hop, on every rank, instead of hanging."""
 
     stats: bool = True
     """Record per-step compute / communication / exposed-communication times (``commfuse_dp.step_stats``)."""
@@ -209,7 +209,7 @@ class CommFuseConfig:
     exclude_data_dependent: bool = True
     """Keep modules that the model calls data-dependently out of the fused path (``commfuse_dp/lockstep.py``: MoE
     experts, which run only when tokens are routed to them, and LayerDrop layers, skipped at random per rank).
-    Every rank must enter the same fused ring steps in the same order; FSDP2 gathers such a module's whole unit
+    Every rank must enter the same fused hops in the same order; FSDP2 gathers such a module's whole unit
     on every rank instead. Off: they are fused anyway, and a step in which the ranks diverge fails with an error."""
 
     shard_frozen: bool = True
@@ -299,7 +299,7 @@ class CommFuseConfig:
             self.piece_shards = _number("piece_shards", self.piece_shards, int)
             if self.piece_shards < 1:
                 raise ValueError(f"CommFuseConfig.piece_shards={self.piece_shards!r}: must be \"auto\" or an "
-                                 f"integer >= 1 (weight shards per compute piece; 1: one per ring step)")
+                                 f"integer >= 1 (weight shards per compute piece; 1: one per hop)")
         else:
             self.piece_shards = "auto"
 
@@ -324,7 +324,7 @@ class CommFuseConfig:
                              f"{FSDP2_COLLECTIVES}")
 
     def _check_planner_inputs(self) -> None:
-        """What ``schedule="auto"`` plans with, where given: link, ring-step latency, GEMM rate, tokens."""
+        """What ``schedule="auto"`` plans with, where given: link, hop latency, GEMM rate, tokens."""
         for name, unit in (("link_gbps", "GB/s"), ("ring_latency_us", "microseconds"), ("tflops", "TFLOP/s")):
             if getattr(self, name) is not None:
                 setattr(self, name, _number(name, getattr(self, name), float))
@@ -364,7 +364,7 @@ class CommFuseConfig:
         return forward_bundles_auto(world, units) if self.forward_bundles == "auto" else bool(self.forward_bundles)
 
     def elastic(self, world: int) -> bool:
-        """Whether the fused schedule looks ahead elastically (and bundles a unit's ring steps) on ``world`` ranks."""
+        """Whether the fused schedule looks ahead elastically (and bundles a unit's hops) on ``world`` ranks."""
         return bool(self.prefetch_next) and world > 1 and self.lookahead_mb != 0
 
     @property

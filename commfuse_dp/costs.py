@@ -27,9 +27,9 @@ class Unit:
     def exchange(self, ranks: int, rows_ring: bool = False) -> tuple[int, int]:
         """A ring embedding's exchange, one way: (rounds, elements one rank sends). The rows of its tokens that the
         other shards own (ids spread evenly over the shards), in one direct round, where that is fewer than the
-        table ring's ``(N-1)·c`` rows (``fused/embedding.py``'s ``rows_cheaper``); else the table shard, round an
-        N-1-step ring. ``rows_ring``: as a bench file without ``embedding_rows`` ran it, the rows round an N-1-step
-        ring of every token's row, taken while the tokens were no more than a shard's rows."""
+        table ring's ``(N-1)·c`` rows (``fused/embedding.py``'s ``rows_cheaper``); else the table shard, round a ring
+        of N-1 hops. ``rows_ring``: as a bench file without ``embedding_rows`` ran it, the rows round a ring of N-1
+        hops of every token's row, taken while the tokens were no more than a shard's rows."""
         rows, width = self.table
         chunk = -(-rows // ranks)
         if rows_ring:
@@ -44,7 +44,7 @@ class Unit:
 class Cluster:
     ranks: int
     bytes_per_s: float
-    latency_s: float
+    latency_s: float  # fixed cost of one hop (one exchange with the ring's neighbours)
     flops_per_s: float
     param_bytes: int = 2
     grad_bytes: int = 2
@@ -61,7 +61,7 @@ class Cluster:
     # Where that host time goes: False, a GPU's host issuing ahead of its device (the step is at least the host's
     # time); True, compute on the same CPU thread (``commfuse-dp bench --compute real``): it adds to the compute.
     host_on_compute: bool = False
-    # CommFuseConfig.forward_bundles: a unit's forward rings share their steps (True), go each alone (False), or
+    # CommFuseConfig.forward_bundles: a unit's forward rings share their hops (True), go each alone (False), or
     # None: its "auto" (``CommFuseConfig.bundles_forward``)
     forward_bundles: bool | None = None
     # The peer's (fsdp2's) host work per step, seconds: FSDP2's copies into and out of its flat buffers and its hooks
@@ -83,7 +83,7 @@ class Cluster:
 
 def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
     """The units as ``shard()`` splits them under ``cl.min_fuse_numel``: a group whose weight shard is smaller is
-    not fused, except under the elastic schedule (``elastic``) in a unit that has a fused group, whose ring steps
+    not fused, except under the elastic schedule (``elastic``) in a unit that has a fused group, whose hops
     it shares; a ring embedding's table likewise. What is not fused joins the unfused parameters, which the root
     unit gathers at the step's head and reduce-scatters at its tail (``edges``); its compute stays where it was.
     A decoder layer whose linears left unfused bring its unfused shard to ``min_fuse_numel`` keeps them in an FSDP2
@@ -109,7 +109,7 @@ def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
 
 def bucketed_seconds(numel: float, cl: Cluster, nbytes: int) -> float:
     """One bucketed gather or reduce-scatter of ``numel`` elements (all ranks'), latency included: one round where
-    the whole is within ``direct_bytes`` on more than 2 ranks, else N-1 ring steps."""
+    the whole is within ``direct_bytes`` on more than 2 ranks, else N-1 hops."""
     n = cl.ranks
     rounds = 1 if n > 2 and numel * nbytes <= cl.direct_bytes else n - 1
     return rounds * cl.latency_s + (n - 1) * numel / n * nbytes / cl.bytes_per_s
@@ -215,8 +215,8 @@ def codec_seconds(units: list[Unit], cl: Cluster, peer: bool) -> float:
 
 
 def host_seconds(units: list[Unit], cl: Cluster) -> float:
-    """What the host spends issuing one step's fused groups (their ring steps, pieces and schedule bookkeeping:
-    about 3 (N-1) ring steps and 2N pieces per group): the step cannot be shorter. 0 without ``host_fit``."""
+    """What the host spends issuing one step's fused groups (their hops, pieces and schedule bookkeeping:
+    about 3 (N-1) hops and 2N pieces per group): the step cannot be shorter. 0 without ``host_fit``."""
     if cl.host_fit is None or cl.ranks == 1:
         return 0.0
     a, b = cl.host_fit

@@ -241,7 +241,7 @@ def _predicted(model: nn.Module, config: CommFuseConfig, predict: Callable[[int]
     if lower is None or not lower.predicted_s:
         return ""
     then = lower.predicted_s[f"fused, piece_shards={lower.piece_shards}"]
-    verdict = "; layers this small cost more in ring steps than they hide here" if then > now else ""
+    verdict = "; layers this small cost more in hops than they hide here" if then > now else ""
     return f" (the planner predicts {then:.3g} s a step with them fused, against {now:.3g} s now{verdict})"
 
 

@@ -1,8 +1,8 @@
 """Lockstep by construction: which modules a model calls data-dependently, and what ``shard()`` does about them.
 
-Every rank must enter the same fused ring steps, and the same FSDP2 collectives, in the same order. A module that
-runs on one rank and not on another breaks that: its ring step (or its unit's all-gather) waits for a peer that
-never comes, or pairs with another layer's step. Two kinds of modules are called data-dependently, and both are
+Every rank must enter the same fused hops, and the same FSDP2 collectives, in the same order. A module that
+runs on one rank and not on another breaks that: its hop (or its unit's all-gather) waits for a peer that
+never comes, or pairs with another layer's hop. Two kinds of modules are called data-dependently, and both are
 found from the model's structure and config, not from a list of model names:
 
 (a) **MoE experts.** An ``nn.ModuleList`` / ``nn.ModuleDict`` whose children that hold parameters are at least

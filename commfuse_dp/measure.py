@@ -1,16 +1,16 @@
 """What ``CommFuseConfig()``'s ``"auto"`` settings measure where nothing told them (``choose.py``): the rings'
-bandwidth and fixed cost per ring step on the shard group, and the device's GEMM rate on the model's own layer
+bandwidth and fixed cost per hop on the shard group, and the device's GEMM rate on the model's own layer
 shapes.
 
-``measure_machine`` runs inside ``shard()`` on every rank of the world (it runs ring steps on the shard group and
+``measure_machine`` runs inside ``shard()`` on every rank of the world (it runs hops on the shard group and
 agrees the figures over the world, so every rank calls it at the same point). Each figure is the median rank's over
 the world (a gather of the times), so that every rank plans with the same numbers and makes the same choice. Results
 are cached per process group and device (the link) and per device, dtype and shapes (the GEMMs); a second
 ``shard()`` on the same group measures nothing new.
 
-- The link: ring all-gathers (``ring_all_gather``, N-1 ring steps each) of 4 KiB a step, then of 4 times more
-  until a step takes at least 4 times the small one's (its bytes outweigh its fixed cost) and more than a host's
-  timing noise (5 ms on a CPU), or 50 ms; the line ``seconds per step = latency + bytes / bandwidth`` through the
+- The link: ring all-gathers (``ring_all_gather``, N-1 hops each) of 4 KiB a hop, then of 4 times more
+  until a hop takes at least 4 times the small one's (its bytes outweigh its fixed cost) and more than a host's
+  timing noise (5 ms on a CPU), or 50 ms; the line ``seconds per hop = latency + bytes / bandwidth`` through the
   smallest and the last. Each size is timed as a few ring all-gathers back to back (5 of the small, 3 of the
   others), twice, started together on every rank, the faster run kept. About 0.1-0.5 s on this project's 2-core
   machines, more on a slow link with many ranks.
@@ -32,12 +32,12 @@ import torch.distributed as dist
 from .ring.collectives import ring_all_gather
 from .ring.topology import device_ready, get_ring, wait_until
 
-SMALL_STEP_BYTES = 4 << 10
+SMALL_HOP_BYTES = 4 << 10
 GROWTH = 4
-BANDWIDTH_BOUND = 4.0  # a step this many times the small one's is mostly bytes
-STEP_CAP_S = 0.05
-NOISE_S = {"cpu": 5e-3, "cuda": 2e-4}  # a step shorter than this is within a host's timing noise: grow it
-MAX_STEP_BYTES = {"cpu": 16 << 20, "cuda": 64 << 20}
+BANDWIDTH_BOUND = 4.0  # a hop this many times the small one's is mostly bytes
+HOP_CAP_S = 0.05
+NOISE_S = {"cpu": 5e-3, "cuda": 2e-4}  # a hop shorter than this is within a host's timing noise: grow it
+MAX_HOP_BYTES = {"cpu": 16 << 20, "cuda": 64 << 20}
 CPU_GEMM_FLOPS = 1e9  # rows are cut so that one linear's three products stay near this on a CPU
 GPU_MAX_ROWS = 8192
 
@@ -45,12 +45,12 @@ GPU_MAX_ROWS = 8192
 @dataclass(frozen=True)
 class Link:
     bytes_per_s: float
-    latency_s: float  # fixed cost of one ring step
-    step_bytes: tuple[int, int]  # the two sizes the line goes through
+    latency_s: float  # fixed cost of one hop
+    hop_bytes: tuple[int, int]  # the two sizes the line goes through
 
     @property
     def sizes(self) -> str:
-        return f"{_size(self.step_bytes[0])} and {_size(self.step_bytes[1])}"
+        return f"{_size(self.hop_bytes[0])} and {_size(self.hop_bytes[1])}"
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,14 @@ def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> l
 
 
 def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) -> Link | None:
-    def step_seconds(nbytes: int, calls: int) -> float:
-        """Seconds per ring step: the faster of two runs of ``calls`` ring all-gathers back to back, each run
+    def hop_seconds(nbytes: int, calls: int) -> float:
+        """Seconds per hop: the faster of two runs of ``calls`` ring all-gathers back to back, each run
         started together on every rank (a barrier), so that neither a late neighbour nor a link's burst credit
         after an idle spell (``tc tbf``) weighs much in it; the median rank's."""
         numel = max(nbytes // 4, 1)
         shard = torch.zeros(numel, dtype=torch.float32, device=device)
         whole = torch.empty(world * numel, dtype=torch.float32, device=device)
-        bucket_mb = 2 * nbytes / 2**20 + 1  # one bucket: the steps are not cut into chunks
+        bucket_mb = 2 * nbytes / 2**20 + 1  # one bucket: the hops are not cut into chunks
 
         def run() -> float:
             _sync(device)
@@ -116,17 +116,17 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) ->
         ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)  # untimed: buffers, connections
         return _agreed(device, [min(run(), run())])[0]
 
-    kind = device.type if device.type in MAX_STEP_BYTES else "cpu"
-    small = step_seconds(SMALL_STEP_BYTES, 5)
-    nbytes, seconds = SMALL_STEP_BYTES, small
-    while ((seconds < BANDWIDTH_BOUND * small or seconds < NOISE_S[kind]) and seconds < STEP_CAP_S
-           and nbytes * GROWTH <= MAX_STEP_BYTES[kind]):
+    kind = device.type if device.type in MAX_HOP_BYTES else "cpu"
+    small = hop_seconds(SMALL_HOP_BYTES, 5)
+    nbytes, seconds = SMALL_HOP_BYTES, small
+    while ((seconds < BANDWIDTH_BOUND * small or seconds < NOISE_S[kind]) and seconds < HOP_CAP_S
+           and nbytes * GROWTH <= MAX_HOP_BYTES[kind]):
         nbytes *= GROWTH
-        seconds = step_seconds(nbytes, 3)
-    per_byte = (seconds - small) / (nbytes - SMALL_STEP_BYTES) if nbytes > SMALL_STEP_BYTES else 0.0
-    if per_byte <= 0:  # the larger steps took no longer: no line to fit (the plan falls back to its assumptions)
+        seconds = hop_seconds(nbytes, 3)
+    per_byte = (seconds - small) / (nbytes - SMALL_HOP_BYTES) if nbytes > SMALL_HOP_BYTES else 0.0
+    if per_byte <= 0:  # the larger hops took no longer: no line to fit (the plan falls back to its assumptions)
         return None
-    return Link(1.0 / per_byte, max(small - SMALL_STEP_BYTES * per_byte, 0.0), (SMALL_STEP_BYTES, nbytes))
+    return Link(1.0 / per_byte, max(small - SMALL_HOP_BYTES * per_byte, 0.0), (SMALL_HOP_BYTES, nbytes))
 
 
 def _measure_gemm(device: torch.device, dtype: torch.dtype,

@@ -4,8 +4,9 @@ The command line is ``plan_cli.py``.
 
 The model is a list of units in execution order: the embedding, per decoder layer the fused groups (q/k/v,
 o, gate/up, down; attention itself as compute only), the final norm and the lm_head. Each group has forward
-compute ``2·T·out·in / F`` and backward twice that; a ring step costs ``α + bytes / B``. The simulation has two
-resources per rank, the compute stream and the link, and plays each schedule on them:
+compute ``2·T·out·in / F`` and backward twice that; a hop (one exchange with the ring's neighbours) costs
+``α + bytes / B``. The simulation has two resources per rank, the compute stream and the link, and plays each
+schedule on them:
 - ``no_overlap``: every collective, then the compute that needs it.
 - ``fsdp2`` (the peer, also ``unit_slicing``): stock FSDP2 as it runs on a GPU (``plays.fsdp2``, the bench's
   ``fsdp2_overlap``, ``CommFuseConfig(schedule="fsdp2")``) over torchtitan's units: the embedding, each decoder
@@ -17,11 +18,11 @@ resources per rank, the compute stream and the link, and plays each schedule on 
 - ``fsdp2_coarse``: the same over each layer and a root holding the embedding, the final norm and the lm_head
   (gathered at the step's head, reduce-scattered at its tail); the bench's ``fsdp2_coarse``.
 - ``slicing`` (``runtime/slicing.py``, as it runs): the same one group ahead, per fused group (``plays.slicing``).
-- ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 ring steps (forward) or
-  N ring steps (backward: weight shards and gradient partial sums together); a piece waits for the ring step
-  before it; step 0 of the next ``prefetch_depth`` groups goes during a group's last piece.
+- ``lockstep`` (``lookahead_mb=0``): inside each fused group N compute pieces run beside N-1 hops (forward) or
+  N hops (backward: weight shards and gradient partial sums together); a piece waits for the hop
+  before it; hop 0 of the next ``prefetch_depth`` groups goes during a group's last piece.
 - ``fused`` (the default, elastic lookahead): when a group begins, the whole weight rings of the following units
-  are chosen while they fit the lookahead budget, a unit's rings sharing their steps (a bundle); gradient partials
+  are chosen while they fit the lookahead budget, a unit's rings sharing their hops (a bundle); gradient partials
   lag and go as one ring per unit (``plays.fused``).
   For both, parameters that are not fused (norms) and the ring embedding's exchanges are exposed at the step's
   head and tail.
@@ -106,7 +107,7 @@ def _slowed_compute(units: list[Unit], cl: Cluster, schedule: str, compute: floa
         # FSDP2's own host work (its copies in and out of the flat buffers) on the thread that computes
         return {**slowed(cl.peer_host_s, host_on_compute=False, peer_host_s=0.0), "host_s": cl.peer_host_s}
     if cl.host_on_compute and cl.host_fit is not None and n > 1 and schedule in ("slicing", "lockstep", "fused"):
-        # The host issues the fused groups' ring steps and pieces on the thread that computes: it slows the compute.
+        # The host issues the fused groups' hops and pieces on the thread that computes: it slows the compute.
         host = costs.host_seconds(units, cl)
         return {**slowed(host, host_on_compute=False, host_fit=None), "host_s": host}
     if cl.cpu_s_per_byte and n > 1:
@@ -125,7 +126,7 @@ def _played(units: list[Unit], cl: Cluster, schedule: str, compute: float, flops
     stream and the link (``plays.py``), at least the host's time to issue it."""
     n = cl.ranks
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
-    # ... and the host issues every ring step and piece of the fused groups (``costs.host_seconds``)
+    # ... and the host issues every hop and piece of the fused groups (``costs.host_seconds``)
     host = costs.host_seconds(units, cl)
     if schedule in ("slicing", "lockstep", "fused") and n > 1 and not any(u.groups for u in units):
         # nothing fused (every group below min_fuse_numel): it all moves at the head and the tail
@@ -165,7 +166,7 @@ def unplayed(units: list[Unit], cl: Cluster, schedule: str) -> list[str]:
 
 
 def recommend(cl: Cluster) -> dict:
-    """Bucket and min_fuse_numel for which the per-step latency stays under 5% / 10% of the transfer."""
+    """Bucket and min_fuse_numel for which the per-hop latency stays under 5% / 10% of the transfer."""
     bucket_bytes = 20 * cl.latency_s * cl.bytes_per_s
     fuse_bytes = 10 * cl.latency_s * cl.bytes_per_s
     return {"bucket_mb": max(1.0, round(bucket_bytes / 2**20, 1)),
@@ -285,17 +286,17 @@ TORCHTITAN_8B = {8: 5762, 128: 5605}
 def exchange_tail(units: list[Unit], cl: Cluster, nodes: int, inter_bytes_per_s: float, at_landing: bool) -> float:
     """HSDP: seconds the replica exchange adds after the backward's compute. Each rank sums its gradient shard of
     every unit over the ``nodes`` copies on its own inter-node link (a ring reduce-scatter and all-gather over the
-    copies: 2 (K-1) steps of 1/K of the shard). ``at_landing``: a unit's exchange starts when its backward compute
+    copies: 2 (K-1) hops of 1/K of the shard). ``at_landing``: a unit's exchange starts when its backward compute
     ends (``runtime/replicas.py``: a fused group's gradient starts when its ring lands; stock FSDP2 all-reduces each
     unit after its reduce-scatter); else all start at the end of the backward (the slicing schedule lands its
     reduce-scatters there). A ring embedding's gradient always crosses at the end. The link serves them in order."""
     if nodes == 1:
         return 0.0
-    n, steps = cl.ranks, 2 * (nodes - 1)
+    n, hops = cl.ranks, 2 * (nodes - 1)
 
     def cost(u: Unit) -> float:
         shard = (u.fused_numel + u.other_numel) / n * cl.grad_bytes
-        return steps * (cl.latency_s + shard / nodes / inter_bytes_per_s)
+        return hops * (cl.latency_s + shard / nodes / inter_bytes_per_s)
 
     bwd = [2 * u.flops / cl.flops_per_s for u in units]
     end = sum(bwd)

@@ -30,7 +30,7 @@ def print_nodes(args, model: tuple, intra: Cluster) -> None:
     results = predict_nodes(model, args.nodes, per_node, intra, args.inter_gbps * 1e9, args.tokens, args.seq,
                             args.peak_tflops * 1e12)
     print(f"{args.model}: {args.nodes} nodes x {per_node} ranks, {args.link_gbps:g} GB/s inside a node, "
-          f"{args.inter_gbps:g} GB/s per rank between nodes, {args.latency_us:g} us per ring step, {args.tflops:g} "
+          f"{args.inter_gbps:g} GB/s per rank between nodes, {args.latency_us:g} us per hop, {args.tflops:g} "
           f"TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
     print(f"{'schedule':>12} {'mesh':>5} {'step s':>8} {'tok/s/rank':>10} {'MFU':>6}")
     for key, r in results.items():
@@ -124,8 +124,8 @@ def _read_bench(bench: dict) -> _Bench:
 def calibrate(path: str, latency_us: float | None = None, overhead_path: str | None = None) -> int:
     """``overhead_path``: what each schedule adds per step to the same model's compute on the bench's machine, with
     nothing moving (``benchmarks/step_overhead.py --fake-worlds W --bench-model real --json FILE``: its host work
-    and its GEMMs in pieces). ``latency_us`` None: the fixed cost of a ring step is fitted from the bench's
-    ``comm_only`` rows (what does not shrink with the rate, over the planner's count of ring steps), and each rate's
+    and its GEMMs in pieces). ``latency_us`` None: the fixed cost of a hop is fitted from the bench's
+    ``comm_only`` rows (what does not shrink with the rate, over the planner's count of hops), and each rate's
     bandwidth from the rest. With real compute one thread computes and issues, so it adds to the compute; with the
     emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
     with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
@@ -146,7 +146,7 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
     cpu_per_byte = sorted(per_byte)[len(per_byte) // 2] if per_byte else 0.0
     fit = _fixed_cost(bench.by_rate) if latency_us is None else None
     slope, fixed = fit if fit is not None else (None, 0.0)
-    latency_us = _ring_step_latency(bench, latency_us, fit is not None, fixed)
+    latency_us = _hop_latency(bench, latency_us, fit is not None, fixed)
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
     _print_host_work(bench, on_compute, extra, overhead_path)
@@ -169,21 +169,21 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
     return 0
 
 
-def _ring_step_latency(bench: _Bench, latency_us: float | None, fitted: bool, fixed: float) -> float:
-    """The fixed cost of a ring step in microseconds (``--latency-us``, else fitted, else the default), said."""
+def _hop_latency(bench: _Bench, latency_us: float | None, fitted: bool, fixed: float) -> float:
+    """The fixed cost of a hop in microseconds (``--latency-us``, else fitted, else the default), said."""
     if latency_us is None and not fitted:
         latency_us = 15.0
-        print(f"fixed cost of a ring step: {latency_us:g} us, the default (the file's communication alone does not "
+        print(f"fixed cost of a hop: {latency_us:g} us, the default (the file's communication alone does not "
               f"shrink over two or more link rates, so none could be fitted; --latency-us sets it)")
     elif latency_us is None:
-        ring_steps = simulate(bench.units, Cluster(bench.world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=bench.direct_bytes,
-                                                   rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel),
-                              "no_overlap")["step_s"]  # (1 s per ring step, nothing else costs)
-        latency_us = fixed / ring_steps * 1e6
-        print(f"fixed cost of a ring step: {latency_us:.0f} us, fitted (communication alone is {fixed * 1e3:.0f} ms "
-              f"a step longer than its bytes over the rate, over {ring_steps:.0f} ring steps)")
+        hops = simulate(bench.units, Cluster(bench.world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=bench.direct_bytes,
+                                             rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel),
+                        "no_overlap")["step_s"]  # (1 s per hop, nothing else costs)
+        latency_us = fixed / hops * 1e6
+        print(f"fixed cost of a hop: {latency_us:.0f} us, fitted (communication alone is {fixed * 1e3:.0f} ms "
+              f"a step longer than its bytes over the rate, over {hops:.0f} hops)")
     else:
-        print(f"fixed cost of a ring step: {latency_us:g} us (--latency-us)")
+        print(f"fixed cost of a hop: {latency_us:g} us (--latency-us)")
     return latency_us
 
 
@@ -263,7 +263,7 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
     model = load_model(model_name)
     peer = " (torchtitan's units, on NCCL's collectives or the rings, whichever is predicted faster)"
     print(f"{model_name}: CommFuseConfig()'s defaults, step time / {against}'s{peer if against == 'fsdp2' else ''}; "
-          f"{latency_us:g} us per ring step, "
+          f"{latency_us:g} us per hop, "
           f"{tflops:g} TFLOP/s, {dtype_bytes}-byte elements, seq {seq}, min_fuse_numel {min_fuse_numel}; tokens per "
           f"rank across, ranks x GB/s down; f: fused chosen, =: the peer chosen"
           + (f"; GEMM pieces cost 1 + {piece_fit[0]:g} (256/w)^{piece_fit[1]:g}" if piece_fit else "")
@@ -350,7 +350,7 @@ def formats_sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes
     units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
     names = tuple(plan.FORMAT_PLAYS)[1:]
     print(f"{model_name}: the exact defaults' step over each narrow format's best (fused or fsdp2 with it), "
-          f"{tokens} tokens per rank, {tflops:g} TFLOP/s, {latency_us:g} us a ring step, {dtype_bytes}-byte values; "
+          f"{tokens} tokens per rank, {tflops:g} TFLOP/s, {latency_us:g} us a hop, {dtype_bytes}-byte values; "
           f"codec {said}")
     print(f"{'ranks':>6} {'GB/s':>6} " + " ".join(f"{n:>10}" for n in names))
     records = []
@@ -425,8 +425,9 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default %(default)s)")
     parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes; default %(default)s)")
     parser.add_argument("--latency-us", type=float, default=None,
-                        help="fixed cost of one ring step, microseconds (default 15; with --calibrate, fitted from the "
-                             "bench's comm_only rows over its link rates)")
+                        help="fixed cost of one hop, one exchange with the ring's neighbours (a ring over N ranks "
+                             "takes N-1), microseconds (default 15; with --calibrate, fitted from the bench's "
+                             "comm_only rows over its link rates)")
     parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank (default %(default)s)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the hardware's peak TFLOP/s per rank, for MFU (default 989: an H100 SXM, dense bf16)")
@@ -446,7 +447,7 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-fuse-numel", type=int, default=MIN_FUSE_NUMEL,
                         help="CommFuseConfig.min_fuse_numel (default %(default)s, the library's): a group of linears "
                              "whose weight shard is smaller is not fused, in either schedule, except that the fused "
-                             "schedule's elastic lookahead lets it share a larger group's ring steps in its decoder "
+                             "schedule's elastic lookahead lets it share a larger group's hops in its decoder "
                              "layer; what is not fused is gathered at the step's head and reduce-scattered at its "
                              "tail. 0: every linear fused in both")
     parser.add_argument("--piece-shards", type=int, default=1,
@@ -454,7 +455,7 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1)")
     parser.add_argument("--host-fit", default="h200",
                         help="the host's time per fused group per step, a + b * ranks seconds (fused and slicing "
-                             "issue ~3 (N-1) ring steps and 2N pieces per group; the step cannot be shorter): 'h200' "
+                             "issue ~3 (N-1) hops and 2N pieces per group; the step cannot be shorter): 'h200' "
                              "(default: 1.7 ms + 0.30 ms x ranks, measured on an H200's host with "
                              "benchmarks/step_overhead.py --fake-worlds), 'none' (not modelled) or 'A,B' in seconds (that script "
                              "prints this machine's)")
@@ -524,7 +525,7 @@ def print_predictions(args: argparse.Namespace, model: tuple, cl: Cluster, codec
     if best != args.piece_shards:  # what the recommended config below would give, beside what was asked
         results[f"fused, ps={best}"] = predict(model, replace(cl, piece_shards=best), args.tokens, args.seq,
                                                args.peak_tflops * 1e12)["fused"]
-    print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per ring step, "
+    print(f"{args.model}: {args.ranks} ranks, {args.link_gbps:g} GB/s links, {args.latency_us:g} us per hop, "
           f"{args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
     print(f"{'schedule':>12} {'step s':>8} {'exposed comm s':>14} {'pieces s':>8} {'host s':>7} {'MFU':>6} "
           f"{'of achievable':>13}")
@@ -540,12 +541,12 @@ def print_predictions(args: argparse.Namespace, model: tuple, cl: Cluster, codec
     print(f"pieces: what computing each GEMM in {args.ranks // args.piece_shards if args.piece_shards <= args.ranks else 1}"
           f" pieces adds (fused and slicing, lockstep in {args.ranks}; --piece-shards {args.piece_shards}, --piece-fit "
           f"{args.piece_fit})")
-    print(f"host: the host's time to issue the fused groups' ring steps and pieces (--host-fit {args.host_fit}); "
+    print(f"host: the host's time to issue the fused groups' hops and pieces (--host-fit {args.host_fit}); "
           f"a step is at least that long")
     print("fsdp2: the peer, stock FSDP2 over torchtitan's units as it runs on a GPU (the embedding, each decoder "
           "layer, the final norm with the lm_head; the next unit gathered one ahead, reduce-scatters behind the "
           "backward; CommFuseConfig(schedule='fsdp2')), on NCCL's own collectives or on the rings "
-          f"({args.latency_us:g} us a ring step, {Cluster.nccl_latency_s * 1e6:g} us a NCCL "
+          f"({args.latency_us:g} us a hop, {Cluster.nccl_latency_s * 1e6:g} us a NCCL "
           "collective, the same bandwidth)")
     if best != args.piece_shards:
         pieces = max(1, args.ranks // best)

@@ -15,7 +15,7 @@ recorded as a ``Trace`` (``TracedLink``, ``TracedPending``), and only the clocks
 Every decision of the schedule depends on the recorded layer order and byte counts, never on timing, so the order
 of requests here is the runtime's (``tests/test_replay.py`` compares them on a real model and ring), and one
 trace serves every link rate, latency and compute rate (``play`` caches them). What the planner predicts is then
-what runs, apart from the cost model: seconds per piece, per byte, per step.
+what runs, apart from the cost model: seconds per piece, per byte, per hop.
 """
 
 from __future__ import annotations
@@ -121,15 +121,15 @@ class SimRing:
 
 
 class TracedLink:
-    """The link of a traced step: each request (``Link.step``'s arguments) becomes an event, with the weight and
+    """The link of a traced step: each request (``Link.hop``'s arguments) becomes an event, with the weight and
     gradient elements it sends."""
 
     def __init__(self, ring: SimRing, trace: Trace) -> None:
         self.ring, self.trace = ring, trace
         self.requests = 0
 
-    def step(self, sends, recvs, op, k: int, steps: int, before=None, direct: bool = False, send_to=None,
-             recv_from=None) -> TracedPending:
+    def hop(self, sends, recvs, op, k: int, hops: int, before=None, direct: bool = False, send_to=None,
+            recv_from=None) -> TracedPending:
         self.trace.order.append((op.name, op.phase, k))
         weights = sum(t.numel() for t in sends if t.dtype == WEIGHT_DTYPE)
         grads = sum(t.numel() for t in sends if t.dtype != WEIGHT_DTYPE)
@@ -158,7 +158,7 @@ class PlayedGroup(FusedGroupState):
 
 @dataclass
 class Group:
-    """One item of the played step: a fused group (``numel`` > 0) or compute with no ring step, its forward
+    """One item of the played step: a fused group (``numel`` > 0) or compute with no hop, its forward
     seconds, its unit."""
 
     name: str

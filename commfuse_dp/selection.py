@@ -1,6 +1,6 @@
 """What ``shard()`` fuses and how it groups the rest: the linears to fuse, tables shared with an lm_head, ring
 embeddings, linears that read one input (fused as one group), and the FSDP2 units (decoder layers) whose fused
-groups' ring steps are bundled."""
+groups' hops are bundled."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclud
                 candidates.append((name, module, kind is not nn.Linear))
         elif isinstance(module, nn.Linear) or (conv1d is not None and isinstance(module, conv1d)):
             other[kind.__name__] += 1
-    # Linears that read the same input ride the same ring steps, so they are judged together: GQA's k_proj and
+    # Linears that read the same input ride the same hops, so they are judged together: GQA's k_proj and
     # v_proj, each below min_fuse_numel, are fused with q_proj when the group's shard is large enough. Under the
-    # elastic schedule every fused group of a unit rides that unit's ring steps (one bundle per step), so a small
+    # elastic schedule every fused group of a unit rides that unit's hops (its bundle), so a small
     # group in a unit with a large one is fused too: at 8 ranks a 512-wide o_proj (a 32768-element shard) then
     # costs no ring latency of its own, where unfused it would join the root unit's gather at the step's head.
     small_groups = []
@@ -59,7 +59,7 @@ def fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclud
             order = {id(m): i for i, m in enumerate(model.modules())}
             fused = sorted(fused + [entry for g in rides for entry in g], key=lambda e: order[id(e[1])])
             logger.info("commfuse_dp: %d linears below min_fuse_numel=%d elements are fused with the larger groups "
-                        "of their unit, whose ring steps they share", sum(len(g) for g in rides),
+                        "of their unit, whose hops they share", sum(len(g) for g in rides),
                         config.min_fuse_numel)
     small = sum(len(g) for g in small_groups)
     if small:
@@ -182,7 +182,7 @@ def _innermost_unit(unit_modules: list[nn.Module]) -> dict[int, int]:
 
 def bundle_units(steps: StepState, unit_modules: list[nn.Module]) -> None:
     """Each fused group's unit (``FusedGroupState.unit``): the innermost unit module around it, also where that
-    unit is too small to be an FSDP2 unit of its own. The elastic schedule bundles the ring steps of a unit's
+    unit is too small to be an FSDP2 unit of its own. The elastic schedule bundles the hops of a unit's
     groups (``runtime/schedule.py``)."""
     innermost = _innermost_unit(unit_modules)
     for state in steps.states:

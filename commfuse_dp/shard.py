@@ -3,7 +3,7 @@
 1. Every eligible linear (``nn.Linear``, HF ``Conv1D``) whose weight shard has at least ``min_fuse_numel``
    elements becomes a ring-fused layer (``fused/``): its weight and bias become DTensor shards on a 1-D data-parallel
    mesh, and its forward and backward run the fused rings. Linears that read the same input (``q/k/v``,
-   ``query/key/value``, ``gate/up``) share ring steps; under the elastic schedule so do a unit's groups, and a
+   ``query/key/value``, ``gate/up``) share hops; under the elastic schedule so do a unit's groups, and a
    small linear is fused where its unit has a large one.
 2. Every ``nn.Embedding`` with a large enough, untied table becomes a ring embedding (``fused/embedding.py``,
    ``CommFuseConfig.ring_embeddings``): sharded by rows, it exchanges looked-up rows instead of the table when
@@ -20,7 +20,7 @@
 Before anything is converted the ranks check that they pass the same group, config and model (``checks.py``).
 Modules named by ``CommFuseConfig.exclude`` and modules the model calls data-dependently (MoE experts, LayerDrop
 layers: ``lockstep.py``) stay out of the fused path and out of FSDP2 units of their own, so that every rank enters
-the same ring steps in the same order.
+the same hops in the same order.
 
 Any torch optimizer built afterwards on ``model.parameters()`` keeps sharded state (ZeRO-3 memory).
 
@@ -355,7 +355,7 @@ def _install_sync_control(model: nn.Module, steps: StepState, scalars: ScalarPar
     fsdp_set_sync = fsdp_root.set_requires_gradient_sync if fsdp_root is not None else None
 
     def reset_iter_state() -> None:
-        """After an exception aborted a forward or backward: drop the step's in-flight ring steps, deferred
+        """After an exception aborted a forward or backward: drop the step's in-flight hops, deferred
         gradients, prefetched weights and no-sync partials (and FSDP2's iteration state), so that the next step
         starts clean. The next forward does this by itself when it finds the previous step unfinished."""
         steps.reset()

@@ -121,7 +121,7 @@ class FrozenModels:
     reference, reward or teacher model beside the one they train -- shards ``model`` with ``commfuse_frozen`` (the
     trained model's config) instead of leaving it whole on every rank, and applies mixed precision as for the
     trained model (:func:`prepare_sharded`). Nothing of it is reduce-scattered: its parameters are frozen
-    (``requires_grad_(False)``), and its ring steps are requested on the same ring as the trained model's, in
+    (``requires_grad_(False)``), and its hops are requested on the same ring as the trained model's, in
     program order. ``commfuse_frozen`` None: accelerate's own ``prepare_model``. ``CommFuseAccelerator`` is one,
     from the first model it shards to train on; a Trainer's Accelerator becomes one in
     ``CommFuseCallback.on_init_end`` (:func:`shard_frozen_models`)."""

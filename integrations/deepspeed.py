@@ -70,7 +70,7 @@ Numerics: the ring reduce-scatter sums in ring order, so results may differ from
 Configuration: the ``"commfuse"`` top-level section of the DeepSpeed config (DeepSpeed keeps unknown top-level
 keys; it is read from ``engine._config._param_dict``), or ``cfg=`` (a :class:`commfuse_dp.CommFuseConfig` or a
 mapping). Only the ring fields apply here: ``bucket_mb`` (ring bucket / chunk size), ``direct_kb`` (a collective
-of at most this many KiB is one direct round with every peer instead of N-1 ring steps) and ``timeout_s`` (a
+of at most this many KiB is one direct round with every peer instead of N-1 hops) and ``timeout_s`` (a
 stalled or dead peer raises :class:`commfuse_dp.RingCommError` within it instead of hanging). Any other key is an error
 naming the key. Without either, the defaults of ``CommFuseConfig``.
 

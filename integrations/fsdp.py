@@ -24,7 +24,7 @@ FSDP2 with the model's FSDP plan (for a Llama: the embedding and each decoder la
 and the untied lm_head one unit, kept unsharded between forward and backward). It needs no ``device_map`` or
 ``dtype``. HSDP (``dp_replicate_size=R``) and ``fsdp_mixed_precision=True`` (bf16 parameters, fp32 reductions)
 work as well. ``CommFuseConfig(bucket_mb=..., timeout_s=...)`` as second argument sets the rings' bucket size and
-how long a ring step waits for a peer before raising ``RingCommError``.
+how long a hop waits for a peer before raising ``RingCommError``.
 
 What changes: each FSDP2 unit's all-gather and reduce-scatter (over its shard group; for HSDP the ``fsdp``
 dimension) run as rings; on CPU a prefetched all-gather runs on the ring's thread. ``set_gradient_divide_factor``

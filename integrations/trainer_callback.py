@@ -18,7 +18,7 @@ from commfuse_dp.integrations.attach import Parallelism, attach, resolve_config
 
 logger = logging.getLogger("commfuse_dp")
 
-_STAT_KEYS = ("exposed_comm_s", "comm_s", "compute_s", "wall_s", "ring_steps")
+_STAT_KEYS = ("exposed_comm_s", "comm_s", "compute_s", "wall_s", "hops")
 _USE_INSTEAD = ("write CommFuseTrainer(...) instead of Trainer(...): `from commfuse_dp.integrations.transformers "
                 "import CommFuseTrainer`; it takes the Trainer's arguments and the CommFuseCallback in callbacks= "
                 "(or commfuse=CommFuseConfig(...) in its place). For TRL's or another Trainer class: "

@@ -62,7 +62,7 @@ How it works (transformers 5.23, accelerate 1.15):
   ``no_sync``). So the callback reads the running micro-batch's figures itself after each one's backward
   (``on_substep_end`` for all but the last micro-batch of the window, ``on_step_end`` for the last) and sums them
   over the accumulation window. ``on_log`` adds ``commfuse/exposed_comm_s``, ``commfuse/comm_s``,
-  ``commfuse/compute_s``, ``commfuse/wall_s`` and ``commfuse/ring_steps`` of this rank's last optimizer step
+  ``commfuse/compute_s``, ``commfuse/wall_s`` and ``commfuse/hops`` of this rank's last optimizer step
   (all its micro-batches) to each training log. ``Trainer.log`` appends a *copy* of ``logs`` (plus ``step``) to
   ``state.log_history`` before it calls ``on_log``, and the reporting callbacks (``report_to``) come before the
   ones passed as ``callbacks=``; so the callback writes the figures into ``state.log_history[-1]`` and into

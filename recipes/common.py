@@ -71,7 +71,7 @@ def world() -> tuple[int, int]:
 
 
 class RecipeReport(TrainerCallback):
-    """Adds ``tokens_per_s`` (all ranks, since the last log) to each training log, and records the ring steps and
+    """Adds ``tokens_per_s`` (all ranks, since the last log) to each training log, and records the hops and
     compute pieces of training step ``timeline_step`` on every rank (gathered to rank 0 in ``self.timeline``)."""
 
     def __init__(self, timeline_step: int = 2) -> None:

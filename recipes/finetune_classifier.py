@@ -25,7 +25,7 @@ Every ``TrainingArguments`` option works as usual (``--num_train_epochs``, ``--m
 
 Written into ``--output_dir`` (rank 0): ``model/`` (the fine-tuned model, consolidated, and its tokenizer: load it
 with ``AutoModelForSequenceClassification.from_pretrained``), ``predictions.jsonl`` (the held-out sentences with
-label, prediction and logits), ``loss.png``, ``timeline.png`` + ``trace.json`` (one training step's ring steps
+label, prediction and logits), ``loss.png``, ``timeline.png`` + ``trace.json`` (one training step's hops
 and compute, every rank; sharded runs only) and ``summary.json`` (accuracy before and after, eval loss, tokens/s,
 exposed communication). Bad input (a missing or empty ``--data``, a ``--model`` that is not a model folder, too
 little data for the ranks and batch size, a non-empty ``--output_dir`` without ``--overwrite_output_dir``) stops

@@ -23,7 +23,7 @@ Any ``TrainingArguments`` flag works (``--max_steps``, ``--learning_rate``, ``--
 
 It shows the Trainer's progress bar and logs loss, ``tokens_per_s`` and ``commfuse/exposed_comm_s`` per logging step;
 at the end ``--output_dir`` holds ``model/`` (consolidated, ``from_pretrained``-loadable, with its tokenizer),
-``loss.png``, ``timeline.png`` (ring steps and compute pieces of one training step, per rank), ``trace.json`` (the
+``loss.png``, ``timeline.png`` (hops and compute pieces of one training step, per rank), ``trace.json`` (the
 same for Perfetto) and ``summary.json``. Generate from the model with
 ``python -m commfuse_dp.recipes.generate OUTPUT_DIR/model --prompt "..."``.
 """

@@ -102,7 +102,7 @@ def _train(make_model, dp_rank, rings, counters):
     group_sizes.clear()
     ring_events = []
     losses, norms = [], []
-    with observe_ring(lambda event, op, step: ring_events.append(op)):
+    with observe_ring(lambda event, op, k: ring_events.append(op)):
         for step in range(STEPS):
             # one batch per data-parallel rank (HSDP: the replicas see different batches too)
             batch = hf_models.batch(dp_rank, step)

@@ -149,7 +149,7 @@ def test_planner_plays_the_elastic_lookahead():
     # A budget smaller than any group requests nothing ahead: slower than the default.
     tiny = plan.simulate(units, replace(cl, lookahead_bytes=1.0), "fused")["step_s"]
     assert tiny > plan.simulate(units, cl, "fused")["step_s"]
-    # Where latency bounds (256 ranks, 2048 tokens), a layer's four rings share their steps (a bundle per unit, per
+    # Where latency bounds (256 ranks, 2048 tokens), a layer's four rings share their hops (a bundle per unit, per
     # phase, for weights and gradients): fused pays about one ring per layer like a per-layer gather, not four
     # (2.4x before). This library's slicing gathers per fused group, as it runs: four rings per layer.
     units = plan.units_for(*plan.KNOWN_MODELS["llama-7b"], tokens=2048, seq=2048)
@@ -157,7 +157,7 @@ def test_planner_plays_the_elastic_lookahead():
     step = {s: plan.simulate(units, cl, s)["step_s"] for s in ("fused", "slicing", "unit_slicing")}
     assert step["fused"] / step["unit_slicing"] < 1.05, step
     assert step["fused"] < step["unit_slicing"] * 1.5 < step["slicing"], step
-    # There "auto" bundles the forward too (255 x 33² ring steps); each forward ring alone would cost 1.37x.
+    # There "auto" bundles the forward too (255 x 33² hops); each forward ring alone would cost 1.37x.
     apart = plan.simulate(units, replace(cl, forward_bundles=False), "fused")["step_s"]
     assert step["fused"] == plan.simulate(units, replace(cl, forward_bundles=True), "fused")["step_s"]
     assert apart > 1.3 * step["fused"], (apart, step)
@@ -217,8 +217,8 @@ def test_records_and_plots(tmp_path):
     assert rows["fused"]["tokens_per_s"] == pytest.approx(200 / 1.2)
     assert rows["comm_only"]["exposed_s"] == 0.8 and rows["compute_only"]["exposed_s"] == 0.0
     sweep_png(list(rows.values()), str(tmp_path / "sweep.png"), "test")
-    events = [{"lane": "compute", "op": "forward", "step": 0, "t0": 0.0, "t1": 0.1},
-              {"lane": "ring", "op": "forward", "step": 0, "t0": 0.0, "t1": 0.05}]
+    events = [{"lane": "compute", "op": "forward", "k": 0, "t0": 0.0, "t1": 0.1},
+              {"lane": "ring", "op": "forward", "k": 0, "t0": 0.0, "t1": 0.05}]
     timeline_png({"fused": [events, events]}, str(tmp_path / "timeline.png"), "test")
     for name in ("sweep.png", "timeline.png"):
         with open(tmp_path / name, "rb") as f:
@@ -293,7 +293,7 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
         assert all(c > 0 for c in r["steps_cpu_s"]) and all(g >= 0 for g in r["steps_gc_s"])
         if r["schedule"] != "comm_only":  # measured at the (only, so balanced) rate, in a run of its own
             assert r["peak_mem_mb"] > 0, r
-        if r["schedule"] in ("fused", "slicing"):  # blocked on ring steps: measured, within the step
+        if r["schedule"] in ("fused", "slicing"):  # blocked on hops: measured, within the step
             assert 0 <= r["waited_min_s"] <= r["waited_s"] <= r["step_s"]
             assert len(r["waited_ranks_s"]) == 2 and all(0 <= w <= r["step_s"] for w in r["waited_ranks_s"])
         else:
@@ -363,9 +363,9 @@ def test_plan_models_the_gemm_pieces():
 
 
 def test_plan_adds_the_host_to_the_compute_on_one_cpu_thread():
-    """Real compute on the CPU (``commfuse-dp bench --compute real``): one thread computes and issues the ring steps,
+    """Real compute on the CPU (``commfuse-dp bench --compute real``): one thread computes and issues the hops,
     so the host's time per fused group adds to the compute (``host_on_compute``) instead of bounding the step from
-    below as a GPU's host does. On a link fast enough to hide every ring step, each schedule's step grows by the
+    below as a GPU's host does. On a link fast enough to hide every hop, each schedule's step grows by the
     host's time; with the host ahead it is the longer of the two."""
     from dataclasses import replace
 
@@ -424,7 +424,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
 
 
 def test_plan_models_the_host():
-    """``--host-fit``: the host issues about 3 (N-1) ring steps and 2N pieces per fused group per step (measured with
+    """``--host-fit``: the host issues about 3 (N-1) hops and 2N pieces per fused group per step (measured with
     benchmarks/step_overhead.py --fake-worlds: costs.H200_HOST_FIT), so a step is at least that long. Llama-3-8B on
     8 ranks over NVLink keeps the device the longer; at 64 ranks the host is, and grows with the ranks; off, nothing
     changes."""
@@ -531,9 +531,9 @@ def test_plan_says_what_it_does_not_play(capsys):
     assert "not played" not in capsys.readouterr().out
 
 
-def test_calibrate_fits_the_fixed_cost_of_a_ring_step(tmp_path, capsys):
+def test_calibrate_fits_the_fixed_cost_of_a_hop(tmp_path, capsys):
     """Without ``--latency-us``, ``plan --calibrate`` fits what does not shrink with the link's rate from the bench's
-    ``comm_only`` rows (a line ``A / rate + C``), spreads ``C`` over the planner's ring steps, and takes each rate's
+    ``comm_only`` rows (a line ``A / rate + C``), spreads ``C`` over the planner's hops, and takes each rate's
     bandwidth from the rest; where nothing can be fitted (one rate, or communication alone that does not shrink as
     the rate grows) it plays with the default and says so. Against this version's stored runs the fitted
     predictions of fused and the peer hold within 10 %; a file from before the peer took torchtitan's units is

@@ -41,7 +41,7 @@ def test_fused_where_the_peer_leaves_its_head_and_tail_exposed():
 @pytest.mark.parametrize("ranks,one_node", [(8, True), (64, False)])
 def test_the_peer_where_fusing_cannot_win(ranks, one_node):
     """Llama-3-8B in bf16 on CUDA at 8192 tokens: over NVLink at 8 ranks fused at its best piece width only ties the
-    peer; at 64 ranks the host cannot issue fused's ring steps in time. Both run the peer's shape."""
+    peer; at 64 ranks the host cannot issue fused's hops in time. Both run the peer's shape."""
     c = choose(_meta(**LLAMA3_8B), cf.CommFuseConfig(tokens_per_rank=8192), ranks, torch.device("cuda"), one_node)
     assert c.schedule == "fsdp2", c
     fused = min(v for k, v in c.predicted_s.items() if k.startswith("fused"))

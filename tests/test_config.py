@@ -25,7 +25,7 @@ def test_defaults_and_keywords():
     ("timeout_s", -3, "timeout_s=-3"),
     ("prefetch_depth", 0, "prefetch_next=false"),
     ("prefetch_depth", 1.5, "whole number"),
-    ("piece_shards", 0, "one per ring step"),
+    ("piece_shards", 0, "one per hop"),
     ("forward_bundles", "yes", 'must be "auto", true or false'),
     ("replicate", 0, "replicate=0: must be an integer >= 1"),
     ("replicate", 1.5, "whole number"),

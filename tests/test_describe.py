@@ -51,14 +51,14 @@ def test_describe_and_little_fused_warning(world_size):
             f"(the planner predicts ") in line
     then, now = map(float, re.search(r"predicts ([\d.e-]+) s a step with them fused, against ([\d.e-]+) s now",
                                      line).groups())
-    assert ("cost more in ring steps than they hide" in line) == (then > now), line
+    assert ("cost more in hops than they hide" in line) == (then > now), line
     assert "no layer reaches min_fuse_numel=65536, so none is fused" in results[0].value[3], results[0].value[3]
     assert results[0].log.count("commfuse_dp.shard: only") == 1, "min_fuse_numel=0 fuses ~99%: no second warning"
 
     report, text, excluding, _, peer, (measured, given, links, links_after) = results[0].value
-    # the defaults' inputs: measured where not told (the link at two ring-step sizes, the GEMM rate on the model's
+    # the defaults' inputs: measured where not told (the link at two hop sizes, the GEMM rate on the model's
     # layer shapes), given where told; the link measured once per group
-    assert re.search(r"link [\d.e+-]+ GB/s \(measured: ring steps of 4 KiB and \d+ [KM]iB\), \d+ us a ring step "
+    assert re.search(r"link [\d.e+-]+ GB/s \(measured: hops of 4 KiB and \d+ [KM]iB\), \d+ us a hop "
                      r"\(measured\), [\d.e+-]+ TFLOP/s \(measured: \d+ rows on the model's layer shapes\)", measured), \
         measured
     assert "256 tokens per rank (assumed: 8 sequences of the model's context, at most 8192)" in measured, measured

@@ -1,7 +1,7 @@
 """A second, frozen model sharded beside the trained one on the same group (a DPO reference): ``shard()`` on both,
 a DPO-style loss whose reference runs under ``no_grad``, and the TR-DPO mix of the policy into the reference
 (``ref.data.mul_(1 - a).add_(policy.data, alpha=a)``, as TRL's ``SyncRefModelCallback`` does), shard against
-shard. Both models' ring steps share one ring; the losses must equal one process running the same arithmetic,
+shard. Both models' hops share one ring; the losses must equal one process running the same arithmetic,
 and each rank must hold 1/N of the reference."""
 
 import pytest

@@ -58,7 +58,7 @@ def _train(rank, rings, mesh):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(100 + rank)  # every rank its own micro-batch
     losses, events = [], []
-    with observe_ring(lambda event, op, step: events.append(op)):
+    with observe_ring(lambda event, op, k: events.append(op)):
         for _ in range(STEPS):
             x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 7, generator=gen)
             loss = nn.functional.mse_loss(model(x), y)
@@ -82,7 +82,7 @@ def _parity_worker(rank, world_size):
     moved = max((stock_params[n] - p).abs().max().item() for n, p in _model().named_parameters())
     exact = torch.equal(ring_losses, stock_losses) and all(
         torch.equal(ring_params[n], stock_params[n]) for n in stock_params)
-    return {"moved": moved, "exact": exact, "ring_steps": len(ring_events)}
+    return {"moved": moved, "exact": exact, "ring_events": len(ring_events)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -100,7 +100,7 @@ def _divide_factor_worker(rank, world_size, factor):
         events = []
         if rings:
             use_ring_collectives(model, CommFuseConfig(timeout_s=60))
-        with observe_ring(lambda event, op, step: events.append(op)):
+        with observe_ring(lambda event, op, k: events.append(op)):
             model(x).square().mean().backward()
         assert bool(events) == rings
         grads[name] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}

@@ -158,7 +158,7 @@ def test_trl_sft_is_sharded_on_every_rank(trl_runs):
         assert report["rank"] == rank and report["world_size"] == report["dist_world_size"] == 2, report
         assert report["param_types"] == ["DTensor"], report
         assert report["callbacks"].count("CommFuseCallback") == 1, report
-        assert report["steps"] == [1, 2, 3] and all(n and n > 0 for n in report["ring_steps"]), report
+        assert report["steps"] == [1, 2, 3] and all(n and n > 0 for n in report["hops"]), report
     for report in trl_runs["ddp"]:
         assert report["world_size"] == 2 and report["param_types"] == ["Tensor"], report
 

@@ -71,7 +71,7 @@ def _worker(rank, world_size):
             ops, grad = _step_against_reference(model, ref, all_ids, rank, world_size)
             if padding_idx is not None:
                 assert torch.count_nonzero(grad[padding_idx]) == 0
-        if world_size > 1:  # (one rank starts no ring steps)
+        if world_size > 1:  # (one rank starts no hops)
             rows = "embedding ids" in ops
             assert rows == _rows_is_cheaper(all_ids, vocab, hidden, world_size), (vocab, tokens, ops)
             seen.append("rows" if rows else "table")

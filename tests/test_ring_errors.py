@@ -1,4 +1,4 @@
-"""Bad input gets a clear error; a dead or stalled peer makes ring steps fail in time, never hang."""
+"""Bad input gets a clear error; a dead or stalled peer makes hops fail in time, never hang."""
 
 import os
 import signal
@@ -67,7 +67,7 @@ TIMEOUT_S = 4.0
 def _fault_worker(rank, world_size, fault, victim, direct_kb):
     x = torch.full((1000,), float(rank))
     out = torch.empty(world_size * 1000)
-    ring_all_gather(out, x, timeout_s=TIMEOUT_S, direct_kb=direct_kb)  # a healthy step first: the ring is up
+    ring_all_gather(out, x, timeout_s=TIMEOUT_S, direct_kb=direct_kb)  # a healthy all-gather first: the ring is up
     if rank == victim:
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,14 +84,14 @@ def _fault_worker(rank, world_size, fault, victim, direct_kb):
             ring_all_gather(out, x, timeout_s=TIMEOUT_S, direct_kb=direct_kb)
     except RingCommError as err:
         return {"elapsed": time.monotonic() - start, "message": str(err), "peer": err.peer,
-                "step": err.step, "reason": err.reason}
+                "k": err.k, "reason": err.reason}
     raise AssertionError("the ring did not notice the faulty peer")
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
 @pytest.mark.parametrize("world_size,direct_kb", [(2, 1024), (3, 1024), (3, 0)], ids=["2", "3-direct", "3-ring"])
 def test_faulty_peer_fails_every_rank_in_time(world_size, direct_kb, fault):
-    # 4 KiB tensors: at 3 ranks one direct round with both peers (direct_kb=1024) or a ring of 2 steps (0)
+    # 4 KiB tensors: at 3 ranks one direct round with both peers (direct_kb=1024) or a ring of 2 hops (0)
     victim = 1
     results = run_ranks(_fault_worker, world_size, (fault, victim, direct_kb), check=False, timeout=60)
     survivors = [res for res in results if res.rank != victim]
@@ -101,7 +101,7 @@ def test_faulty_peer_fails_every_rank_in_time(world_size, direct_kb, fault):
         # Within the configured timeout (plus scheduling slack), not a hang.
         assert info["elapsed"] < TIMEOUT_S + 2.0, info
         assert info["peer"] in range(world_size) and info["peer"] != res.rank, info
-        assert f"rank {info['peer']}" in info["message"] and f"step {info['step'] + 1} of" in info["message"], info
+        assert f"rank {info['peer']}" in info["message"] and f"hop {info['k'] + 1} of" in info["message"], info
     # The victim's neighbours name the victim itself.
     neighbours = {(victim + 1) % world_size, (victim - 1) % world_size} - {victim}
     for res in survivors:

@@ -1,4 +1,4 @@
-"""The order of ring steps and compute pieces (docs/design.md §3-4, §7), recorded, not timed."""
+"""The order of hops and compute pieces (docs/design.md §3-4, §7), recorded, not timed."""
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ def _fused_worker(rank, world_size, steps=1, prefetch_next=True, lookahead_mb=0)
     x = torch.randn(4, 16, requires_grad=True)
     for _ in range(steps):
         events = []
-        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+        with observe_ring(lambda event, op, k: events.append((event, op, k))):
             model(x).sum().backward()
     return events  # of the last step
 
@@ -30,8 +30,8 @@ def test_fused_order_matches_design():
     shown = {"start": "S", "compute": "C", "wait": "W"}  # "compute_begin" and "done" are implied by these
     forward = [shown[e[0]] + str(e[2]) for e in events if e[1] == "forward" and e[0] in shown]
     backward = [shown[e[0]] + str(e[2]) for e in events if e[1] == "backward" and e[0] in shown]
-    # Per layer. Forward: a piece of compute beside each ring step, the first before any wait, the last with no
-    # ring step after it. Backward: the last ring step (the final reduce-scatter hop) lands beside the last piece.
+    # Per layer. Forward: a piece of compute beside each hop, the first before any wait, the last with no
+    # hop after it. Backward: the last hop (the final reduce-scatter one) lands beside the last piece.
     one_forward = ["S0", "C0", "W0", "S1", "C1", "W1", "C2"]
     one_backward = ["S0", "C0", "W0", "S1", "C1", "W1", "S2", "C2", "W2"]
     assert forward == one_forward * 2, forward
@@ -47,9 +47,9 @@ def _sequence(events, op):
     return [shown[e[0]] + str(e[2]) for e in events if e[1] == op and e[0] in shown]
 
 
-# Lockstep (lookahead_mb=0) first: each layer's ring steps beside its own pieces.
+# Lockstep (lookahead_mb=0) first: each layer's hops beside its own pieces.
 
-def test_last_gradient_step_lands_during_the_next_layer():
+def test_last_gradient_hop_lands_during_the_next_layer():
     # The first step does not know the layer order yet (no prefetch), but a layer's last reduce-scatter hop (S2)
     # is not waited beside its own last piece: it is waited after the next layer's first piece (C0 ... W2), and
     # the last layer's at the end of the backward.
@@ -59,10 +59,10 @@ def test_last_gradient_step_lands_during_the_next_layer():
 
 
 def test_next_layer_ring_starts_during_the_last_piece():
-    # From the second step on, the order is known: the next layer's step 0 starts (S0) before this layer's last
-    # piece (C2), and the next layer then begins with a piece (C0), its step 0 already in flight. The last forward
+    # From the second step on, the order is known: the next layer's hop 0 starts (S0) before this layer's last
+    # piece (C2), and the next layer then begins with a piece (C0), its hop 0 already in flight. The last forward
     # layer keeps its gathered weight shards for its backward, which then sends gradient partials only (no S0; S1
-    # and S2 carry the partials); its last forward piece starts the step 0 of the backward's next layer.
+    # and S2 carry the partials); its last forward piece starts the hop 0 of the backward's next layer.
     events = run_ranks(_fused_worker, 3, (2,))[0]
     assert _sequence(events, "forward") == ["S0", "C0", "W0", "S1", "C1", "W1", "S0", "C2",
                                             "C0", "W0", "S1", "C1", "W1", "C2"]
@@ -74,7 +74,7 @@ def test_next_layer_ring_starts_during_the_last_piece():
 
 
 def test_no_backward_prefetch_without_grad():
-    # Under no_grad nothing follows the forward: no backward ring step may start.
+    # Under no_grad nothing follows the forward: no backward hop may start.
     events = run_ranks(_no_grad_worker, 2)[0]
     assert [e for e in events if e[1] == "backward"] == []
     assert _sequence(events, "forward") == ["S0", "C0", "W0", "S0", "C1", "C0", "W0", "C1"]
@@ -87,7 +87,7 @@ def _no_grad_worker(rank, world_size):
     x = torch.randn(4, 16, requires_grad=True)
     model(x).sum().backward()  # learns the order
     events = []
-    with torch.no_grad(), observe_ring(lambda event, op, step: events.append((event, op, step))):
+    with torch.no_grad(), observe_ring(lambda event, op, k: events.append((event, op, k))):
         model(x)
     return events
 
@@ -100,7 +100,7 @@ def _three_layers_worker(rank, world_size, options):
     x = torch.randn(4, 16)
     for _ in range(2):
         events = []
-        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+        with observe_ring(lambda event, op, k: events.append((event, op, k))):
             model(x).sum().backward()
     return _sequence(events, "forward")
 
@@ -120,8 +120,8 @@ def test_auto_lookahead_is_elastic_at_two_ranks():
 
 
 def test_prefetch_depth_keeps_that_many_layers_in_flight():
-    # 2 ranks, 3 layers, second step. Depth 1: each layer's step 0 starts during the previous layer's last piece.
-    # Depth 2: the first layer's last piece starts both following layers' step 0; nothing starts after that.
+    # 2 ranks, 3 layers, second step. Depth 1: each layer's hop 0 starts during the previous layer's last piece.
+    # Depth 2: the first layer's last piece starts both following layers' hop 0; nothing starts after that.
     assert _forward(prefetch_depth=1, lookahead_mb=0) == ["S0", "C0", "W0", "S0", "C1", "C0", "W0", "S0", "C1",
                                                           "C0", "W0", "C1"]
     assert _forward(prefetch_depth=2, lookahead_mb=0) == ["S0", "C0", "W0", "S0", "S0", "C1", "C0", "W0", "C1",
@@ -156,7 +156,7 @@ def test_slicing_prefetches_after_the_first_step():
 def test_elastic_requests_coming_rings_whole_and_lets_gradients_lag():
     events = run_ranks(_fused_worker, 3, (2, True, "auto"))[0]
     # Forward: layer 1 requests its own ring (S0 S1) when it begins; layer 2's whole ring is chosen ahead (the
-    # budget: the larger layer's gathered weight) and its steps are requested beside layer 1's pieces, spread over
+    # budget: the larger layer's gathered weight) and its hops are requested beside layer 1's pieces, spread over
     # them (S0 before piece 0, S1 before piece 1); each piece waits only for the shard of the next one. Layer 2 is
     # the last forward layer: it keeps its shards, and its pieces request layer 1's backward ring instead.
     assert _sequence(events, "forward") == ["S0", "S1", "S0", "C0", "W0", "S1", "C1", "W1", "C2",
@@ -186,7 +186,7 @@ def test_lookahead_budget_bounds_the_rings_requested_ahead():
     # 2 and 2.5 layers: one layer ahead, chosen when the layer before it begins.
     for budget in (2, 2.5):
         assert _forward(lookahead_mb=budget * layer_mib) == ["S0", "S0", *ahead, "S0", *ahead, *ahead]
-    # Three layers: both following rings are chosen when layer 1 begins; their steps go beside its two pieces.
+    # Three layers: both following rings are chosen when layer 1 begins; their hops go beside its two pieces.
     assert _forward(lookahead_mb=3 * layer_mib) == ["S0", "S0", "C0", "W0", "S0", "C1", *ahead, *ahead]
 
 
@@ -200,7 +200,7 @@ class _Block(nn.Module):
 
 
 def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
-    """Second step of 3 blocks (units) of two linears each: ring steps requested per phase, and the gradients."""
+    """Second step of 3 blocks (units) of two linears each: hops requested per phase, and the gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.ModuleList([_Block() for _ in range(3)]))
     model.forward = lambda x: model[0][2](model[0][1](model[0][0](x)))
@@ -210,7 +210,7 @@ def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
     for _ in range(2):
         model.zero_grad()
         events = []
-        with observe_ring(lambda event, op, step: events.append((event, op, step))):
+        with observe_ring(lambda event, op, k: events.append((event, op, k))):
             model(x).square().sum().backward()
     starts = {phase: sum(1 for e in events if e[0] == "start" and e[1] == phase) for phase in ("forward", "backward")}
     if lookahead_mb != 0:  # the gathered-weight buffers of finished rings served later rings (CPU pool)
@@ -218,14 +218,14 @@ def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
     return starts, [p.grad.full_tensor() for p in model.parameters()]
 
 
-def test_elastic_bundles_the_ring_steps_of_a_unit():
-    # 3 ranks (2 steps per ring), 3 blocks a/b. Forward: block 1's a gathers alone (2 steps) and chooses b1 and
+def test_elastic_bundles_the_hops_of_a_unit():
+    # 3 ranks (2 hops per ring), 3 blocks a/b. Forward: block 1's a gathers alone (2 hops) and chooses b1 and
     # block 2 whole while two blocks' weights fit (auto), block 2's two rings as one bundle; block 2 then chooses
-    # block 3 as one bundle: 4 rings of 2 steps, not 6. Backward: weight rings a3 | b2+a2 | b1 (a1's input needs no
+    # block 3 as one bundle: 4 rings of 2 hops, not 6. Backward: weight rings a3 | b2+a2 | b1 (a1's input needs no
     # gradient) and gradient rings b3+a3 | b2+a2 bundled per block (beside the block's last group, a), block 1's
-    # (the last unit) one per group: 3 + 4 rings of 2 steps. The gradients are the lockstep schedule's (no bundles).
+    # (the last unit) one per group: 3 + 4 rings of 2 hops. The gradients are the lockstep schedule's (no bundles).
     # Without forward bundles (forward_bundles "auto" here: (3 - 1) x 3² is small), every forward ring goes alone:
-    # 6 rings of 2 steps; the backward is the same.
+    # 6 rings of 2 hops; the backward is the same.
     world = 3
     elastic = run_ranks(_blocks_worker, world, ("auto",))
     apart = run_ranks(_blocks_worker, world, ("auto", "auto"))

@@ -101,8 +101,8 @@ def _parity_worker(rank, world_size, kinds):
             assert moved > 1e-4, "training did not move the parameters: the comparison would prove nothing"
             stats = result["stats"]
             assert stats.wall_s > 0 and 0 <= stats.exposed_comm_s <= stats.wall_s
-            assert stats.ring_steps > 0
-            summary[f"{kind}/{schedule}"] = stats.ring_steps
+            assert stats.hops > 0
+            summary[f"{kind}/{schedule}"] = stats.hops
     return summary
 
 

@@ -131,12 +131,12 @@ def _untagged_divergent_worker(rank, world_size, schedule):
 @pytest.mark.parametrize("schedule", ["fused", "slicing"])
 def test_ranks_that_diverge_without_tags_raise_one_step_later(schedule):
     """Without message tags (NCCL has none) ranks running different fused layers of one shape pair their bytes
-    silently; the fingerprint of each step's ring steps, compared across ranks, makes every rank raise in the next
+    silently; the fingerprint of each step's hops, compared across ranks, makes every rank raise in the next
     step (when its backward ends), naming the first request that differs and what each rank issued there."""
     results = run_ranks(_untagged_divergent_worker, 2, (schedule,), timeout=60, env={"COMMFUSE_RING_TAGS": "0"})
     for info in results:
         assert info["type"] == "RuntimeError", info
         message = info["message"]
-        assert "issued different ring steps in step 1: request 1 differs" in message, message
+        assert "issued different hops in step 1: request 1 differs" in message, message
         assert "rank 0: left_branch forward (call 1)" in message, message
         assert "rank 1: right_branch forward (call 1)" in message, message

@@ -352,8 +352,8 @@ def _timeline_worker(rank, world_size):
 
 def test_timeline_shows_bytes_per_layer_and_format():
     out = run_ranks(_timeline_worker, 2)[0]
-    (exact, exact_steps), (narrow, narrow_steps) = out["exact"], out["int8"]
+    (exact, _), (narrow, narrow_hops) = out["exact"], out["int8"]
     q = [k for k in exact if "q_proj" in k and k.endswith("forward")]
     assert q and exact[q[0]][1] == "float32" and narrow[q[0]][1] == "encoded"
     assert 0.2 < narrow[q[0]][0] / exact[q[0]][0] < 0.3  # int8 with a scale per block, against fp32
-    assert narrow_steps and all({"layer", "bytes", "format"} <= set(e["args"]) for e in narrow_steps)
+    assert narrow_hops and all({"layer", "bytes", "format"} <= set(e["args"]) for e in narrow_hops)

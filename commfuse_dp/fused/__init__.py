@@ -14,6 +14,6 @@ __all__ = ["FusedGroup", "FusedRingLinearFn", "GroupLayout", "Member", "attach_g
 
 def step_state(engine: Engine) -> StepState:
     """The step state of a sharded model, driving the schedule its config names: ``SlicingScheduler`` for
-    ``"slicing"`` (whole layers, gathered one layer ahead), else ``FusedSchedule`` (ring steps beside the pieces).
+    ``"slicing"`` (whole layers, gathered one layer ahead), else ``FusedSchedule`` (hops beside the pieces).
     Every fused group computes with ``FusedRingLinearFn`` under either."""
     return StepState(engine, SlicingScheduler if engine.config.schedule == "slicing" else FusedSchedule)

@@ -21,7 +21,7 @@ on what the ranks swap first: how many of each rank's tokens fall in each shard)
 
 Per rank and per step, rows receives at most ``T·H`` elements each way (the rows of its tokens owned elsewhere:
 about ``(N-1)/N·T·H`` for ids spread over the shards) and sends the rows of its shard that the others' tokens use,
-in one round whatever N; table moves ``(N-1)·c·H`` in N-1 ring steps. The gradient is exchanged even inside
+in one round whatever N; table moves ``(N-1)·c·H`` in N-1 hops. The gradient is exchanged even inside
 ``no_sync()`` (the rows of the other ranks are needed to form this rank's shard at all); its sum over ranks is
 divided as ``CommFuseConfig.grad_divide`` says, like every other gradient.
 """
@@ -175,10 +175,10 @@ def _rows_forward(state: EmbeddingState, weight: torch.Tensor, held: _Held, comp
     out = weight.new_empty(sum(mine), weight.shape[1], dtype=compute_dtype)
     sends = {p: rows_for(p) for p in ring.peers if theirs[p]}
     recvs = {p: out.new_empty(mine[p], out.shape[1]) for p in ring.peers if mine[p]}
-    step = _swap(state, sends, recvs, "embedding forward", then=_prefetch_layers(state))
+    hop = _swap(state, sends, recvs, "embedding forward", then=_prefetch_layers(state))
     out.index_copy_(0, held.own(ring.rank), rows_for(ring.rank))
-    if step is not None:
-        step.wait()
+    if hop is not None:
+        hop.wait()
     for p, rows in recvs.items():
         out.index_copy_(0, held.own(p), rows)
     return out
@@ -193,14 +193,14 @@ def _rows_backward(state: EmbeddingState, held: _Held, dy: torch.Tensor, pre: fl
         dy = dy / pre
     sends = {p: dy.index_select(0, held.own(p)) for p in ring.peers if mine[p]}
     recvs = {p: dy.new_empty(theirs[p], dy.shape[1]) for p in ring.peers if theirs[p]}
-    step = _swap(state, sends, recvs, "embedding backward")
+    hop = _swap(state, sends, recvs, "embedding backward")
     grad = dy.new_zeros(state.rows, dy.shape[1])
     for k in range(ring.size):  # the ring's order, as the sum of a ring would add them
         s = ring.shard_held(k)
         if s == rank:
             grad.index_add_(0, held.local_ids(rank), dy.index_select(0, held.own(rank)))
-            if step is not None:
-                step.wait()
+            if hop is not None:
+                hop.wait()
         elif s in recvs:
             grad.index_add_(0, held.local_ids(s), recvs[s])
     return grad
@@ -237,13 +237,13 @@ def _table_backward(state: EmbeddingState, flat: torch.Tensor, dy: torch.Tensor,
 
 
 def _prefetch_layers(state: EmbeddingState) -> Callable[[], None]:
-    """Queued behind the embedding's last ring step: the first fused layers' first steps (``prefetch_next``)."""
+    """Queued behind the embedding's last hop: the first fused layers' first hops (``prefetch_next``)."""
     return lambda: state.steps.schedule.start_first("forward")
 
 
 # ---- the module ------------------------------------------------------------------------------------------
 
-@torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly
+@torch.compiler.disable  # a hop cannot be traced: torch.compile breaks the graph here and runs it eagerly
 def _ring_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     state = self._cf_embedding
     if state.engine.stats.enabled:

@@ -1,4 +1,4 @@
-"""The ring-fused linear: the all-gather of the weight and the reduce-scatter of its gradient run as ring steps,
+"""The ring-fused linear: the all-gather of the weight and the reduce-scatter of its gradient run as hops,
 each beside a shard-sized piece of the layer's own GEMM.
 
 [Note: the fused schedule]  (docs/design.md §3-4; N ranks, rank r, ``next = r+1``, ``prev = r-1`` mod N)
@@ -9,7 +9,7 @@ Forward, ``y = x Wᵀ + b`` with W row-sharded (rank j owns rows R_j)::
     for k in 0 .. N-1:
         s = (r - k) mod N                       # shard in buf
         if k < N-1: start send(buf -> next), recv(nbuf <- prev)
-        y[:, R_s] = x @ buf.T + b[R_s]          # compute piece k while the ring step is in flight
+        y[:, R_s] = x @ buf.T + b[R_s]          # compute piece k while hop k is in flight
         if k < N-1: wait; swap(buf, nbuf)
 
 Backward, ``dx = dy W`` (all-gather ring again) and ``dW_r = Σ_ranks dy[:, R_r]ᵀ x`` (reduce-scatter ring),
@@ -24,26 +24,26 @@ both in one loop::
         wait; acc_k = part_k + racc  (part_k at k = 0)
     dW_r = acc_{N-1}                            # t == r at k == N-1: complete, nothing sent after it
 
-Across layers (``runtime/schedule.py``): when each ring step is requested and which buffers hold the shards. Lockstep
-(``lookahead_mb=0``) is the pseudocode above, with step 0 of the next layers requested during this layer's last
-piece and the last gradient step landing during the next layer's first piece (``Gradients.land``): two weight-shard and
+Across layers (``runtime/schedule.py``): when each hop is requested and which buffers hold the shards. Lockstep
+(``lookahead_mb=0``) is the pseudocode above, with hop 0 of the next layers requested during this layer's last
+piece and the last gradient hop landing during the next layer's first piece (``Gradients.land``): two weight-shard and
 two gradient-shard buffers live, never the full W, except for the last layer of the forward (the lm_head), which
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
 partials only. Elastic (the default on 2 ranks or more): the weight ring of a layer is requested ahead, into an
-``(N, S)`` buffer, and the gradient steps lag (``Gradients.land``). The loop below is the same for both, and for the
-slicing schedule (``runtime/slicing.py``): ``piece_steps`` requests piece k's own steps and returns what to wait for
-at its end; the schedule's ``before_piece`` and ``after_piece`` add other layers' steps beside it and take in the
+``(N, S)`` buffer, and the gradient hops lag (``Gradients.land``). The loop below is the same for both, and for the
+slicing schedule (``runtime/slicing.py``): ``piece_hops`` requests piece k's own hops and returns what to wait for
+at its end; the schedule's ``before_piece`` and ``after_piece`` add other layers' hops beside it and take in the
 gradient rings that landed. With ``piece_shards`` = G > 1 and a whole gathered buffer, the forward's outputs and
-the backward's dx are computed G landed shards at a time (``ShardRuns``: fewer, wider GEMMs); the steps requested
+the backward's dx are computed G landed shards at a time (``ShardRuns``: fewer, wider GEMMs); the hops requested
 and waited stay those of the loop. The reduction order is fixed by the ring and by G, so results repeat bit for
-bit. All members of a fused group (q/k/v, gate/up) ride the same ring steps in one flat buffer
+bit. All members of a fused group (q/k/v, gate/up) ride the same hops in one flat buffer
 (``runtime/layout.py``). When gradient sync is off (accumulation micro-batches), the backward keeps each shard's
 partial sum locally, sends no gradient bytes, and adds them into the parts of the next synced backward.
 
 Words, here and in the runtime: a *step* is a training step (one forward of the sharded root, and its backward); a
-*ring step* (a hop) is one exchange with the neighbours, k in the loops above; a *piece* is the GEMM work beside
-it; ``compute_dtype`` is what the pieces compute in, ``reduce_dtype`` what the gradient ring carries; a *ring
-operation* (``RingOp``) is one layer's ring of N-1 or N ring steps in one phase.
+*hop* is one exchange with the neighbours (every rank sends to ``next`` and receives from ``prev``), k in the loops
+above; a *piece* is the GEMM work beside it; ``compute_dtype`` is what the pieces compute in, ``reduce_dtype`` what
+the gradient ring carries; a *ring operation* (``RingOp``) is one layer's ring of N-1 or N hops in one phase.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
             _forward_run(state.layout, weights.slots, *run, x2, outs)
 
     run_pieces(state, "forward", runs.pieces, weights, None, compute, beside=not recompute)
-    sched.release(weights)  # every step of its ring was waited for above (a kept weight is never pooled)
+    sched.release(weights)  # every hop of its ring was waited for above (a kept weight is never pooled)
     # (a lockstep ring requested ahead before the order said a backward follows holds two shards, not all: its
     # backward gathers the weight again)
     return weights if keep and weights.slots is not None else None
@@ -283,7 +283,7 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
                   params_need_grad: tuple[bool, ...], call: Call, full: WeightRing | None = None
                   ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The Note's backward loop: piece k adds its part of dx and writes this rank's share of shard t's dW while
-    step k brings the weight shard of piece k+1 and passes on the partial sum of piece k-1. ``full``: the
+    hop k brings the weight shard of piece k+1 and passes on the partial sum of piece k-1. ``full``: the
     forward's ring that kept every weight shard; then no weight shard travels."""
     bw = BackwardCall(state, x2, params, grad_outs, need_dx, params_need_grad, call, full)
     weights, grads = bw.weights, bw.grads

@@ -92,7 +92,7 @@ def _apply(state: FusedGroupState, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return FusedRingLinearFn.apply(x, state, call, *params)
 
 
-@torch.compiler.disable  # a ring step cannot be traced: torch.compile breaks the graph here and runs it eagerly
+@torch.compiler.disable  # a hop cannot be traced: torch.compile breaks the graph here and runs it eagerly
 def _ring_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self._cf_group(self._cf_index, x)
 

@@ -22,7 +22,7 @@ So a fused module answers ``module.weight`` (``module.bias``) with a ``ParamRead
   parameter itself, as ``model.parameters()`` gives it.
 
 The fused forward itself reads ``_parameters`` and never comes here. ``ParamRead`` keeps its own ring-op owner
-(``StepState.register``) so that its ring steps carry their own tags.
+(``StepState.register``) so that its hops carry their own tags.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class ParamBindings:
     """The fused modules and their sharded parameters as ``shard()`` left them, checked at each step's start: a
     module replaced in its parent (``set_input_embeddings``), a parameter removed or rebound behind
     ``__setattr__``'s back (``torch.nn.utils.weight_norm`` edits ``_parameters`` directly), or a class swapped
-    (``parametrize``) is refused on every rank, before any ring step could pair up with another rank's."""
+    (``parametrize``) is refused on every rank, before any hop could pair up with another rank's."""
 
     def __init__(self, model: nn.Module, bound: list[tuple[str, nn.Module, dict[str, int]]]) -> None:
         self.entries = []

@@ -1,4 +1,4 @@
-"""The peer-to-peer ring layer: neighbours, ring steps, bucketed all-gather / reduce-scatter, FSDP2 adapters."""
+"""The peer-to-peer ring layer: neighbours, hops, bucketed all-gather / reduce-scatter, FSDP2 adapters."""
 
 from .collectives import (
     ring_all_gather,
@@ -8,10 +8,10 @@ from .collectives import (
 )
 from .fsdp_comm import RingAllGather, RingReduceScatter, use_ring_collectives
 from .topology import Ring, get_ring
-from .transport import RingCommError, StepHandle, observe_ring, start_step
+from .transport import HopHandle, RingCommError, observe_ring, start_hop
 
 __all__ = [
-    "Ring", "RingAllGather", "RingCommError", "RingReduceScatter", "StepHandle", "get_ring", "observe_ring",
+    "HopHandle", "Ring", "RingAllGather", "RingCommError", "RingReduceScatter", "get_ring", "observe_ring",
     "ring_all_gather", "ring_all_gather_coalesced", "ring_reduce_scatter", "ring_reduce_scatter_coalesced",
-    "start_step", "use_ring_collectives",
+    "start_hop", "use_ring_collectives",
 ]

@@ -1,26 +1,26 @@
-"""Bucketed ring all-gather and reduce-scatter: their step loops, whose steps are requested, issued and waited for
-in ``ring/issue.py`` ([Note: one place for a ring step]).
+"""Bucketed ring all-gather and reduce-scatter: their hop loops, whose hops are requested, issued and waited for
+in ``ring/issue.py`` ([Note: one place for a hop]).
 
 [Note: the ring collectives]
 N ranks, rank r, shard size n. ``next = r+1``, ``prev = r-1`` (mod N).
 
-All-gather into ``out`` (N*n, rank-major): ``out[r]`` holds the own shard; at step k = 0 .. N-2 rank r sends
-shard ``(r - k) mod N`` (the one it holds since step k-1) to ``next`` and receives shard ``(r - k - 1) mod N``
+All-gather into ``out`` (N*n, rank-major): ``out[r]`` holds the own shard; at hop k = 0 .. N-2 rank r sends
+shard ``(r - k) mod N`` (the one it holds since hop k-1) to ``next`` and receives shard ``(r - k - 1) mod N``
 from ``prev``, straight into its place in ``out``: nothing is staged, bytes are copied, so the result equals
 ``all_gather_into_tensor`` bit for bit.
 
-Reduce-scatter of ``inp`` (N*n, rank-major) into ``out`` (n): at step k = 0 .. N-1 rank r adds its own piece of
-shard ``t = (r - k - 1) mod N`` to the partial sum received from ``prev`` (none at k = 0) and, if k < N-1, sends
-that sum on to ``next``. At k = N-1, t = r: the sum is complete, written into ``out``, and nothing is sent after
-it. The summation order is fixed by the ring, so results repeat bit for bit run to run.
+Reduce-scatter of ``inp`` (N*n, rank-major) into ``out`` (n): for k = 0 .. N-1 rank r adds its own piece of
+shard ``t = (r - k - 1) mod N`` to the partial sum received from ``prev`` in hop k-1 (none at k = 0) and, if
+k < N-1, sends that sum on to ``next`` in hop k. At k = N-1, t = r: the sum is complete, written into ``out``,
+and nothing is sent after it. The summation order is fixed by the ring, so results repeat bit for bit run to run.
 
 Bucketing: a shard larger than ``bucket_mb`` is cut into chunks that pipeline through the ring as a wavefront:
-at tick T, chunk c is at step T - c, so up to N-1 chunks are in flight at once and the reduce-scatter staging
-memory is two buckets per chunk in flight, not two shards. Many small tensors are packed into flat buckets by
-the ``*_coalesced`` variants.
+at hop T, chunk c is at hop T - c of its own ring, so up to N-1 chunks are in flight at once and the
+reduce-scatter staging memory is two buckets per chunk in flight, not two shards. Many small tensors are packed into
+flat buckets by the ``*_coalesced`` variants.
 
 Small collectives go direct: when the whole tensor (``N*n`` elements) is at most ``direct_kb`` KiB and N > 2, each
-rank exchanges with every peer in one round instead of N-1 ring steps (the same bytes leave each rank; one latency
+rank exchanges with every peer in one round instead of N-1 hops (the same bytes leave each rank; one latency
 instead of N-1, which is what a tiny bucket costs: the root unit's norms at a step's head and tail). All-gather:
 rank r sends its shard to every peer and receives shard p from rank p. Reduce-scatter: rank r sends its piece of
 shard p to rank p and receives every rank's piece of shard r, then sums them in the ring's order (rank r+1's
@@ -79,7 +79,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     def run() -> None:
         _all_gather_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, label, direct)
 
-    return collective(ring, "all_gather", tag, label, _step_sizes(ring, n, chunk, direct), run, output.device,
+    return collective(ring, "all_gather", tag, label, _hop_sizes(ring, n, chunk, direct), run, output.device,
                       async_op, (output, input), stats, input.element_size())
 
 
@@ -116,7 +116,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     def run() -> None:
         _reduce_scatter_flat(ring, output.view(-1), input.view(-1), tag, chunk, timeout_s, average, label, direct)
 
-    return collective(ring, "reduce_scatter", tag, label, _step_sizes(ring, n, chunk, direct), run,
+    return collective(ring, "reduce_scatter", tag, label, _hop_sizes(ring, n, chunk, direct), run,
                       output.device, async_op, (output, input), stats, input.element_size())
 
 
@@ -124,7 +124,7 @@ def ring_all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[
                               group: dist.ProcessGroup | None = None, *, bucket_mb: float = DEFAULT_BUCKET_MB,
                               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """All-gather many tensors: ``outputs[i]`` gets every rank's ``inputs[i]``, rank-major. Small tensors are
-    packed into flat buckets of ``bucket_mb`` so that they share ring steps."""
+    packed into flat buckets of ``bucket_mb`` so that they share hops."""
     ring = get_ring(group, op="ring_all_gather_coalesced")
     _check_lists("ring_all_gather_coalesced", outputs, inputs)
     for out, inp in zip(outputs, inputs):
@@ -147,7 +147,7 @@ def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Seque
                                   op: dist.ReduceOp | dist.ReduceOp.RedOpType | str = dist.ReduceOp.SUM, *,
                                   bucket_mb: float = DEFAULT_BUCKET_MB, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Reduce-scatter many tensors: ``inputs[i]`` holds ``world_size`` rank-major shards of ``outputs[i]``'s
-    size. Small tensors are packed into flat buckets of ``bucket_mb`` so that they share ring steps."""
+    size. Small tensors are packed into flat buckets of ``bucket_mb`` so that they share hops."""
     ring = get_ring(group, op="ring_reduce_scatter_coalesced")
     _check_lists("ring_reduce_scatter_coalesced", outputs, inputs)
     for out, inp in zip(outputs, inputs):
@@ -167,14 +167,14 @@ def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Seque
 # ---- the rings --------------------------------------------------------------------------------------------
 
 def _wavefront(chunks: int, world: int) -> Iterator[tuple[int, range]]:
-    """The ring steps of a collective of ``chunks`` buckets: step ``tick`` carries chunk c at its ring step
-    ``tick - c``, for every chunk in ``range`` (those in flight)."""
+    """The hops of a collective of ``chunks`` buckets: hop ``tick`` carries chunk c at hop ``tick - c`` of its own
+    ring, for every chunk in ``range`` (those in flight)."""
     for tick in range(chunks + world - 2):
         yield tick, range(max(0, tick - world + 2), min(chunks, tick + 1))
 
 
-def _step_sizes(ring: Ring, n: int, chunk: int, direct: bool) -> list[int]:
-    """The elements each ring step of a collective with shards of ``n`` elements sends (none: it has no step)."""
+def _hop_sizes(ring: Ring, n: int, chunk: int, direct: bool) -> list[int]:
+    """The elements each hop of a collective with shards of ``n`` elements sends (none: it has no hop)."""
     if ring.size == 1 or n == 0:
         return []
     if direct:
@@ -228,7 +228,7 @@ def _reduce_scatter_flat(ring: Ring, out: torch.Tensor, inp: torch.Tensor, tag: 
     partial = [inp.new_empty(width) for _ in range(slots)] if world > 2 else []  # sums being sent on
     received = [inp.new_empty(width) for _ in range(slots)]  # sums arriving from prev
 
-    def complete(c: int) -> None:  # chunk c's last sum arrived (ring step N-1 on it; t == rank)
+    def complete(c: int) -> None:  # chunk c's last sum arrived (k = N-1 on it, after its last hop; t == rank)
         lo, hi = bounds[c]
         t = ring.shard_reduced(world - 1)
         torch.add(inp[t * n + lo:t * n + hi], received[c % slots][:hi - lo], out=out[lo:hi])
@@ -272,7 +272,7 @@ def _narrow_all_gather(ring: Ring, output: torch.Tensor, input: torch.Tensor, wi
         for j in range(world):
             wire.decode(rows[j], out[j * n:(j + 1) * n])
 
-    return collective(ring, "all_gather", tag, label, _step_sizes(ring, wire.nbytes, chunk, direct), run,
+    return collective(ring, "all_gather", tag, label, _hop_sizes(ring, wire.nbytes, chunk, direct), run,
                       output.device, async_op, (output, input, rows), stats, encoded=True)
 
 

@@ -1,20 +1,20 @@
-"""``StepFingerprint``: the ring steps a rank issued in a training step, compared across the ranks one step late.
+"""``StepFingerprint``: the hops a rank issued in a training step, compared across the ranks one step late.
 
 [Note: the fingerprint of a step]
 NCCL pairs point-to-point messages by their order alone, and so does gloo with the tags turned off
 (``COMMFUSE_RING_TAGS=0``). Ranks that break the lockstep contract (a data-dependent layer order, a config that
-differs) then exchange bytes between *different* ring steps of the same size and go on with wrong numbers, or hang
-where the sizes differ. Each ``Ring`` keeps one fingerprint. While a step of a sharded model is open, every ring
-step requested on the ring is folded in where it is requested (``ring/issue.py``), on the requesting thread, in
+differs) then exchange bytes between *different* hops of the same size and go on with wrong numbers, or hang
+where the sizes differ. Each ``Ring`` keeps one fingerprint. While a step of a sharded model is open, every hop
+requested on the ring is folded in where it is requested (``ring/issue.py``), on the requesting thread, in
 program order:
-- each step of a fused ring, ring embedding or weight read, as the link takes it (``Link.step``): the op's
-  identity tag, its index in its ring, the ring's length, and on a ring (not a direct exchange, whose sizes may
+- each hop of a fused ring, ring embedding or weight read, as the link takes it (``Link.hop``): the op's
+  identity tag, its index in its ring, the ring's length in hops, and on a ring (not a direct exchange, whose sizes may
   differ between ranks) the elements a tensor moves;
-- each step of a bucketed collective on the shard ring (FSDP2 units, the slicing schedule, the non-finite check,
+- each hop of a bucketed collective on the shard ring (FSDP2 units, the slicing schedule, the non-finite check,
   0-d parameters), all of them when ``ring_all_gather`` / ``ring_reduce_scatter`` is called (``collective``): its
-  kind, tag and label, the step's index and the collective's number of steps, and the elements the step moves.
+  kind, tag and label, the hop's index and the collective's number of hops, and the elements the hop moves.
   (HSDP's replica sums run on the replicate group's ring, which is not checked.)
-A few integer operations a step; a collective's label is hashed once per call.
+A few integer operations a hop; a collective's label is hashed once per call.
 
 When a step's backward ends (or, for a forward-only step, when the next one begins), its fingerprint and its
 negation go into one asynchronous ``MAX`` all-reduce over the ring's group: equal on every rank exactly when the
@@ -39,34 +39,34 @@ _PRIME = 0x100000001B3
 
 
 class StepFingerprint:
-    """The ring steps one rank issued in the running step (``add``), and the check of the previous step's against
+    """The hops one rank issued in the running step (``add``), and the check of the previous step's against
     the other ranks' (``begin_step``, ``end_backward``)."""
 
     def __init__(self, ring) -> None:
         self.ring, self.timeout_s = ring, 1800.0
         self.value = 0
-        self.requests: list[tuple] = []  # (op, k, steps, numel) of the running step
+        self.requests: list[tuple] = []  # (op, k, hops, numel) of the running step
         self._checking: list[tuple] = []  # (step, requests, the reduced pair, waits until it has arrived)
         self.step = -1
 
-    def add(self, op, k: int, steps: int, numel: int) -> None:
-        """Fold one requested step of a fused ring (``op``: its ``RingOp``) into the running fingerprint."""
+    def add(self, op, k: int, hops: int, numel: int) -> None:
+        """Fold one requested hop of a fused ring (``op``: its ``RingOp``) into the running fingerprint."""
         if self.step < 0:
             return  # no step of a sharded model is open: nothing is compared
-        self.value = ((self.value ^ (op.tag << 20) ^ (k << 8) ^ steps ^ (numel << 30)) * _PRIME) & _MASK
-        self.requests.append((op, k, steps, numel))
+        self.value = ((self.value ^ (op.tag << 20) ^ (k << 8) ^ hops ^ (numel << 30)) * _PRIME) & _MASK
+        self.requests.append((op, k, hops, numel))
 
     def add_collective(self, kind: str, tag: int, label: object, sizes: list[int]) -> None:
-        """Fold every ring step of one bucketed collective (``kind``: all_gather / reduce_scatter; ``sizes``: the
-        elements each step moves) into the running fingerprint."""
+        """Fold every hop of one bucketed collective (``kind``: all_gather / reduce_scatter; ``sizes``: the
+        elements each hop moves) into the running fingerprint."""
         if self.step < 0:
             return
         name = zlib.crc32(f"{kind} {label}".encode())
-        op, steps, value = (label, kind, tag), len(sizes), self.value
-        head = (tag << 20) ^ (name << 24) ^ steps
+        op, hops, value = (label, kind, tag), len(sizes), self.value
+        head = (tag << 20) ^ (name << 24) ^ hops
         for k, numel in enumerate(sizes):
             value = ((value ^ head ^ (k << 8) ^ (numel << 30)) * _PRIME) & _MASK
-            self.requests.append((op, k, steps, numel))
+            self.requests.append((op, k, hops, numel))
         self.value = value
 
     def begin_step(self, step: int, timeout_s: float) -> None:
@@ -119,7 +119,7 @@ class StepFingerprint:
                 raise RuntimeError(self._divergence(step, requests))
 
     def _divergence(self, step: int, requests: list[tuple]) -> str:
-        mine = [_said(op, k, steps, numel) for op, k, steps, numel in requests]
+        mine = [_said(op, k, hops, numel) for op, k, hops, numel in requests]
         every: list[list[str] | None] = [None] * self.ring.size
         dist.all_gather_object(every, mine, group=self.ring.group)
         longest = max(len(r) for r in every)
@@ -127,23 +127,23 @@ class StepFingerprint:
                      if len({r[i] if i < len(r) else "nothing" for r in every}) > 1 or i == longest)
         said = "; ".join(f"{self.ring.peer_name(rank)}: {r[first] if first < len(r) else 'nothing'}"
                          for rank, r in enumerate(every))
-        return (f"commfuse_dp: the ranks issued different ring steps in step {step}: request {first + 1} differs "
+        return (f"commfuse_dp: the ranks issued different hops in step {step}: request {first + 1} differs "
                 f"({said}). Every rank must run the same fused layers in the same order (the lockstep contract); "
                 f"a layer called data-dependently, or a model or config that differs between ranks, breaks it. Its "
-                f"bytes were exchanged with another rank's different step, so that step's numbers are wrong; "
+                f"bytes were exchanged with another rank's different hop, so that step's numbers are wrong; "
                 f"CommFuseConfig(exclude=[...]) keeps such a layer out of the fused path")
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.ring.backend else torch.device("cpu")
 
 
-def _said(op, k: int, steps: int, numel: int) -> str:
-    """One request, as the error names it: a fused ring's step, or a collective's (``op`` = (label, kind, tag))."""
+def _said(op, k: int, hops: int, numel: int) -> str:
+    """One request, as the error names it: a fused ring's hop, or a collective's (``op`` = (label, kind, tag))."""
     if not hasattr(op, "phase"):
         label, kind, tag = op
         if hasattr(label, "phase"):  # a fused layer's RingOp (the slicing schedule)
             label = f"{label.name} {label.phase} (call {label.occurrence + 1})"
-        return f"{label + ' ' if label is not None else ''}{kind} (tag {tag}), ring step {k + 1} of {steps}, " \
+        return f"{label + ' ' if label is not None else ''}{kind} (tag {tag}), hop {k + 1} of {hops}, " \
                f"{numel} elements"
     size = f", {numel} elements a tensor" if numel else ""
-    return f"{op.name} {op.phase} (call {op.occurrence + 1}), ring step {k + 1} of {steps}{size}"
+    return f"{op.name} {op.phase} (call {op.occurrence + 1}), hop {k + 1} of {hops}{size}"

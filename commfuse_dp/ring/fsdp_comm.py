@@ -94,7 +94,7 @@ class RingAllGather(_RingComm, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        # its ring steps are counted and its wait timed where it is waited for (ring/issue.py)
+        # its hops are counted and its wait timed where it is waited for (ring/issue.py)
         return ring_all_gather(output_tensor, input_tensor, group, async_op=async_op, label=self.label,
                                stats=self.recorder, wire=self.wire(self.config.gather_format, input_tensor, True),
                                **self.config.ring_kwargs)

@@ -1,24 +1,27 @@
-"""Where every ring step is requested, issued and waited for: the fused layers' steps and the collectives' alike.
+"""Where every hop is requested, issued and waited for: the fused layers' hops and the collectives' alike.
 
-[Note: one place for a ring step]
-A ring step passes three points, each of them here and nowhere else:
+A hop is one exchange on a ring: every rank sends a shard to its next neighbour and receives one from the previous;
+a ring over N ranks takes N-1 of them. (A *step* is a training step.)
+
+[Note: one place for a hop]
+A hop passes three points, each of them here and nowhere else:
 - *Requested*, on the thread that calls for it, in program order: folded into the ring's fingerprint
-  (``ring/fingerprint.py``) and reported as ``"start"`` to ``observe_ring``. A step of a fused layer, ring embedding
-  or weight read is requested on its own (``Link.step``, the link scheduler's ``runtime/link.py``); a bucketed
-  collective (``ring/collectives.py``) requests all of its steps at once when it is called (``collective``), their
+  (``ring/fingerprint.py``) and reported as ``"start"`` to ``observe_ring``. A hop of a fused layer, ring embedding
+  or weight read is requested on its own (``Link.hop``, the link scheduler's ``runtime/link.py``); a bucketed
+  collective (``ring/collectives.py``) requests all of its hops at once when it is called (``collective``), their
   sizes known from its wavefront before any of them runs.
-- *Issued* by ``issue``, the one call of ``transport.start_step``, on the worker that runs the step: the ring's
-  thread (CPU: the link's steps and the asynchronous collectives), the calling thread (a synchronous collective
-  on CPU, and a link step requested while nothing of its ring is in flight or queued: ``Posted``, which the
+- *Issued* by ``issue``, the one call of ``transport.start_hop``, on the worker that runs the hop: the ring's
+  thread (CPU: the link's hops and the asynchronous collectives), the calling thread (a synchronous collective
+  on CPU, and a link hop requested while nothing of its ring is in flight or queued: ``Posted``, which the
   ring's next job waits for first, ``after_posted``), or the host enqueueing onto the ring's communication stream
-  (CUDA). On CPU it reports ``"issued"`` and ``"landed"`` around the step.
-- *Waited for* from the compute side by ``Pending.wait``: a link step on its own, a collective once for all of its
-  steps (its ``dist.Work`` is a ``RingWork`` around it; a synchronous one is waited for where it is called). The
+  (CUDA). On CPU it reports ``"issued"`` and ``"landed"`` around the hop.
+- *Waited for* from the compute side by ``Pending.wait``: a link hop on its own, a collective once for all of its
+  hops (its ``dist.Work`` is a ``RingWork`` around it; a synchronous one is waited for where it is called). The
   one timed wait: on CPU by the host's clock, on CUDA by two CUDA events around the compute stream's wait
   (``StatsRecorder.cuda_wait``, read at the end of the step), reported as ``"wait"`` and ``"done"``. The step
-  statistics count every ring step here (a collective adds its number of steps).
-A collective's waits inside its own step loop (each step before the next, on its worker) are not compute waits:
-they are neither timed nor counted. A collective that moves nothing (one rank, empty tensors) has no ring step and
+  statistics count every hop here (a collective adds its number of hops).
+A collective's waits inside its own hop loop (each hop before the next, on its worker) are not compute waits:
+they are neither timed nor counted. A collective that moves nothing (one rank, empty tensors) has no hop and
 runs where it is called.
 """
 
@@ -42,7 +45,7 @@ OFF = StatsRecorder(enabled=False)  # for collectives whose caller keeps no step
 
 
 class Pending:
-    """Ring steps requested on a ring (one of a fused layer, or all of a collective's); ``wait()`` from the
+    """Hops requested on a ring (one of a fused layer, or all of a collective's); ``wait()`` from the
     compute side."""
 
     __slots__ = ("stats", "future", "event", "device", "run", "op", "k", "count", "requested", "waited")
@@ -53,18 +56,18 @@ class Pending:
         self.stats, self.future, self.event, self.op, self.k = stats, future, event, op, k
         self.device = device  # CUDA: the device index whose current stream waits for ``event``
         self.run = run  # a synchronous collective on CPU: run by ``wait``, where it is waited for
-        self.count = count  # ring steps it stands for
+        self.count = count  # hops it stands for
         self.requested = time.perf_counter()
         self.waited = False
 
     def done(self) -> bool:
-        """Whether the steps landed (never blocks)."""
+        """Whether the hops landed (never blocks)."""
         if self.future is not None:
             return self.future.done()
         return self.event is None or self.event.query()
 
     def wait(self) -> None:
-        """CPU: block until the steps' bytes landed and re-raise their error. CUDA: order the current stream after
+        """CPU: block until the hops' bytes landed and re-raise their error. CUDA: order the current stream after
         them (the host goes on). Once: a second call returns at once."""
         if self.waited:
             return
@@ -74,7 +77,7 @@ class Pending:
         stats = self.stats
         began = time.perf_counter()
         if self.future is not None:
-            self.future.result()  # the step's own deadline (timeout_s) bounds this
+            self.future.result()  # the hop's own deadline (timeout_s) bounds this
         elif self.event is not None:
             stream = torch.cuda.current_stream(self.device)
             if stats.enabled:
@@ -86,12 +89,12 @@ class Pending:
         elif self.run is not None:
             self.run()
         if stats.enabled:
-            stats.ring_step(self.requested, began, time.perf_counter(), self.count)
+            stats.hop(self.requested, began, time.perf_counter(), self.count)
         if transport.watched():
             transport.notify("done", self.op, self.k)
 
     def settle(self) -> None:
-        """Wait for a step of an aborted step; a broken ring has said so already, where it broke."""
+        """Wait for a hop of an aborted step; a broken ring has said so already, where it broke."""
         try:
             if self.future is not None:
                 self.future.result()
@@ -100,7 +103,7 @@ class Pending:
 
 
 class Hop(NamedTuple):
-    """One ring step to issue (``issue``): the arguments of ``transport.start_step``, and ``before``, run first on
+    """One hop to issue (``issue``): the arguments of ``transport.start_hop``, and ``before``, run first on
     the worker that issues it (a received partial sum's add, a narrow contribution's encoding)."""
 
     ring: Ring
@@ -109,7 +112,7 @@ class Hop(NamedTuple):
     tag: int
     op: str  # the fused ring's phase, or the collective's kind
     k: int  # its index in its ring
-    steps: int  # the ring's steps
+    hops: int  # the ring's hops (N-1 on a ring of N ranks)
     timeout_s: float
     label: object
     send_to: Sequence[int] | None = None
@@ -117,8 +120,8 @@ class Hop(NamedTuple):
     before: Callable[[], None] | None = None
 
 
-def issue(hop: Hop, wait: bool = True) -> transport.StepHandle:
-    """Issue one ring step and wait for it on the worker running it (CPU: until its bytes landed; CUDA: the
+def issue(hop: Hop, wait: bool = True) -> transport.HopHandle:
+    """Issue one hop and wait for it on the worker running it (CPU: until its bytes landed; CUDA: the
     communication stream, current here, is ordered after it). ``wait=False``: return at once (``Posted``
     waits)."""
     observed = transport.watched() and not (hop.sends[0] if hop.sends else hop.recvs[0]).is_cuda
@@ -126,9 +129,9 @@ def issue(hop: Hop, wait: bool = True) -> transport.StepHandle:
         transport.notify("issued", hop.op, hop.k)
     if hop.before is not None:
         hop.before()
-    handle = transport.start_step(hop.ring, hop.sends, hop.recvs, tag=hop.tag, op=hop.op, step=hop.k,
-                                  steps=hop.steps, timeout_s=hop.timeout_s, label=hop.label, observed=False,
-                                  send_to=hop.send_to, recv_from=hop.recv_from)
+    handle = transport.start_hop(hop.ring, hop.sends, hop.recvs, tag=hop.tag, op=hop.op, k=hop.k,
+                                 hops=hop.hops, timeout_s=hop.timeout_s, label=hop.label, observed=False,
+                                 send_to=hop.send_to, recv_from=hop.recv_from)
     if wait:
         handle.wait(observed=False)
         if observed:
@@ -137,14 +140,14 @@ def issue(hop: Hop, wait: bool = True) -> transport.StepHandle:
 
 
 class Posted:
-    """A ring step issued on the thread that requested it (CPU, the ring's thread idle and no other step of the
-    ring in flight: ``Link.step``), as a ``Job`` of the ring's thread is seen: ``done()`` never blocks,
+    """A hop issued on the thread that requested it (CPU, the ring's thread idle and no other hop of the
+    ring in flight: ``Link.hop``), as a ``Job`` of the ring's thread is seen: ``done()`` never blocks,
     ``result()`` waits for its bytes (its deadline bounds it) once, on whichever thread asks first, and raises
     its error on every call."""
 
     __slots__ = ("handle", "op", "k", "error", "landed", "lock")
 
-    def __init__(self, handle: transport.StepHandle, op: str, k: int) -> None:
+    def __init__(self, handle: transport.HopHandle, op: str, k: int) -> None:
         self.handle, self.op, self.k = handle, op, k
         self.error: BaseException | None = None
         self.landed = False
@@ -168,8 +171,8 @@ class Posted:
 
 
 def after_posted(ring: Ring, run: Callable[[], object]) -> Callable[[], object]:
-    """``run``, first waiting for the ring's step issued at once and still in flight (``Ring.posted``), if any: the
-    ring's thread works its jobs after it, as after its own (the link works one step at a time, in request order)."""
+    """``run``, first waiting for the ring's hop issued at once and still in flight (``Ring.posted``), if any: the
+    ring's thread works its jobs after it, as after its own (the link works one hop at a time, in request order)."""
     posted, ring.posted = ring.posted, None
     if posted is None or posted.done():  # (its own Pending still waits for it, and raises its error)
         return run
@@ -184,12 +187,12 @@ def after_posted(ring: Ring, run: Callable[[], object]) -> Callable[[], object]:
 def collective(ring: Ring, kind: str, tag: int, label: object, sizes: list[int], run: Callable[[], None],
                device: torch.device, async_op: bool, tensors: tuple[torch.Tensor, ...],
                stats: StatsRecorder | None, itemsize: int = 1, encoded: bool = False) -> dist.Work | None:
-    """Request every step of a bucketed collective (``sizes``: the elements of ``itemsize`` bytes each of its ring
-    steps moves, in order; ``encoded``: bytes of a narrow format)
-    and run ``run``, its step loop, which issues them through ``issue``: on the ring's communication stream (CUDA),
+    """Request every hop of a bucketed collective (``sizes``: the elements of ``itemsize`` bytes each of its hops
+    moves, in order; ``encoded``: bytes of a narrow format)
+    and run ``run``, its hop loop, which issues them through ``issue``: on the ring's communication stream (CUDA),
     on the ring's thread (CPU, ``async_op``) or here. Returns a ``RingWork`` with ``async_op``, else waits for it.
     ``tensors``: what the loop reads and writes (CUDA: kept from the allocator until the stream is done)."""
-    if not sizes:  # one rank, or nothing to move: no ring step
+    if not sizes:  # one rank, or nothing to move: no hop
         if device.type != "cuda":
             wait_until(device_ready())
         run()

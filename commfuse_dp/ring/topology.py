@@ -43,7 +43,7 @@ class Ring:
         self._seq = 0
         self._lock = threading.Lock()
         self._executor: RingWorker | None = None
-        self.posted = None  # a ring step issued at once by the thread that requested it, maybe in flight (issue.py)
+        self.posted = None  # a hop issued at once by the thread that requested it, maybe in flight (issue.py)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.broken: str | None = None  # the first failure; every later op raises it at once
         # gloo's messages carry the op's tag; COMMFUSE_RING_TAGS=0 sends all with tag 0, paired by order alone as
@@ -71,11 +71,11 @@ class Ring:
             return self._seq % _TAG_SPACE
 
     def shard_held(self, k: int) -> int:
-        """Index of the shard in this rank's buffer after k all-gather ring steps: ``(r - k) mod N``."""
+        """Index of the shard in this rank's buffer after k all-gather hops: ``(r - k) mod N``."""
         return (self.rank - k) % self.size
 
     def shard_reduced(self, k: int) -> int:
-        """Index of the shard whose partial sum this rank adds to at reduce-scatter step k: ``(r - k - 1) mod N``."""
+        """Index of the shard whose partial sum this rank adds to at reduce-scatter hop k: ``(r - k - 1) mod N``."""
         return (self.rank - k - 1) % self.size
 
     @property
@@ -102,7 +102,7 @@ class Ring:
         return self.executor.submit(gated)
 
     def comm_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The CUDA stream ring steps run on for ``device`` (compute stays on the caller's current stream)."""
+        """The CUDA stream hops run on for ``device`` (compute stays on the caller's current stream)."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device=device)

@@ -1,13 +1,13 @@
-"""One ring step: start the sends to ``next`` and the receives from ``prev``, then wait for them.
+"""One hop: start the sends to ``next`` and the receives from ``prev``, then wait for them.
 
-This is the whole transport interface: ``handle = start_step(ring, sends, recvs, ...)`` and ``handle.wait()``,
-called for every ring step of the fused layers and the collectives by ``issue`` in ``ring/issue.py`` alone.
+This is the whole transport interface: ``handle = start_hop(ring, sends, recvs, ...)`` and ``handle.wait()``,
+called for every hop of the fused layers and the collectives by ``issue`` in ``ring/issue.py`` alone.
 
 Backends:
-- CPU + gloo: ``ProcessGroup.send/recv`` (the direct calls cost ~35% less host time per step than
+- CPU + gloo: ``ProcessGroup.send/recv`` (the direct calls cost ~35% less host time per hop than
   ``batch_isend_irecv``); gloo runs them on its own threads while this thread computes. ``wait()`` blocks the
   host, because gloo offers no other way to know the bytes landed, and it does so with a deadline of
-  ``timeout_s`` per step, so a dead or stalled peer raises ``RingCommError`` instead of hanging.
+  ``timeout_s`` per hop, so a dead or stalled peer raises ``RingCommError`` instead of hanging.
 - CUDA + NCCL: ``batch_isend_irecv`` issued on the ring's communication stream; ``wait()`` only makes the
   current stream wait (no host synchronisation). A dead peer is then reported by NCCL's own watchdog, which
   uses the process group's timeout.
@@ -32,13 +32,13 @@ _OBSERVERS: list[Observer] = []
 
 @contextlib.contextmanager
 def observe_ring(callback: Observer) -> Iterator[None]:
-    """Call ``callback(event, op, step)`` for every ring step, and for the fused layers' compute pieces,
-    ``"compute_begin"`` and ``"compute"`` (the piece ended), reported through ``notify``. A ring step
-    (``ring/issue.py``) reports ``"start"`` when it is requested, on the thread requesting it (a collective's steps
+    """Call ``callback(event, op, k)`` for every hop (``k``: its index in its ring), and for the fused layers'
+    compute pieces, ``"compute_begin"`` and ``"compute"`` (the piece ended), reported through ``notify``. A hop
+    (``ring/issue.py``) reports ``"start"`` when it is requested, on the thread requesting it (a collective's hops
     all at once when it is called; ``op``: the fused ring's phase, or ``all_gather`` / ``reduce_scatter``);
     ``"issued"`` and ``"landed"`` around its issue and its bytes' arrival on the thread that works it (CPU: the
     ring's thread, or the caller of a synchronous collective); ``"wait"`` and ``"done"`` around compute's wait for
-    it (a collective's: once, with its last step's index). For schedule tests and timelines."""
+    it (a collective's: once, with its last hop's index). For schedule tests and timelines."""
     _OBSERVERS.append(callback)
     try:
         yield
@@ -52,9 +52,9 @@ def watched() -> bool:
     return bool(_OBSERVERS)
 
 
-def notify(event: str, op: str, step: int) -> None:
+def notify(event: str, op: str, k: int) -> None:
     for callback in _OBSERVERS:
-        callback(event, op, step)
+        callback(event, op, k)
 
 
 Sender = Callable[[str, str, int, int, str], None]
@@ -63,10 +63,10 @@ _SENDERS: list[Sender] = []
 
 @contextlib.contextmanager
 def observe_sent(callback: Sender) -> Iterator[None]:
-    """Call ``callback(what, op, step, nbytes, fmt)`` when a ring step, or a collective's steps at once (its last
-    step's index), is requested: ``what`` the layer or unit it belongs to, ``op`` as ``observe_ring`` reports it,
+    """Call ``callback(what, op, k, nbytes, fmt)`` when a hop, or a collective's hops at once (``k``: its last
+    hop's index), is requested: ``what`` the layer or unit it belongs to, ``op`` as ``observe_ring`` reports it,
     ``nbytes`` what this rank sends in it, ``fmt`` the dtype on the wire (``"encoded"`` for a narrow format's
-    bytes, [Note: narrow formats]). Reported just before the step's ``"start"`` (timelines, ``record_timeline``)."""
+    bytes, [Note: narrow formats]). Reported just before the hop's ``"start"`` (timelines, ``record_timeline``)."""
     _SENDERS.append(callback)
     try:
         yield
@@ -75,46 +75,47 @@ def observe_sent(callback: Sender) -> Iterator[None]:
 
 
 def bytes_watched() -> bool:
-    """Whether anything observes the bytes each ring step sends (``observe_sent``)."""
+    """Whether anything observes the bytes each hop sends (``observe_sent``)."""
     return bool(_SENDERS)
 
 
-def notify_sent(what: str, op: str, step: int, nbytes: int, dtype: torch.dtype) -> None:
+def notify_sent(what: str, op: str, k: int, nbytes: int, dtype: torch.dtype) -> None:
     fmt = "encoded" if dtype == torch.uint8 else str(dtype).replace("torch.", "")
     for callback in _SENDERS:
-        callback(what, op, step, nbytes, fmt)
+        callback(what, op, k, nbytes, fmt)
 
 
 class RingCommError(RuntimeError):
-    """A ring step failed: a peer died, stopped answering within the timeout, or the ring broke earlier."""
+    """A hop failed: a peer died, stopped answering within the timeout, or the ring broke earlier. ``op``: the ring's
+    phase or collective, ``k``: the hop's index in its ring (from 0), ``peer``: the global rank it waited on."""
 
-    def __init__(self, message: str, *, op: str, step: int, peer: int | None, reason: str) -> None:
+    def __init__(self, message: str, *, op: str, k: int, peer: int | None, reason: str) -> None:
         super().__init__(message)
-        self.op, self.step, self.peer, self.reason = op, step, peer, reason
+        self.op, self.k, self.peer, self.reason = op, k, peer, reason
 
 
-class StepHandle:
-    """The in-flight part of one ring step: the works of its sends and receives."""
+class HopHandle:
+    """The in-flight part of one hop: the works of its sends and receives."""
 
-    __slots__ = ("ring", "sends", "recvs", "op", "step", "steps", "deadline", "timeout_s", "cuda", "label",
+    __slots__ = ("ring", "sends", "recvs", "op", "k", "hops", "deadline", "timeout_s", "cuda", "label",
                  "send_to", "recv_from")
 
-    def __init__(self, ring: Ring, sends: list, recvs: list, op: str, step: int, steps: int,
+    def __init__(self, ring: Ring, sends: list, recvs: list, op: str, k: int, hops: int,
                  timeout_s: float, cuda: bool, label: object = None, send_to: Sequence[int] | None = None,
                  recv_from: Sequence[int] | None = None) -> None:
         self.ring, self.sends, self.recvs = ring, sends, recvs
         self.send_to, self.recv_from = send_to, recv_from  # group ranks per work; None: ring.next / ring.prev
-        self.op, self.step, self.steps, self.label = op, step, steps, label
+        self.op, self.k, self.hops, self.label = op, k, hops, label
         self.timeout_s, self.cuda = timeout_s, cuda
         self.deadline = time.monotonic() + timeout_s
 
     def wait(self, observed: bool = True) -> None:
-        """CPU: block until the step's bytes have landed (or raise by the deadline). CUDA: order the current
-        stream after the step, without blocking the host. ``observed``: report it to ``observe_ring``
-        (``ring/issue.py`` reports the steps it issues itself: requested, issued, waited for)."""
+        """CPU: block until the hop's bytes have landed (or raise by the deadline). CUDA: order the current
+        stream after the hop, without blocking the host. ``observed``: report it to ``observe_ring``
+        (``ring/issue.py`` reports the hops it issues itself: requested, issued, waited for)."""
         observed = observed and bool(_OBSERVERS)
         if observed:
-            notify("wait", self.op, self.step)
+            notify("wait", self.op, self.k)
         if self.cuda:
             for work in self.recvs:
                 work.wait()
@@ -123,10 +124,10 @@ class StepHandle:
         else:
             self._wait_host()
         if observed:
-            notify("done", self.op, self.step)
+            notify("done", self.op, self.k)
 
     def completed(self) -> bool:
-        """CPU: whether every work of the step has completed (never blocks; an error is raised by ``wait``)."""
+        """CPU: whether every work of the hop has completed (never blocks; an error is raised by ``wait``)."""
         return all(work.is_completed() for works in (self.recvs, self.sends) for work in works)
 
     def _wait_host(self) -> None:
@@ -159,7 +160,7 @@ class StepHandle:
             reason = "error"
             what = f"failed: {text.splitlines()[0] if text else type(err).__name__}"
         here = self.ring.peer_name(self.ring.rank)
-        message = (f"commfuse ring {self.op}: step {self.step + 1} of {self.steps}, {direction} "
+        message = (f"commfuse ring {self.op}: hop {self.k + 1} of {self.hops}, {direction} "
                    f"{self.ring.peer_name(peer)}: {what}. This rank is {here}")
         if self.ring.broken is None:  # the first failure: say where this rank is and ask where the peers are
             where = str(self.label) if self.label is not None else f"a bucketed ring {self.op} (FSDP2 unit)"
@@ -169,25 +170,25 @@ class StepHandle:
                 message += _where_peers(self.ring, where, (peer,), patience)
         message += ("; check that peer's log. The process group cannot be used after this error.")
         self.ring.broken = message
-        return RingCommError(message, op=self.op, step=self.step,
+        return RingCommError(message, op=self.op, k=self.k,
                              peer=dist.get_global_rank(self.ring.group, peer), reason=reason)
 
 
-def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], *,
-               tag: int, op: str, step: int, steps: int, timeout_s: float, label: object = None,
-               observed: bool = True, send_to: Sequence[int] | None = None,
-               recv_from: Sequence[int] | None = None) -> StepHandle:
-    """Start one ring step: every tensor in ``sends`` goes to ``ring.next``, every tensor in ``recvs`` is
-    filled from ``ring.prev``. Tensors must be contiguous and stay untouched until ``wait()`` returns.
-    On CUDA the caller must be inside ``ring.on_comm_stream(device)``. ``label``: what this
-    step belongs to (a fused layer's ``RingOp``), named in errors. ``observed``: as for ``StepHandle.wait``.
+def start_hop(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], *,
+              tag: int, op: str, k: int, hops: int, timeout_s: float, label: object = None,
+              observed: bool = True, send_to: Sequence[int] | None = None,
+              recv_from: Sequence[int] | None = None) -> HopHandle:
+    """Start one hop, hop ``k`` of the ring's ``hops``: every tensor in ``sends`` goes to ``ring.next``, every
+    tensor in ``recvs`` is filled from ``ring.prev``. Tensors must be contiguous and stay untouched until ``wait()``
+    returns. On CUDA the caller must be inside ``ring.on_comm_stream(device)``. ``label``: what this
+    hop belongs to (a fused layer's ``RingOp``), named in errors. ``observed``: as for ``HopHandle.wait``.
     ``send_to`` / ``recv_from``: a group rank per tensor instead (a direct exchange: the small collectives of
     ``collectives.py`` send to every peer in one round)."""
     if ring.broken is not None:
         raise RingCommError(f"commfuse ring {op}: the ring broke earlier and cannot be used: {ring.broken}",
-                            op=op, step=step, peer=None, reason="broken")
+                            op=op, k=k, peer=None, reason="broken")
     if observed and _OBSERVERS:
-        notify("start", op, step)
+        notify("start", op, k)
     tensor = sends[0] if sends else recvs[0]
     to = send_to if send_to is not None else repeat(ring.next)
     source = recv_from if recv_from is not None else repeat(ring.prev)
@@ -195,10 +196,10 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
         p2p = [dist.P2POp(dist.isend, t, group=ring.group, group_peer=p) for t, p in zip(sends, to)]
         p2p += [dist.P2POp(dist.irecv, t, group=ring.group, group_peer=p) for t, p in zip(recvs, source)]
         works = dist.batch_isend_irecv(p2p)
-        return StepHandle(ring, works[:len(sends)], works[len(sends):], op, step, steps, timeout_s, True, label,
+        return HopHandle(ring, works[:len(sends)], works[len(sends):], op, k, hops, timeout_s, True, label,
                           send_to, recv_from)
     pg = ring.group
-    handle = StepHandle(ring, [], [], op, step, steps, timeout_s, False, label, send_to, recv_from)
+    handle = HopHandle(ring, [], [], op, k, hops, timeout_s, False, label, send_to, recv_from)
     tag = tag if ring.tagged else 0
     # Receives first: a gloo send moves its bytes once the receiver has posted the receive, and the notice that
     # it has then leaves ahead of this rank's own outgoing bytes instead of queueing behind them.
@@ -215,7 +216,7 @@ def start_step(ring: Ring, sends: Sequence[torch.Tensor], recvs: Sequence[torch.
 def _where_peers(ring: Ring, where: str, peers: tuple[int, ...], patience_s: float) -> str:
     """After a timeout: publish where this rank is (and whom it waits on) in the default store and read where
     ``peers`` said they were when they timed out too (ranks that call different fused layers time out within
-    moments of each other). Waits up to ``patience_s`` (what is left of the step's timeout) for them; returns a
+    moments of each other). Waits up to ``patience_s`` (what is left of the hop's timeout) for them; returns a
     sentence for the error message."""
     try:
         store = dist.distributed_c10d._get_default_store()

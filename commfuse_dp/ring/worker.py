@@ -1,7 +1,7 @@
 """The ring's worker thread on CPU: runs the functions submitted to it one at a time, in the order submitted.
 
 What a one-worker ``ThreadPoolExecutor`` does, with less host work per function (a fused layer submits one per
-ring step, hundreds per training step): no ``Future`` (a condition and a lock each) and no executor lock per
+hop, hundreds per training step): no ``Future`` (a condition and a lock each) and no executor lock per
 submit. A submitted function's ``Job`` answers ``done()`` and ``result()`` as a future does.
 """
 

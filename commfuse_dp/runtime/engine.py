@@ -1,9 +1,9 @@
 """The per-model runtime of a sharded model: its ring, link scheduler, config, gradient-sync flag and statistics.
 
 ``shard()`` makes one ``Engine`` per model; every fused layer reaches it. Its ``link`` (``runtime/link.py``) is
-the only place where ring steps are requested and waited for on behalf of the fused layers, ring embeddings and
+the only place where hops are requested and waited for on behalf of the fused layers, ring embeddings and
 weight reads, so that ordering, the CUDA stream discipline and timing live in one spot. What a step leaves
-between its phases (layer order, prefetched steps, deferred gradient hops, no-sync partials) is not here: it is
+between its phases (layer order, prefetched hops, deferred gradient hops, no-sync partials) is not here: it is
 the ``StepState`` of ``runtime/step.py``, which has one ``reset()``.
 """
 
@@ -25,7 +25,7 @@ class RingOp(NamedTuple):
     """One ring operation of a fused layer or ring embedding: its message tag and what it is, for errors.
 
     The tag carries the operation's identity (``StepState.ring_op``), so ranks that call different layers do not
-    pair up their bytes: their steps never match, and every rank raises ``RingCommError`` naming this."""
+    pair up their bytes: their hops never match, and every rank raises ``RingCommError`` naming this."""
 
     tag: int
     name: str  # the module(s)

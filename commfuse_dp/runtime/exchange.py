@@ -1,5 +1,5 @@
 """The rings of the row-exchanging ops (ring embedding, gathered weight reads): the fused layers' own
-``WeightRing``/``GradRing`` and ``piece_steps`` (``layer_rings.py``), always lockstep, with their steps requested on the
+``WeightRing``/``GradRing`` and ``piece_hops`` (``layer_rings.py``), always lockstep, with their hops requested on the
 engine's link: timed, observed, bounded by the ring's timeout, and tagged with the owner's ring-op identity.
 
 ``state`` is any owner of ring operations: it has ``engine``, ``steps`` (the ``StepState``) and ``op`` (its index
@@ -17,7 +17,7 @@ import torch
 from ..ring.collectives import goes_direct
 from .engine import Engine
 from .gradients import GradRing, Travel
-from .layer_rings import WeightRing, piece_steps
+from .layer_rings import WeightRing, piece_hops
 
 
 class RingOwner(Protocol):
@@ -37,8 +37,8 @@ def gather(state: RingOwner, mine: torch.Tensor, phase: str) -> torch.Tensor:
     out = mine.new_empty(ring.size, *mine.shape)
     out[ring.rank].copy_(mine)
     if goes_direct(ring, out, engine.config.direct_kb):
-        engine.link.step([out[ring.rank]] * len(ring.peers), [out[p] for p in ring.peers],
-                         state.steps.ring_op(state.op, phase), 0, 1, direct=True).wait()
+        engine.link.hop([out[ring.rank]] * len(ring.peers), [out[p] for p in ring.peers],
+                        state.steps.ring_op(state.op, phase), 0, 1, direct=True).wait()
         return out
     gather_into(state, out, phase)
     return out
@@ -48,51 +48,51 @@ def swap(state: RingOwner, sends: dict[int, torch.Tensor], recvs: dict[int, torc
          then: Callable[[], None] | None = None):
     """One direct exchange of tensors of any size: ``sends[p]`` goes to group rank p, ``recvs[p]`` is filled from
     rank p. Both sides of each pair know its sizes and leave out a pair with nothing to move. ``then()`` runs right
-    after the request. Returns the pending step (``wait()`` before reading ``recvs``), or None if nothing moves."""
+    after the request. Returns the pending hop (``wait()`` before reading ``recvs``), or None if nothing moves."""
     op = state.steps.ring_op(state.op, phase)  # on every rank, moving or not: the ring-op sequence stays the same
-    step = None
+    hop = None
     if sends or recvs:
-        step = state.engine.link.step(list(sends.values()), list(recvs.values()), op, 0, 1,
-                                      send_to=list(sends), recv_from=list(recvs))
+        hop = state.engine.link.hop(list(sends.values()), list(recvs.values()), op, 0, 1,
+                                    send_to=list(sends), recv_from=list(recvs))
     if then is not None:
         then()
-    return step
+    return hop
 
 
 def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable[[int], None] | None = None,
                 then: Callable[[], None] | None = None) -> None:
     """Fill ``out[j]`` for every rank j from ``out[rank]`` (all-gather ring, lockstep); ``piece(s)`` runs on each
-    rank's slot as soon as it is held, beside the ring step that brings the next one; ``then()`` right after the
-    last step was requested."""
+    rank's slot as soon as it is held, beside the hop that brings the next one; ``then()`` right after the
+    last hop was requested."""
     engine = state.engine
     world = engine.ring.size
     weights = WeightRing(engine, state.steps.ring_op(state.op, phase) if world > 1 else None, out)
     for k in range(world):
-        step = piece_steps(engine, k, weights, None)
+        hop = piece_hops(engine, k, weights, None)
         if then is not None and k == max(world - 2, 0):
             then()
         if piece is not None:
             piece(engine.ring.shard_held(k))
-        if step is not None:
-            step.wait()
+        if hop is not None:
+            hop.wait()
 
 
 def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            piece: Callable[[int, torch.Tensor], None], phase: str, then: Callable[[], None] | None = None
            ) -> torch.Tensor:
     """Reduce-scatter ring (lockstep): ``piece(t, part)`` writes this rank's contribution for rank t into
-    ``part`` beside the step that brings the partial sum for t; returns the complete sum for this rank.
-    ``then()`` runs right after the last step was requested."""
+    ``part`` beside the hop that brings the partial sum for t; returns the complete sum for this rank.
+    ``then()`` runs right after the last hop was requested."""
     engine = state.engine
     world = engine.ring.size
     numel = math.prod(shape)
     op = state.steps.ring_op(state.op, phase) if world > 1 else None
     grads = GradRing(engine, op, numel, dtype, device, zeroed=False, travel=Travel.WITH_PIECES)
     for k in range(world):
-        step = piece_steps(engine, k, None, grads)
+        hop = piece_hops(engine, k, None, grads)
         if then is not None and k == world - 1:
             then()
         piece(engine.ring.shard_reduced(k), grads.part(k).view(shape))
-        if step is not None:
-            step.wait()
+        if hop is not None:
+            hop.wait()
     return grads.final().view(shape)

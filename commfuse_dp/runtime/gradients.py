@@ -7,7 +7,7 @@ decided by ``Gradients``, one per step state, for either schedule.
   choice to ``Gradients.ring``:
 
   - ``LOCAL``: nothing travels (one rank; a backward with gradient sync off keeps them for the next one).
-  - ``WITH_PIECES``: lockstep; hop k joins piece k's weight step, waited for at the piece's end.
+  - ``WITH_PIECES``: lockstep; hop k joins piece k's weight hop, waited for at the piece's end.
   - ``LAGGING``: elastic; hop k is a request of its own beside piece k, never waited for by the pieces.
   - ``BUNDLED``: elastic; the unit's ``GradBundle`` carries the hops, beside its last group's pieces.
   - ``WHOLE``: slicing; the partials are reduce-scattered whole after the pieces, in the background.
@@ -51,7 +51,7 @@ class Travel(enum.Enum):
 
     @property
     def beside_pieces(self) -> bool:
-        """Whether the layer's own pieces request its hops (``piece_steps``)."""
+        """Whether the layer's own pieces request its hops (``piece_hops``)."""
         return self is Travel.WITH_PIECES or self is Travel.LAGGING
 
     @property
@@ -242,9 +242,9 @@ class GradBundle:
                 sends, recvs = sends + ring_sends, recvs + ring_recvs
                 if before is not None:
                     befores.append(before)
-            hop = first.link.step(sends, recvs, first.op, k, first.world - 1,
-                                  (lambda adds=befores: [add() for add in adds]) if befores else None,
-                                  **peers.kwargs(first.link.ring))
+            hop = first.link.hop(sends, recvs, first.op, k, first.world - 1,
+                                 (lambda adds=befores: [add() for add in adds]) if befores else None,
+                                 **peers.kwargs(first.link.ring))
             self.pending.append(hop)
             self.next += 1
             if self.next == first.world:
@@ -258,8 +258,8 @@ class GradBundle:
 
 
 class Peers:
-    """The group ranks a link step's tensors go to and come from, where a ring of it does not use the neighbours
-    (a narrow gradient ring sends straight to a shard's owner): ``link.step``'s ``send_to``/``recv_from``."""
+    """The group ranks a link hop's tensors go to and come from, where a ring of it does not use the neighbours
+    (a narrow gradient ring sends straight to a shard's owner): ``link.hop``'s ``send_to``/``recv_from``."""
 
     __slots__ = ("direct", "source", "to")
 

@@ -24,7 +24,7 @@ class FusedGroupState:
         self.name = name
         self.op = steps.register(name)
         self.tied = False  # its weight is a table shared with a ring embedding: gradients arrive from both
-        self.unit: int | None = None  # its FSDP2 unit (a decoder layer): the groups whose ring steps are bundled
+        self.unit: int | None = None  # its FSDP2 unit (a decoder layer): the groups whose hops are bundled
         steps.states.append(self)
         self._index: list[tuple[int, ...]] = []
         i = 0

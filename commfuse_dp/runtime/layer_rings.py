@@ -1,7 +1,7 @@
-"""The rings of one fused layer call, and the steps beside each of its compute pieces: the weight all-gather
+"""The rings of one fused layer call, and the hops beside each of its compute pieces: the weight all-gather
 (``WeightRing``: two alternating buffers in lockstep, an ``(N, numel)`` buffer under the elastic lookahead, reused
-on CPU through ``SlotPool``), a unit's weight rings sharing their steps (``Bundle``), and what piece k requests
-and waits for (``piece_steps``). The gradient partials and their hops: ``gradients.py``. When rings are requested
+on CPU through ``SlotPool``), a unit's weight rings sharing their hops (``Bundle``), and what piece k requests
+and waits for (``piece_hops``). The gradient partials and their hops: ``gradients.py``. When rings are requested
 across layers: ``schedule.py``."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class WeightRing:
         self.shard = _identity if in_shard_order else engine.ring.shard_held
         self.world = engine.ring.size
         self.pending: dict[int, Pending] = {}
-        self.requested = 0  # steps requested so far
-        self.bundle: Bundle | None = None  # the rings whose steps it shares (elastic, chosen ahead)
+        self.requested = 0  # hops requested so far
+        self.bundle: Bundle | None = None  # the rings whose hops it shares (elastic, chosen ahead)
         self.pooled = False  # ``slots`` came from the schedule's SlotPool and goes back there (release)
         # ``blocks`` made so far: {key: (buffer, blocks)}, kept across rings by the schedule (``views``) where the
         # buffers outlive a ring (pooled slots, the parameters' own packed row)
@@ -85,12 +85,12 @@ class WeightRing:
         return made[1], index
 
     def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What step k sends and receives (the row held at piece k goes out; the next one comes in)."""
+        """What hop k sends and receives (the row held at piece k goes out; the next one comes in)."""
         return [self.held(k)], [self.held(k + 1)]
 
-    def request(self, steps: int | None = None) -> int:
-        """Request the next ``steps`` steps (default: all left) of it and of the rings it shares steps with."""
-        return (self.bundle or Bundle([self])).request(steps)
+    def request(self, hops: int | None = None) -> int:
+        """Request the next ``hops`` hops (default: all left) of it and of the rings it shares hops with."""
+        return (self.bundle or Bundle([self])).request(hops)
 
     @property
     def unrequested(self) -> int:
@@ -173,7 +173,7 @@ class WeightRings:
         return WeightRing(self.engine, op, None, (own, wire.empty(None, device)), wire=wire)
 
     def release(self, weights: WeightRing) -> None:
-        """``weights`` is done (every step it is part of was waited for): its gathered weight buffer may serve a
+        """``weights`` is done (every hop it is part of was waited for): its gathered weight buffer may serve a
         later ring (CPU: a fresh buffer is first touched, page by page, in every ring of every step)."""
         if weights.pooled:
             weights.pooled = False
@@ -181,7 +181,7 @@ class WeightRings:
 
 
 class Bundle:
-    """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): step k of all
+    """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): hop k of all
     of them travels as one request, so a unit pays one ring's latency, as slicing's per-layer gather does."""
 
     completes = False  # steps not requested when the backward ends are dropped: no layer will read them
@@ -195,16 +195,16 @@ class Bundle:
     def unrequested(self) -> int:
         return self.rings[0].unrequested
 
-    def request(self, steps: int | None = None) -> int:
+    def request(self, hops: int | None = None) -> int:
         first = self.rings[0]
-        count = first.unrequested if steps is None else min(steps, first.unrequested)
+        count = first.unrequested if hops is None else min(hops, first.unrequested)
         for _ in range(count):
             k = first.requested
             sends, recvs = [], []
             for ring in self.rings:
                 ring_sends, ring_recvs = ring.io(k)
                 sends, recvs = sends + ring_sends, recvs + ring_recvs
-            pending = first.engine.link.step(sends, recvs, first.op, k, first.world - 1)
+            pending = first.engine.link.hop(sends, recvs, first.op, k, first.world - 1)
             for ring in self.rings:
                 ring.pending[k], ring.requested = pending, k + 1
         return count
@@ -217,12 +217,12 @@ class Bundle:
 def run_pieces(state, phase: str, pieces: int, weights: WeightRing | None, grads: GradRing | WholeGrads | None,
                compute: Callable[[int], None], beside: bool = True) -> None:
     """The fused layer loop ([Note: the fused schedule], ``fused/linear.py``), the one the planner plays too
-    (``replay.py``): piece k's own ring steps requested (``piece_steps``), the schedule's beside it
+    (``replay.py``): piece k's own hops requested (``piece_hops``), the schedule's beside it
     (``before_piece``; not for a recomputed forward: ``beside=False``), its compute, what landed taken in
     (``after_piece``), then the wait for what the next piece needs."""
     engine, sched = state.engine, state.steps.schedule
     for k in range(pieces):
-        step = piece_steps(engine, k, weights, grads)
+        hop = piece_hops(engine, k, weights, grads)
         if beside:
             sched.before_piece(state, phase, k, grads)
         if transport.watched():
@@ -231,13 +231,13 @@ def run_pieces(state, phase: str, pieces: int, weights: WeightRing | None, grads
         if transport.watched():
             transport.notify("compute", phase, k)
         sched.after_piece(state, phase, k)
-        if step is not None:
-            step.wait()
+        if hop is not None:
+            hop.wait()
 
 
-def piece_steps(engine: Engine, k: int, weights: WeightRing | None,
+def piece_hops(engine: Engine, k: int, weights: WeightRing | None,
                 grads: GradRing | WholeGrads | None) -> Pending | None:
-    """Request what goes beside piece k and return what its end waits for: the step that brings the row of piece
+    """Request what goes beside piece k and return what its end waits for: the hop that brings the row of piece
     k+1, and the gradient hop that joined it (``Travel.WITH_PIECES``) unless that is the last one and lands
     later (``Lands.LATER``: ``Gradients.land`` waits for it). ``weights``/``grads``: None where that ring does not
     travel."""
@@ -255,21 +255,21 @@ def piece_steps(engine: Engine, k: int, weights: WeightRing | None,
         if grads.travel is Travel.LAGGING:  # its own request, not waited here: it lands during later compute
             own = Peers()
             own.add(g_sends, g_recvs, to)
-            grads.last = link.step(g_sends, g_recvs, grads.op, k, world - 1, before, **own.kwargs(link.ring))
+            grads.last = link.hop(g_sends, g_recvs, grads.op, k, world - 1, before, **own.kwargs(link.ring))
             before = None
         else:
             peers.add(g_sends, g_recvs, to)
             sends, recvs = sends + g_sends, recvs + g_recvs
-    step = None
+    hop = None
     if sends:
         op = weights.op if weights is not None and weights.op is not None else grads.op
-        step = link.step(sends, recvs, op, k, world - 1, before, **peers.kwargs(link.ring))
+        hop = link.hop(sends, recvs, op, k, world - 1, before, **peers.kwargs(link.ring))
         if new_gather:
-            weights.pending[k] = step
+            weights.pending[k] = hop
         if reduce and grads.travel is Travel.WITH_PIECES:
-            grads.last = step
+            grads.last = hop
     if gather:
         return weights.pending[k]
     if reduce and k == world - 1 and grads.lands is Lands.LATER:
         return None
-    return step
+    return hop

@@ -1,28 +1,28 @@
-"""The link scheduler: one queue of ring steps per rank, worked in the order they were requested.
+"""The link scheduler: one queue of hops per rank, worked in the order they were requested.
 
-Every ring step of a fused layer, a ring embedding or a gathered weight read is a request here
-(``Link.step``); the compute that needs its bytes waits on what the request returns (``Pending.wait``). The
-schedule (``runtime/schedule.py``) decides only *when* to request: a lockstep layer requests step k beside compute
-piece k; an elastic one requests the steps of coming layers ahead of their compute, within the memory budget.
+Every hop of a fused layer, a ring embedding or a gathered weight read is a request here
+(``Link.hop``); the compute that needs its bytes waits on what the request returns (``Pending.wait``). The
+schedule (``runtime/schedule.py``) decides only *when* to request: a lockstep layer requests hop k beside compute
+piece k; an elastic one requests the hops of coming layers ahead of their compute, within the memory budget.
 
 [Note: the link]
 - Order. Requests are made on the compute thread, in program order, so every rank makes the same requests in the
   same order (the lockstep contract). The link works them in that order, one at a time; a request's ``before``
-  (the add of the partial sum received by the step before it, on a reduce-scatter ring) runs on the link just
-  before the step is issued. Nothing here decides by timing, so the order never differs between ranks.
+  (the add of the partial sum received by the hop before it, on a reduce-scatter ring) runs on the link just
+  before the hop is issued. Nothing here decides by timing, so the order never differs between ranks.
 - Requests are made only when their inputs are ready (a gradient partial is requested after the piece that
   wrote it), so the link never waits for compute: it waits only for its peers.
 - CPU + gloo: the link is the ring's worker thread (``Ring.executor``), the one that also runs the asynchronous
   bucketed collectives (FSDP2 units' prefetched all-gathers, the slicing schedule's gathers and reduce-scatters):
-  one queue for all of them. ``Pending.wait`` blocks the host until the step landed, bounded by ``timeout_s``.
+  one queue for all of them. ``Pending.wait`` blocks the host until the hop landed, bounded by ``timeout_s``.
 - CUDA + NCCL: a request is enqueued on the ring's communication stream at once, after an event recorded on the
-  compute stream (its inputs are written); ``Pending.wait`` makes the compute stream wait for the step's event;
+  compute stream (its inputs are written); ``Pending.wait`` makes the compute stream wait for the hop's event;
   the host never waits. Tensors used on the communication stream are marked with ``record_stream`` so that the
-  caching allocator does not reuse them before the step ran. Waiting time is measured by CUDA events on the
+  caching allocator does not reuse them before the hop ran. Waiting time is measured by CUDA events on the
   compute stream and read at the end of the step. (Written for NCCL and never run here: no GPU.)
 - The issue and the wait are the ring layer's (``issue``, ``Pending.wait`` in ``ring/issue.py``), the ones the
-  bucketed collectives' steps go through too ([Note: one place for a ring step]): the link adds the request and
-  its order, not another way to issue or time a step.
+  bucketed collectives' hops go through too ([Note: one place for a hop]): the link adds the request and
+  its order, not another way to issue or time a hop.
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ __all__ = ["Link", "Pending"]
 
 
 class Link:
-    """The link scheduler of one ring (module docstring): ``step`` requests one ring step of a fused layer, ring
+    """The link scheduler of one ring (module docstring): ``hop`` requests one hop of a fused layer, ring
     embedding or weight read, worked in request order; every request is folded into the ring's fingerprint
-    (``ring/fingerprint.py``). It keeps the deadline per step and the step statistics they are recorded in."""
+    (``ring/fingerprint.py``). It keeps the deadline per hop and the step statistics they are recorded in."""
 
     def __init__(self, ring: Ring, timeout_s: float, stats: StatsRecorder) -> None:
         self.ring, self.timeout_s, self.stats = ring, timeout_s, stats
 
-    def step(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, steps: int,
+    def hop(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], op, k: int, hops: int,
              before: Callable[[], None] | None = None, direct: bool = False,
              send_to: list[int] | None = None, recv_from: list[int] | None = None) -> Pending:
-        """Request one ring step: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
-        ``op`` is the ``RingOp`` (tag and name); ``k`` the step's index in its ring of ``steps``. The tensors
-        must stay untouched (``recvs``: unread) until the step is waited for. ``direct``: a direct exchange
+        """Request one hop: ``sends`` go to ``ring.next``, ``recvs`` are filled from ``ring.prev``.
+        ``op`` is the ``RingOp`` (tag and name); ``k`` the hop's index in its ring of ``hops``. The tensors
+        must stay untouched (``recvs``: unread) until the hop is waited for. ``direct``: a direct exchange
         instead, send ``i`` to and receive ``i`` from ``ring.peers[i]`` (``exchange.gather``), or from the group
         ranks ``send_to[i]`` / ``recv_from[i]`` where given (``exchange.swap``). CPU: issued here at once when
         nothing of the ring is in flight or queued, else worked on the ring's thread in request order; CUDA:
@@ -68,11 +68,11 @@ class Link:
         if transport.watched():
             transport.notify("start", op.phase, k)
         # compared across the ranks (ring/fingerprint.py); a direct exchange's sizes may differ (embedding rows)
-        ring.fingerprint.add(op, k, steps, 0 if direct or send_to is not None else tensor.numel())
+        ring.fingerprint.add(op, k, hops, 0 if direct or send_to is not None else tensor.numel())
         if direct:
             send_to = ring.peers if send_to is None else send_to
             recv_from = ring.peers if recv_from is None else recv_from
-        hop = Hop(ring, sends, recvs, op.tag, op.phase, k, steps, self.timeout_s, op, send_to, recv_from, before)
+        hop = Hop(ring, sends, recvs, op.tag, op.phase, k, hops, self.timeout_s, op, send_to, recv_from, before)
         if tensor.is_cuda:
             with ring.on_comm_stream(tensor.device) as (stream, _):  # after the compute that wrote the inputs
                 issue(hop)

@@ -10,7 +10,7 @@ PHASES = ("forward", "backward")
 
 
 def unit_key(state: FusedGroupState):
-    """The unit whose groups share ring steps: the innermost FSDP2 unit around the group (``shard()`` sets
+    """The unit whose groups share hops: the innermost FSDP2 unit around the group (``shard()`` sets
     ``state.unit``), or the group alone."""
     return state.unit if state.unit is not None else ("group", id(state))
 

@@ -9,10 +9,10 @@ steps without ``zero_grad`` would count it R times). So every synchronised contr
 gradient crosses the copies on its own, and only the sums go into ``.grad``:
 - a fused group's gradient ring crosses as soon as it lands: a bucketed ring reduce-scatter and all-gather per
   dtype over the replicate group, on that group's own ring, beside the rest of the backward. On CPU the landing is
-  handed to the replicate ring's thread as soon as its last step is requested (``after``): that thread waits for
-  the step, completes the shard and sums it, so a host running ahead of its compute (beside a GPU, or the bench's
+  handed to the replicate ring's thread as soon as its last hop is requested (``after``): that thread waits for
+  the hop, completes the shard and sums it, so a host running ahead of its compute (beside a GPU, or the bench's
   emulated one) does not hold it back. On CUDA the same happens on the replicate ring's stream (``after_event``):
-  it waits for the compute enqueued so far and for the last step's event, then completes the shard and sums it;
+  it waits for the compute enqueued so far and for the last hop's event, then completes the shard and sums it;
   the host goes on at once. Landings are handed over and completed in
   request order, the same on every rank, and their ring tags are drawn on the compute thread, so every rank of a
   replicate group runs the same exchanges in the same order.
@@ -98,7 +98,7 @@ class Replicas:
 
     def after(self, finish, dtypes) -> None:
         """CPU: on the replicate ring's thread, in order with the exchanges before it, run ``finish()`` (it waits
-        for a fused group's last gradient step and returns ``[(param, shard)]``) and sum those shards over the
+        for a fused group's last gradient hop and returns ``[(param, shard)]``) and sum those shards over the
         replicate group there. The compute thread goes on; ``exchange`` waits for it. ``dtypes``: the gradient
         dtypes the shards may have; the ring tags of their exchanges are drawn here, on the compute thread, so that
         every rank pairs them in the same order as the exchanges it starts itself (gloo matches by tag)."""
@@ -119,7 +119,7 @@ class Replicas:
     def after_event(self, finish, event: torch.cuda.Event, buffers: list[torch.Tensor]) -> None:
         """CUDA: enqueue ``finish()`` (it completes a fused group's gradient shard from ``buffers``) and the sum of
         its shards over the replicate group on the replicate ring's stream, after the compute enqueued so far and
-        the last gradient step (``event``, on the shard ring's stream). The compute stream goes on; ``exchange``
+        the last gradient hop (``event``, on the shard ring's stream). The compute stream goes on; ``exchange``
         makes it wait. Called on the compute thread in request order, so the ring tags are drawn in order."""
         with self.ring.on_comm_stream(buffers[0].device, after=event) as (stream, _):  # after the last piece
             self.send(finish())

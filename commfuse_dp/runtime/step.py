@@ -2,7 +2,7 @@
 
 A *step* runs from one forward of the sharded root module to the next. Within it the fused layers and ring
 embeddings carry state from one call to another:
-- the schedule's (``FusedSchedule``: layer order, prefetched first ring steps, the kept lm_head weight, deferred
+- the schedule's (``FusedSchedule``: layer order, prefetched first hops, the kept lm_head weight, deferred
   last gradient hops; ``SlicingScheduler``: prefetched gathers, background reduce-scatters);
 - each shared-input group's outputs waiting for their module's call (q/k/v);
 - each fused group's gradient partials kept while gradient sync is off (accumulation micro-batches);
@@ -10,7 +10,7 @@ embeddings carry state from one call to another:
   carried in the message tag so that ranks calling different layers never pair up their bytes.
 
 A step that raises (in the forward, in the backward, or in a ring) leaves some of this behind. ``reset()`` drops
-all of it: in-flight steps are waited for (every rank started them alike) and their bytes discarded, the no-sync
+all of it: in-flight hops are waited for (every rank started them alike) and their bytes discarded, the no-sync
 partials too (the accumulation window is lost, as with FSDP2's ``reset_iter_state``, to which ``shard()`` chains
 it). ``begin_step`` calls it by itself when the previous step did not finish its forward or its backward.
 """
@@ -39,7 +39,7 @@ _IDENTIFIED = 1 << 29
 
 
 class Schedule(Protocol):
-    """When the ring steps of a step's fused layers run: ``FusedSchedule`` (elastic or lockstep, ``schedule.py``) and
+    """When the hops of a step's fused layers run: ``FusedSchedule`` (elastic or lockstep, ``schedule.py``) and
     ``SlicingScheduler`` (``slicing.py``). ``fused.step_state`` picks one from the config; the step state drives it
     at the step's edges, and the one fused layer loop (``fused/linear.py``) through the rest: a layer's rings
     (``weights``, ``grads``), what goes beside each compute piece (``before_piece``, ``after_piece``) and what
@@ -57,10 +57,10 @@ class Schedule(Protocol):
         """The root's forward begins: forget the previous step's rings, keep its layer order."""
 
     def start_first(self, phase: str) -> None:
-        """Request the first fused layer's ring steps of ``phase`` ahead of it (from the ring embedding's forward)."""
+        """Request the first fused layer's hops of ``phase`` ahead of it (from the ring embedding's forward)."""
 
     def end_backward(self) -> None:
-        """Autograd finished the backward: the last deferred gradient steps land."""
+        """Autograd finished the backward: the last deferred gradient hops land."""
 
     def reset(self) -> None:
         """A step raised: wait for what is in flight, drop it and everything the schedule kept."""
@@ -78,19 +78,19 @@ class Schedule(Protocol):
 
     def weights(self, state, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
                 recompute: bool = False):
-        """The layer's weight ring (``layer_rings.WeightRing``): what piece k computes with, and the steps that
+        """The layer's weight ring (``layer_rings.WeightRing``): what piece k computes with, and the hops that
         bring it (none where it landed whole)."""
 
     def grads(self, state, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights, accumulates: bool):
-        """The layer's gradient partials (``GradRing``, ``WholeGrads``): where piece k writes, and its steps."""
+        """The layer's gradient partials (``GradRing``, ``WholeGrads``): where piece k writes, and its hops."""
 
     def before_piece(self, state, phase: str, k: int, grads=None) -> None:
-        """Beside compute piece k of fused group ``state`` in ``phase``, after the piece's own ring steps were
-        requested: the steps this schedule requests there (rings ahead, a unit's gradients, the next layers')."""
+        """Beside compute piece k of fused group ``state`` in ``phase``, after the piece's own hops were
+        requested: the hops this schedule requests there (rings ahead, a unit's gradients, the next layers')."""
 
     def after_piece(self, state, phase: str, k: int) -> None:
-        """After piece k's compute, before the piece waits for its own step: what has landed is taken in."""
+        """After piece k's compute, before the piece waits for its own hop: what has landed is taken in."""
 
     def release(self, weights) -> None:
         """The layer's weight ring is done: its buffer may serve a later one."""
@@ -155,11 +155,11 @@ class StepState:
         """The root module's forward begins. Returns True if the previous step was left unfinished (and reset)."""
         aborted = self.forward_open or self.backward_open
         if aborted:
-            logger.warning("commfuse_dp: the previous %s did not finish (an exception?); its in-flight ring steps, "
+            logger.warning("commfuse_dp: the previous %s did not finish (an exception?); its in-flight hops, "
                            "deferred gradients and no-sync partials were dropped",
                            "forward" if self.forward_open else "backward")
             self.reset()
-        # Raises if the ranks issued different ring steps in the previous step (ring/fingerprint.py)
+        # Raises if the ranks issued different hops in the previous step (ring/fingerprint.py)
         self.engine.ring.fingerprint.begin_step(self.step + 1, self.engine.config.timeout_s)
         self.engine.stats.begin_step()
         self.step += 1

@@ -5,7 +5,7 @@
 
 A Llama-style decoder (untied embeddings: a ring embedding, fused linears, FSDP2 units) sharded with a short ring
 timeout, trained by a plain loop (or a CommFuseAccelerator loop) on seeded batches. The fault is made for real:
-a rank kills itself (SIGKILL) or stops answering inside a ring step, feeds a bad batch, disagrees about its config
+a rank kills itself (SIGKILL) or stops answering inside a hop, feeds a bad batch, disagrees about its config
 or model, or dies while a checkpoint is written; a full disk is a size-limited tmpfs the test mounts. The only
 forced fault is the death in the middle of a checkpoint write (a wrapped DCP write function), which cannot be timed
 otherwise. What each rank saw goes to WORKDIR/rank<R>.json; errors are left to propagate, so that the process
@@ -92,7 +92,7 @@ def _forward(model, batch: dict):
 
 
 def _die_in_ring(rank: int, fault: str, workdir: str):
-    """An observer of the ring steps: the victim dies (SIGKILL) or stops answering at its third ring step of the
+    """An observer of the hops: the victim dies (SIGKILL) or stops answering at its third hop of the
     fault step, i.e. in the middle of the fused rings, with its peer waiting on it."""
     from commfuse_dp.ring.transport import observe_ring
 
@@ -101,12 +101,12 @@ def _die_in_ring(rank: int, fault: str, workdir: str):
     if "_mid_ring" not in fault:
         return contextlib.nullcontext(), state
 
-    def callback(event: str, op: str, step: int) -> None:
+    def callback(event: str, op: str, k: int) -> None:
         if state["step"] != FAULT_STEP or rank != VICTIM or event != "start":
             return
         seen["starts"] += 1
         if seen["starts"] == 3:
-            _record(workdir, rank, fault_time=time.time(), fault_at=f"{op} step {step}")
+            _record(workdir, rank, fault_time=time.time(), fault_at=f"{op} hop {k}")
             if fault.startswith("kill"):
                 os.kill(os.getpid(), signal.SIGKILL)
             # hang: alive but silent for two ring timeouts (a launcher ends it sooner; without one it then

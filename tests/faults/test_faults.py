@@ -1,6 +1,6 @@
 """Fault injection: real 2-rank training runs under real launchers (torchrun, ``commfuse-dp launch``), each meeting
 one fault, and the checks that it ended cleanly -- every rank exits within the ring timeout, non-zero, with an error
-naming what went wrong (the rank, the ring step, the file, the field), the launcher reports the failure and exits,
+naming what went wrong (the rank, the hop, the file, the field), the launcher reports the failure and exits,
 and no byte of an earlier complete checkpoint is lost. ``tests/faults/conftest.py`` prints the suite's line.
 
 The faults are made for real by tests/faults/fault_worker.py (see there); the full disk is a tmpfs mounted with a
@@ -84,9 +84,9 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["kill_mid_ring_no_launcher", "hang_mid_ring_no_launcher", "hang_mid_ring",
                                   "hang_mid_ring_accelerate"])
-def test_survivors_name_the_silent_rank_and_ring_step(tmp_path, fault, name):
+def test_survivors_name_the_silent_rank_and_hop(tmp_path, fault, name):
     """Without a launcher (ranks and process group started by tests/harness.py), under torchrun and under
-    ``commfuse-dp launch`` (a CommFuseAccelerator): rank 0 raises RingCommError naming rank 1 and the ring step
+    ``commfuse-dp launch`` (a CommFuseAccelerator): rank 0 raises RingCommError naming rank 1 and the hop
     within the ring timeout, and the launcher then ends rank 1 and exits non-zero."""
     workdir = tmp_path / "run"
     if name.endswith("_no_launcher"):
@@ -110,16 +110,16 @@ def test_survivors_name_the_silent_rank_and_ring_step(tmp_path, fault, name):
         if config:
             assert ranks[0].get("accelerator") == "CommFuseAccelerator", ranks
     victim, survivor = ranks[1], ranks[0]
-    assert "fault_time" in victim, ranks  # the fault really happened, in a ring step of step 2
+    assert "fault_time" in victim, ranks  # the fault really happened, in a hop of step 2
     assert survivor.get("error_type") == "RingCommError", ranks
-    assert "rank 1" in survivor["error"] and "step" in survivor["error"], survivor["error"]
+    assert "rank 1" in survivor["error"] and "hop" in survivor["error"], survivor["error"]
     waited = survivor["error_time"] - victim["fault_time"]
     assert waited < RING_TIMEOUT_S + SLACK_S, (waited, survivor["error"])
     fault.detail = f" (rank 0 raised {waited:.1f} s after the fault: {survivor['error'][:80]!r})"
     fault.clean = True
 
 
-def test_launcher_ends_the_job_when_a_rank_is_killed_in_a_ring_step(tmp_path, fault):
+def test_launcher_ends_the_job_when_a_rank_is_killed_in_a_hop(tmp_path, fault):
     """Under torchrun a SIGKILLed rank is seen by the launcher first: it ends the other ranks and exits non-zero,
     naming the killed rank as the root cause."""
     fault.name = "kill_mid_ring"

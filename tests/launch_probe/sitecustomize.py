@@ -30,7 +30,7 @@ def _patch(module) -> None:
                 "model_class": type(model).__name__,
                 "callbacks": [type(c).__name__ for c in trainer.callback_handler.callbacks] if trainer else None,
                 "losses": [e["loss"] for e in logs], "grad_norms": [e.get("grad_norm") for e in logs],
-                "steps": [e["step"] for e in logs], "ring_steps": [e.get("commfuse/ring_steps") for e in logs],
+                "steps": [e["step"] for e in logs], "hops": [e.get("commfuse/hops") for e in logs],
             }
             with open(os.path.join(os.environ["LAUNCH_PROBE_OUT"], f"rank{report['rank']}.json"), "w") as f:
                 json.dump(report, f)
