@@ -184,7 +184,7 @@ class Bundle:
     """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): hop k of all
     of them travels as one request, so a unit pays one ring's latency, as slicing's per-layer gather does."""
 
-    completes = False  # steps not requested when the backward ends are dropped: no layer will read them
+    completes = False  # hops not requested when the backward ends are dropped: no layer will read them
 
     def __init__(self, rings: list[WeightRing]) -> None:
         self.rings = rings

@@ -1,8 +1,8 @@
-"""``Lookahead``: which weight rings the fused schedule requests before their layers, and when their steps go.
+"""``Lookahead``: which weight rings the fused schedule requests before their layers, and when their hops go.
 
 - *Elastic*: when a group begins, the whole rings of the groups that follow it in the recorded order are chosen,
   unit by unit, while the gathered weights held fit the budget (``lookahead_mb``; "auto": two of the largest
-  unit's); their steps are paced over the running unit's pieces (``pace``), in one queue with the gradient bundles
+  unit's); their hops are paced over the running unit's pieces (``pace``), in one queue with the gradient bundles
   of units whose backward ended (``GradBundle``), whose order is the order of the requests.
 - *Lockstep*: beside a layer's last piece, step 0 of the next ``prefetch_depth`` groups (``start_next``).
 - Before the first group of a forward (from a ring embedding), the first groups' rings (``start_first``).
@@ -22,21 +22,21 @@ from .order import unit_key
 
 
 class Paced(Protocol):
-    """Rings whose steps are requested piece by piece (``PacedQueue``): a unit's weight rings chosen ahead
+    """Rings whose hops are requested piece by piece (``PacedQueue``): a unit's weight rings chosen ahead
     (``layer_rings.Bundle``) or its gradient rings (``gradients.GradBundle``)."""
 
-    completes: bool  # its steps left are requested when the backward ends (gradients), else dropped (weights)
+    completes: bool  # its hops left are requested when the backward ends (gradients), else dropped (weights)
 
     @property
     def unrequested(self) -> int: ...
 
-    def request(self, steps: int | None = None) -> int: ...
+    def request(self, hops: int | None = None) -> int: ...
 
     def settle(self) -> None: ...
 
 
 class PacedQueue:
-    """The link's queue of steps still to request beside the coming pieces, in the order they were chosen (the
+    """The link's queue of hops still to request beside the coming pieces, in the order they were chosen (the
     order every rank requests them in): weight bundles chosen ahead and the gradient bundles of units whose
     backward ended, in one FIFO because the link works one request after the other."""
 
@@ -50,14 +50,14 @@ class PacedQueue:
         self._items.append(item)
 
     def remove(self, item: Paced) -> None:
-        """``item``'s layer began before all of its steps were paced: the layer requests the rest itself."""
+        """``item``'s layer began before all of its hops were paced: the layer requests the rest itself."""
         self._items.remove(item)
 
     def unrequested(self) -> int:
         return sum(item.unrequested for item in self._items)
 
     def request(self, quota: int) -> None:
-        """Request up to ``quota`` steps from the head of the queue on."""
+        """Request up to ``quota`` hops from the head of the queue on."""
         while quota and self._items:
             quota -= self._items[0].request(quota)
             if not self._items[0].unrequested:
@@ -92,7 +92,7 @@ class Choice(NamedTuple):
 
 class Lookahead:
     """The rings requested ahead of their layers for the fused schedule ``sched`` (its order, its ring buffers,
-    its config), and the queue of ring steps paced over the pieces."""
+    its config), and the queue of hops paced over the pieces."""
 
     def __init__(self, sched) -> None:
         self.sched, self.engine, self.order = sched, sched.engine, sched.order
@@ -100,9 +100,9 @@ class Lookahead:
         self.prefetch, self.elastic = sched.prefetch, sched.elastic
         self.budget_auto = config.lookahead_mb == "auto"
         self.budget = 0 if self.budget_auto else int(float(config.lookahead_mb) * (1 << 20))
-        self.bundle_forward = False  # whether a unit's forward rings share steps (from the order: ``plan``)
+        self.bundle_forward = False  # whether a unit's forward rings share hops (from the order: ``plan``)
         self.ahead: dict[tuple[FusedGroupState, str], WeightRing] = {}
-        self.paced = PacedQueue()  # chosen ahead, their steps requested piece by piece (pace)
+        self.paced = PacedQueue()  # chosen ahead, their hops requested piece by piece (pace)
         self.held = 0  # gathered weight bytes held: the running group's and those chosen ahead (elastic)
         self.chosen: dict[str, int] = {}  # per phase: the groups before this place were chosen ahead (or unwanted)
         self.kept: set[FusedGroupState] = set()  # groups of this step whose forward kept the gathered weight
@@ -126,7 +126,7 @@ class Lookahead:
         self.paced.end_backward()
 
     def reset(self) -> None:
-        """An aborted step: requested steps are waited for (every rank requested them alike) and dropped."""
+        """An aborted step: requested hops are waited for (every rank requested them alike) and dropped."""
         rings = list(self.ahead.values())
         self.ahead.clear()
         for item in [*rings, *self.paced.drop()]:
@@ -138,7 +138,7 @@ class Lookahead:
 
     def take(self, state: FusedGroupState, phase: str) -> WeightRing | None:
         """The ring of ``state`` in ``phase`` requested ahead, if any (no longer ahead once taken); one whose
-        steps were not all paced yet leaves the queue: its layer requests them now."""
+        hops were not all paced yet leaves the queue: its layer requests them now."""
         ring = self.ahead.pop((state, phase), None)
         if ring is not None and ring.unrequested and ring.bundle is not None:
             self.paced.remove(ring.bundle)
@@ -169,10 +169,10 @@ class Lookahead:
         self.bundle_forward = self.engine.config.bundles_forward(self.engine.ring.size, len(unit_bytes))
 
     def pace(self, state: FusedGroupState, phase: str, pieces_left: int) -> None:
-        """Elastic, beside each fused piece: request the next steps of the rings chosen ahead (weight bundles, and
+        """Elastic, beside each fused piece: request the next hops of the rings chosen ahead (weight bundles, and
         in the backward the previous unit's gradient bundle), spread over the pieces left in the running unit
         (``pieces_left`` of this group, with this one, and all of the unit's groups after it), so that they queue
-        on the link between the pieces' own steps instead of all before them. By counts only."""
+        on the link between the pieces' own hops instead of all before them. By counts only."""
         if not self.paced:  # lockstep, or nothing chosen ahead
             return
         pieces_left += self.engine.ring.size * self.order.rest(state, phase)
@@ -189,7 +189,7 @@ class Lookahead:
 
     def start_first(self, phase: str) -> None:
         """Before the first fused group of a forward (from a ring embedding, once its own exchange is under way):
-        request that group's first ring step and those of the following ones (elastic: their whole rings)."""
+        request that group's first hop and those of the following ones (elastic: their whole rings)."""
         if self.prefetch and phase == "forward" and not self.order.began and self.order:
             self.held = 0
             whole = lambda order, start, phase: self._whole(order, start, phase, split_first=True)  # noqa: E731
@@ -227,7 +227,7 @@ class Lookahead:
             else:
                 for ring in rings:
                     sends, recvs = ring.io(0)
-                    ring.pending[0] = self.engine.link.step(sends, recvs, ring.op, 0, ring.world - 1)
+                    ring.pending[0] = self.engine.link.hop(sends, recvs, ring.op, 0, ring.world - 1)
                     ring.requested = 1
         if choice.resume_at is not None:
             self.chosen[phase] = choice.resume_at

@@ -1,27 +1,27 @@
-"""When the fused schedule requests its ring steps across layers (the rings of one layer call and the steps beside
+"""When the fused schedule requests its hops across layers (the rings of one layer call and the hops beside
 each compute piece: ``layer_rings.py``).
 
 [Note: across layers]  (the per-layer loops are in ``fused/linear.py``; the link that works the requests: ``link.py``)
 The forward order of the fused groups is recorded in each step and used by the next one (the first step, and the
 first after a ``reset()``, run without looking ahead). Two ways to use it, one loop:
 
-- *Lockstep* (``lookahead_mb=0``). A layer requests ring step k beside compute piece k and waits for it at the
-  piece's end; in backward one step carries the weight shard and the gradient partial. Two weight-shard and two
-  gradient-shard buffers are live. During a layer's last piece, step 0 of the next ``prefetch_depth`` layers is
+- *Lockstep* (``lookahead_mb=0``). A layer requests hop k beside compute piece k and waits for it at the
+  piece's end; in backward one hop carries the weight shard and the gradient partial. Two weight-shard and two
+  gradient-shard buffers are live. During a layer's last piece, hop 0 of the next ``prefetch_depth`` layers is
   requested (``Lookahead.start_next``; ``start_first`` from a ring embedding); after the last layer of the forward the
-  backward's first layers follow, so their weight shards land during the loss. A layer's last gradient step is
+  backward's first layers follow, so their weight shards land during the loss. A layer's last gradient hop is
   waited after the next layer's first piece (``Gradients.land``), or at the end of the backward.
 - *Elastic* (``lookahead_mb`` > 0, default ``"auto"``). When a layer begins, the whole all-gather rings of the
-  layers that follow it are chosen, in order, as long as their gathered weights fit in the budget; their steps
+  layers that follow it are chosen, in order, as long as their gathered weights fit in the budget; their hops
   are requested beside the layer's pieces, spread over them (``Lookahead.pace``), so they queue between its own gradient
-  steps; the link runs them while compute works, so it idles less where compute has no ring step beside it. A
+  hops; the link runs them while compute works, so it idles less where compute has no hop beside it. A
   layer's weight ring gathers into an ``(N, numel)`` buffer; piece k still starts as soon as shard k has landed, so
   the first layer's head stays fused. Gradient partials go into an ``(N, numel)`` buffer each and are requested
   beside the next piece, but not waited for: they lag behind the all-gathers queued before them and land during later
   compute (``Gradients.land``, completed on the compute thread at piece boundaries and, at the latest, when the
   backward ends). So the step still ends with one exposed hop at most, as in lockstep. A unit's weight rings
-  share their steps (``Bundle``: one ring's latency per unit) in the backward, and in the forward where
-  ``CommFuseConfig.forward_bundles`` says so: there step k carries shard k of every group, so the unit's first
+  share their hops (``Bundle``: one ring's latency per unit) in the backward, and in the forward where
+  ``CommFuseConfig.forward_bundles`` says so: there hop k carries shard k of every group, so the unit's first
   group waits for all of its unit's bytes, a lag that lasts the forward where the link runs as fast as compute.
 
 Both keep every gathered shard of the last layer of the forward (the lm_head) for its backward
@@ -45,7 +45,7 @@ from .step import StepState
 
 
 class FusedSchedule:
-    """The fused schedule, elastic or lockstep (the Note above): which ring steps are requested beside each piece,
+    """The fused schedule, elastic or lockstep (the Note above): which hops are requested beside each piece,
     which layers' rings are requested ahead, and when the lagging gradient rings land."""
 
     def __init__(self, engine: Engine, steps: StepState) -> None:
@@ -59,7 +59,7 @@ class FusedSchedule:
         self.order = LayerOrder()  # the fused groups in the forward order of the previous step
         self.gradients = Gradients(engine)  # when each layer's gradient lands, and how
         self.rings = WeightRings(engine, self.elastic)  # each ring's buffers (CPU: reused)
-        self.lookahead = Lookahead(self)  # the rings requested ahead of their layers, the steps paced over pieces
+        self.lookahead = Lookahead(self)  # the rings requested ahead of their layers, the hops paced over pieces
 
     @property
     def packs_params(self) -> bool:
@@ -80,7 +80,7 @@ class FusedSchedule:
         self.gradients.finish_backward()
 
     def reset(self) -> None:
-        """Drop everything of an aborted step: requested steps are waited for (every rank requested them alike)
+        """Drop everything of an aborted step: requested hops are waited for (every rank requested them alike)
         and their bytes dropped; the layer order is forgotten (the next step runs as a first step)."""
         self.lookahead.reset()
         self.gradients.reset()
@@ -111,14 +111,14 @@ class FusedSchedule:
         return self.rings.new(state, params, compute_dtype, op, keep)
 
     def release(self, weights: WeightRing) -> None:
-        """``weights`` is done (every step it is part of was waited for): ``WeightRings.release``."""
+        """``weights`` is done (every hop it is part of was waited for): ``WeightRings.release``."""
         self.rings.release(weights)
 
     def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
               communicates: bool, weights: WeightRing | None, accumulates: bool) -> GradRing:
         """The gradient ring of one backward of ``state`` ([Note: the gradient path]); it shares the ring op of
         ``weights`` (the same backward's weight ring) when that travels, as one ring operation of the layer. Its
-        hops lag in elastic mode, else join the pieces' weight steps. ``accumulates``: the gradients may be put
+        hops lag in elastic mode, else join the pieces' weight hops. ``accumulates``: the gradients may be put
         into ``.grad`` by us; then its last hop lands after the backward returns (``Lands.LATER``), with its
         unit's other rings where they share hops (``bundles_grads``)."""
         op, travel, lands = None, Travel.LOCAL, Lands.NOW
@@ -143,11 +143,11 @@ class FusedSchedule:
     # -- beside each compute piece -------------------------------------------------------------------------------
 
     def before_piece(self, state: FusedGroupState, phase: str, k: int, grads: GradRing | None = None) -> None:
-        """Beside compute piece k of ``state`` (its own steps requested already, ``piece_steps``): a unit's gradient
-        step (``unit_grads_step``), the steps of the rings chosen ahead (``pace``), and at the last piece the next
-        layers' first steps (lockstep, ``start_next``)."""
+        """Beside compute piece k of ``state`` (its own hops requested already, ``piece_hops``): a unit's gradient
+        hop (``unit_grads_hop``), the hops of the rings chosen ahead (``pace``), and at the last piece the next
+        layers' first hops (lockstep, ``start_next``)."""
         if grads is not None and grads.travel is Travel.BUNDLED:
-            self.unit_grads_step(state, k)
+            self.unit_grads_hop(state, k)
         if self.lookahead.paced:
             self.lookahead.pace(state, phase, self.engine.ring.size - k)
         if k == self.engine.ring.size - 1:
@@ -163,7 +163,7 @@ class FusedSchedule:
     # -- gradient rings by unit ---------------------------------------------------------------------------------
 
     def backward_begins(self, state: FusedGroupState) -> None:
-        """A fused group's backward begins: a gradient bundle of another unit is complete, its steps paced from
+        """A fused group's backward begins: a gradient bundle of another unit is complete, its hops paced from
         here on."""
         self.lookahead.pace_later(self.gradients.close_unit(unit_key(state)))
 
@@ -173,8 +173,8 @@ class FusedSchedule:
         at most)."""
         return self.elastic and bool(self.order) and unit_key(state) != self.order.last_unit
 
-    def unit_grads_step(self, state: FusedGroupState, k: int) -> None:
-        """Beside piece k (k ≥ 1) of the unit's last group in the backward (by the recorded order): request step k
+    def unit_grads_hop(self, state: FusedGroupState, k: int) -> None:
+        """Beside piece k (k ≥ 1) of the unit's last group in the backward (by the recorded order): request hop k
         of the unit's gradient bundle; every group's partial k-1 is written by then. So a unit's gradients travel
         during its own last group, one ring for the unit, as early as their bytes exist."""
         if k and not self.order.rest(state, "backward"):
