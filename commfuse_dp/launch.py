@@ -123,6 +123,13 @@ def _launch_cpu(args: argparse.Namespace) -> None:
         args.main_process_port = 0  # prepare_multi_gpu_env: 0 means a free port
     env = prepare_multi_gpu_env(args)
     env["ACCELERATE_USE_CPU"] = "true"
+    if getattr(args, "max_restarts", 0):
+        # A restarted worker group needs a rendezvous store of its own: the static rendezvous, and a c10d one that
+        # shares its store with the workers, keep the first attempt's keys, from which the next attempt's
+        # init_process_group may read a dead rank's address (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if args.num_machines <= 1:
+            args.standalone = True  # torchrun --standalone: a c10d rendezvous on a free local port
     run_args = _filter_args(args, distrib_run.get_args_parser(),
                             ["--training_script", args.training_script,
                              "--training_script_args", args.training_script_args])

@@ -24,15 +24,22 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "restart_worker.py")
 
 
-def _launch(workdir, fault: str, *, restarts: int = 1, env: dict | None = None):
+def _launch(workdir, fault: str, *, restarts: int = 1, env: dict | None = None, launcher: str = "torchrun"):
     os.makedirs(workdir, exist_ok=True)
     # A restarted worker group needs a store of its own: torchrun's static rendezvous, and the c10d one sharing its
     # store with the workers, keep the first attempt's keys, and the second attempt's init_process_group may read
     # a dead rank's address from them (pytorch/pytorch#135712). --standalone (c10d) with the store not shared.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
            str(restarts), WORKER, fault, str(workdir)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_RING_TIMEOUT_S": str(RING_TIMEOUT_S),
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    if launcher == "commfuse-dp":  # it does the same by itself when given --max_restarts (on one machine)
+        config = workdir / "accel.yaml"
+        config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nuse_cpu: true\n"
+                          "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmixed_precision: 'no'\n")
+        cmd = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", str(config), "--max_restarts",
+               str(restarts), WORKER, fault, str(workdir)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_RING_TIMEOUT_S": str(RING_TIMEOUT_S), **(env or {})}
+    if launcher == "torchrun":
+        full_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     began = time.monotonic()
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=400)
     seconds = time.monotonic() - began
@@ -48,7 +55,9 @@ def uninterrupted(tmp_path_factory):
     proc, ranks, _ = _launch(workdir, "none", restarts=0)
     assert proc.returncode == 0, _output(proc)
     assert [a["start"] for a in ranks[0]["attempts"]] == [0]
-    return torch.load(workdir / "final.pt", weights_only=True)
+    with open(workdir / "ckpt" / "commfuse_complete") as f:
+        size = sum(v[0] for v in json.load(f)["files"].values())  # one checkpoint's bytes
+    return torch.load(workdir / "final.pt", weights_only=True), size
 
 
 def _max_diff(final: dict, expected: dict) -> float:
@@ -56,15 +65,18 @@ def _max_diff(final: dict, expected: dict) -> float:
     return max((final[n].float() - expected[n].float()).abs().max().item() for n in expected)
 
 
-@pytest.mark.parametrize("name,resumed", [
-    ("kill_mid_ring_restart", None),          # the newest complete checkpoint: step 1 or 2 (step 2's may be writing)
-    ("hang_mid_ring_restart", None),
-    ("kill_during_async_save", 2),            # step 3's write was cut: step 2's is the newest complete one
+@pytest.mark.parametrize("name,resumed,launcher", [
+    ("kill_mid_ring_restart", None, "torchrun"),  # the newest complete checkpoint: step 1 or 2 (2's may be writing)
+    ("hang_mid_ring_restart", None, "torchrun"),
+    ("kill_during_async_save", 2, "torchrun"),    # step 3's write was cut: step 2's is the newest complete one
+    ("kill_mid_ring_restart", None, "commfuse-dp"),
 ])
 def test_restarted_run_completes_with_the_weights_of_an_uninterrupted_one(tmp_path, uninterrupted, fault, name,
-                                                                         resumed):
+                                                                         resumed, launcher):
     workdir = tmp_path / "run"
-    proc, ranks, fault.seconds = _launch(workdir, name)
+    if launcher != "torchrun":
+        fault.name = f"{name} ({launcher} launch)"
+    proc, ranks, fault.seconds = _launch(workdir, name, launcher=launcher)
     assert proc.returncode == 0, _output(proc)
     victim = ranks[restart_worker.VICTIM]
     assert "fault_time" in victim, ranks  # the fault really happened, in the first attempt
@@ -74,7 +86,7 @@ def test_restarted_run_completes_with_the_weights_of_an_uninterrupted_one(tmp_pa
     assert starts[1] >= 1, ranks  # it did resume: a checkpoint written before the fault was complete
     assert f"resumed from {workdir / 'ckpt'} (step {starts[1] - 1})" in proc.stdout, _output(proc)
     assert all(r.get("finished") for r in ranks), ranks
-    fault.max_diff = _max_diff(torch.load(workdir / "final.pt", weights_only=True), uninterrupted)
+    fault.max_diff = _max_diff(torch.load(workdir / "final.pt", weights_only=True), uninterrupted[0])
     assert fault.max_diff == 0.0
     fault.bytes_lost = _bytes_lost(workdir / "ckpt")
     assert ck.is_complete(workdir / "ckpt") and fault.bytes_lost == 0
@@ -84,13 +96,9 @@ def test_restarted_run_completes_with_the_weights_of_an_uninterrupted_one(tmp_pa
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
                     reason="a size-limited tmpfs needs root (mount -t tmpfs -o size=...)")
-def test_full_disk_during_async_save_raises_and_keeps_the_previous_checkpoint(tmp_path, fault):
+def test_full_disk_during_async_save_raises_and_keeps_the_previous_checkpoint(tmp_path, uninterrupted, fault):
     fault.name = "full_disk_async"
-    probe = tmp_path / "probe"
-    proc, _, _ = _launch(probe, "none", restarts=0)  # one checkpoint's size
-    assert proc.returncode == 0, _output(proc)
-    with open(probe / "ckpt" / "commfuse_complete") as f:
-        size = sum(v[0] for v in json.load(f)["files"].values())
+    size = uninterrupted[1]
     disk = tmp_path / "disk"
     disk.mkdir()
     limit = (size * 3 // 2 // 4096 + 1) * 4096  # room for one checkpoint, not for a second one beside it
