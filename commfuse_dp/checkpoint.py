@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Iterable
 
@@ -293,6 +294,8 @@ class AsyncSaver:
         self._group = None
         self._staging = _Staging()
         self.staged_bytes = 0  # host memory the last save's copy holds (kept for the next save to reuse)
+        self.write_s = 0.0  # the last finished write: seconds on the writing thread's clock, and CPU seconds
+        self.write_cpu_s = 0.0
 
     @property
     def writing(self) -> bool:
@@ -311,12 +314,14 @@ class AsyncSaver:
         self.staged_bytes = self._staging.nbytes
 
         def write() -> None:
+            began, cpu = time.perf_counter(), time.thread_time()
             try:
                 _write_sharded(path, staged, group)
                 if then is not None:
                     then()
             except BaseException as err:  # handed to the training thread by wait()
                 self._error = err
+            self.write_s, self.write_cpu_s = time.perf_counter() - began, time.thread_time() - cpu
 
         self._job = threading.Thread(target=write, name="commfuse-async-save", daemon=True)
         self._job.start()
