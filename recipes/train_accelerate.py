@@ -13,7 +13,9 @@
 
 Same embedded default and data options as finetune_clm.py (``--model``, ``--data``, ...). The loop uses
 ``accelerator.accumulate``, ``backward``, ``clip_grad_norm_``, ``gather_for_metrics``, a tqdm bar on rank 0,
-``save_state`` every ``--save_steps`` (``--resume_from`` a saved state folder continues from it), and writes what
+``save_state`` every ``--save_steps`` (``--resume_from`` a saved state folder continues from it; ``--auto_resume``
+the newest complete one in ``--output_dir``, if any, so that a job ``commfuse-dp launch --max_restarts N`` restarts
+carries on), and writes what
 finetune_clm.py writes: ``model/`` (consolidated, with the tokenizer), ``loss.png``, ``timeline.png``,
 ``trace.json`` and ``summary.json``.
 """
@@ -73,8 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         args=argv)
     rank, world = common.world()
     try:
+        if args.async_save:
+            raise common.RecipeError("--async_save: this loop's save_state writes on the training thread; the "
+                                     "background writes are finetune_clm.py's (the Trainer's checkpoints)")
+        if args.auto_resume and not args.save_steps:
+            raise common.RecipeError("--auto_resume resumes from this run's states, and --save_steps 0 writes none: "
+                                     "add --save_steps N")
+        if args.auto_resume and args.resume_from is None:
+            args.resume_from = newest_state(args.output_dir)   # None: start at step 0
         if args.resume_from is None:
-            common.check_output_dir(args.output_dir, args.overwrite_output_dir)
+            common.check_output_dir(args.output_dir, args.overwrite_output_dir or args.auto_resume)
         elif not os.path.isdir(args.resume_from):
             raise common.RecipeError(f"--resume_from {args.resume_from} is not a folder")
         model, tokenizer, train, evaluation, info = prepare_inputs(
@@ -124,6 +134,9 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
     if args.resume_from:
         accelerator.load_state(args.resume_from)
         step = _saved_step(args.resume_from)
+        accelerator.print(f"resuming from {args.resume_from} (step {step})")
+    elif args.auto_resume:
+        accelerator.print(f"auto_resume: no complete state in {args.output_dir}; starting at step 0")
     before = evaluate(accelerator, model, eval_loader)
     history: list[dict] = []
     timeline = None
@@ -171,6 +184,7 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
             if args.save_steps and step % args.save_steps == 0:
                 folder = os.path.join(args.output_dir, f"state-{step}")
                 accelerator.save_state(folder)
+                accelerator.wait_for_everyone()   # step.json, written last, marks a state every rank finished
                 if accelerator.is_main_process:
                     with open(os.path.join(folder, "step.json"), "w") as f:
                         json.dump({"step": step}, f)
@@ -199,6 +213,17 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
     drain_gloo_workers()   # before the groups go, also a plain Accelerator's (commfuse_dp/ring/topology.py)
     accelerator.end_training()
     return 0
+
+
+def newest_state(output_dir: str) -> str | None:
+    """The ``state-N`` folder of ``output_dir`` with the highest N whose ``step.json`` was written (the state's last
+    file, written once every rank's part was): a state whose save was cut short is passed over."""
+    import re
+
+    found = [(int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else ())
+             if (m := re.fullmatch(r"state-(\d+)", name)) and os.path.isfile(os.path.join(output_dir, name,
+                                                                                       "step.json"))]
+    return os.path.join(output_dir, max(found)[1]) if found else None
 
 
 def _saved_step(folder: str) -> int:

@@ -44,9 +44,33 @@ def test_unchanged_loop_under_commfuse_launch(tmp_path):
     assert torch.isfinite(logits).all()
 
 
+def test_auto_resume_carries_on_from_the_newest_complete_state(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:
+        env.pop(name)
+    out = tmp_path / "run"
+    small = [a for a in SMALL if a not in ("--max_steps", "6")]
+
+    def launch(steps: int):
+        cmd = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file",
+               os.path.join(ROOT, "recipes", "configs", "accelerate_cpu_commfuse.yaml"),
+               os.path.join(ROOT, "recipes", "train_accelerate.py"), "--output_dir", str(out), *small,
+               "--max_steps", str(steps), "--auto_resume"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+        return proc.stdout + proc.stderr
+
+    assert f"no complete state in {out}; starting at step 0" in launch(3)
+    (out / "state-6").mkdir()  # a state whose save was cut short: no step.json
+    said = launch(6)
+    assert f"resuming from {out / 'state-3'} (step 3)" in said
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6 and (out / "state-6" / "step.json").exists()
+
+
 @pytest.mark.parametrize("case, word", [("missing", "does not exist"), ("empty", "no text"),
                                         ("outdir", "not empty"), ("resume", "is not a folder"),
-                                        ("config", "bucket_mbb")])
+                                        ("config", "bucket_mbb"), ("async", "--async_save"),
+                                        ("auto", "--save_steps 0")])
 def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, case, word):
     # main() in this process: every check runs before any process group or Accelerator exists.
     from commfuse_dp.recipes import train_accelerate
@@ -64,6 +88,10 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
         (out / "keep.txt").write_text("mine")
     elif case == "resume":
         args += ["--resume_from", str(tmp_path / "no-state")]
+    elif case == "async":
+        args += ["--async_save"]
+    elif case == "auto":
+        args += ["--auto_resume"]
     elif case == "config":
         (tmp_path / "cf.yaml").write_text("commfuse:\n  bucket_mbb: 4\n")
         args += ["--commfuse", "--commfuse_config", str(tmp_path / "cf.yaml")]
