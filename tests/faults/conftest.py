@@ -44,6 +44,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     lost = sum(f.bytes_lost for f in _TRIED)
     restarted = [f for f in _TRIED if f.max_diff is not None]
     completed = sum(f.completed for f in restarted)
-    diff = max((f.max_diff for f in restarted), default=0.0)
-    write(f"faults: {len(_TRIED)} tried, {clean} ended cleanly, {completed} completed after restart (final weights "
-          f"equal to an uninterrupted run's: max abs diff {diff:g} in fp32), {lost} bytes of checkpoint lost")
+    weights = ""
+    if restarted:
+        diff = max(f.max_diff for f in restarted)
+        weights = (f" (final weights {'equal to' if diff == 0 else 'differ from'} an uninterrupted run's: max abs "
+                   f"diff {diff:g} in fp32)")
+    write(f"faults: {len(_TRIED)} tried, {clean} ended cleanly, {completed} completed after restart{weights}, "
+          f"{lost} bytes of checkpoint lost")

@@ -41,9 +41,12 @@ def _read(workdir: str, rank: int) -> dict:
 
 
 def _record(workdir: str, rank: int, **values) -> None:
+    # Whole or not at all (written beside, then renamed): the launcher may kill this rank while it records.
     old = _read(workdir, rank)
-    with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
+    file = os.path.join(workdir, f"rank{rank}.json")
+    with open(file + ".tmp", "w") as f:
         json.dump({**old, **values}, f)
+    os.replace(file + ".tmp", file)
 
 
 def _append(workdir: str, rank: int, key: str, value) -> None:
