@@ -13,7 +13,6 @@ attempt saw goes to WORKDIR/rank<R>.json; the final weights of a finished run to
 """
 
 import os
-import signal
 import sys
 import time
 
@@ -27,21 +26,6 @@ import torch.distributed as dist
 STEPS = 6
 FAULT_STEP = 3
 VICTIM = fault_worker.VICTIM
-
-
-def _kill_while_writing() -> None:
-    """The victim dies in its background write: its first item is written, then it is killed writing the second."""
-    import torch.distributed.checkpoint.filesystem as fs
-
-    original, count = fs._write_item, {"n": 0}
-
-    def write_then_die(*args, **kwargs):
-        count["n"] += 1
-        if count["n"] == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kwargs)
-
-    fs._write_item = write_then_die
 
 
 def train(fault: str, workdir: str) -> None:
@@ -73,7 +57,7 @@ def train(fault: str, workdir: str) -> None:
             opt.zero_grad()
             if live == "kill_during_async_save" and step == FAULT_STEP and rank == VICTIM:
                 fault_worker._record(workdir, rank, fault_time=time.time(), fault_at=f"checkpoint of step {step}")
-                _kill_while_writing()
+                fault_worker._die_while_saving()  # (in the background write: the thread that writes)
             saver.save(path, [model], [(model, opt)], extra={"step": step})
             fault_worker._append(workdir, rank, "saved", step)
     saver.wait()
