@@ -9,7 +9,9 @@ uninterrupted run's steps 3..6 exactly (same world size, same arithmetic, state 
 
 With ``CommFuseConfig(auto_resume=True, async_save=True)`` (a fourth launch), checkpoints are written in the
 background, and a second Trainer on the same output folder, given nothing to resume from, resumes from the newest
-complete checkpoint by itself and repeats the uninterrupted (asynchronously saving) run's last steps exactly.
+complete checkpoint by itself and repeats the uninterrupted (asynchronously saving) run's last steps exactly. A
+run relaunched at 3 ranks on a 2-rank run's output folder resumes by itself too, with the same weights and
+optimizer moments (DCP reshards).
 """
 
 import json
@@ -30,10 +32,10 @@ sys.path.insert(0, HERE)
 from harness import free_port  # noqa: E402
 
 
-def _launch(out_dir, mode: str) -> subprocess.CompletedProcess:
+def _launch(out_dir, mode: str, nproc: int = 2) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+    cmd = launcher + ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                       WORKER, str(out_dir), mode]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:
@@ -149,3 +151,18 @@ def test_auto_resume_takes_the_newest_async_checkpoint_and_matches(tmp_path):
     assert auto["checkpoints"] == full["checkpoints"] == ["checkpoint-6"]
     assert os.path.isfile(tmp_path / "run-auto" / "checkpoint-6" / "commfuse_complete")
     assert not os.path.exists(tmp_path / "run-auto" / "checkpoint-6" / "model.safetensors")  # sharded state only
+
+
+def test_auto_resume_at_another_world_size_reshards(tmp_path):
+    first = _launch(tmp_path, "grow")
+    assert first.returncode == 0, f"{first.stdout[-4000:]}\n{first.stderr[-8000:]}"
+    second = _launch(tmp_path, "grown", nproc=3)
+    assert second.returncode == 0, f"{second.stdout[-4000:]}\n{second.stderr[-8000:]}"
+    grown = json.loads((tmp_path / "grown.json").read_text())
+    assert grown["world_size"] == 3
+    message = f"auto_resume: resuming from {tmp_path / 'run-grow' / 'checkpoint-4'} (step 4)"
+    assert message in second.stderr, second.stderr[-4000:]
+    assert grown["steps_run"] == [5, 6], "should resume after step 4 by itself"
+    assert grown["keys"], "the resumed state should hold the same weights and optimizer moments"
+    assert grown["max_abs_diff"] == 0.0, "the weights and moments read back at 3 ranks differ from those saved at 2"
+    assert grown["checkpoints"] == ["checkpoint-6"]

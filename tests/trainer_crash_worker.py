@@ -13,6 +13,11 @@ asyncfull: the uninterrupted run with CommFuseConfig(async_save=True) (OUT_DIR/r
 auto:   CommFuseConfig(auto_resume=True, async_save=True) on OUT_DIR/run-auto: a first Trainer stops after step 4
         (its checkpoint-4 written in the background), then a second one, given no resume_from_checkpoint, resumes
         from checkpoint-4 by itself; auto.json holds the second one's steps and losses.
+grow:   a first Trainer with auto_resume and async_save (OUT_DIR/run-grow) stops after step 4, then saves the full
+        model and optimizer state it ended with (OUT_DIR/grow-state.pt).
+grown:  launched at another world size on OUT_DIR/run-grow: a Trainer with auto_resume resumes from checkpoint-4
+        by itself (DCP reshards); grown.json holds the largest difference between the state it resumed with and
+        grow-state.pt, and the steps it ran.
 Several modes run one after another in the same processes, each with a Trainer of its own.
 """
 
@@ -46,10 +51,11 @@ def run(out_dir: str, mode: str) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    run_dir = os.path.join(out_dir, {"full": "run-full", "asyncfull": "run-asyncfull", "auto": "run-auto"}.get(
-        mode, "run-crash"))
-    config = CommFuseConfig(schedule="fused", min_fuse_numel=0, async_save=mode in ("asyncfull", "auto"),
-                            auto_resume=mode == "auto")
+    run_dir = os.path.join(out_dir, {"full": "run-full", "asyncfull": "run-asyncfull", "auto": "run-auto",
+                                     "grow": "run-grow", "grown": "run-grow"}.get(mode, "run-crash"))
+    config = CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                            async_save=mode in ("asyncfull", "auto", "grow", "grown"),
+                            auto_resume=mode in ("auto", "grow", "grown"))
 
     class CrashingTrainer(CommFuseTrainer):
         def _save_rng_state(self, output_dir):
@@ -62,6 +68,12 @@ def run(out_dir: str, mode: str) -> None:
             return super()._save_rng_state(output_dir)
 
     steps_run = []   # the optimizer steps this process ran (a resumed run's log_history also holds earlier ones)
+    resumed_with = {}   # grown: the full state the resumed Trainer holds before its first step
+
+    class ResumedState(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            if mode == "grown" and "taken" not in resumed_with:   # (collective: every rank once)
+                resumed_with.update(taken=True, state=full_state(model, optimizer))
 
     class StepsRun(TrainerCallback):
         def __init__(self, stop_at: int | None = None) -> None:
@@ -81,11 +93,26 @@ def run(out_dir: str, mode: str) -> None:
     def trainer_of(stop_at: int | None = None):
         return CrashingTrainer(model=hf_models.build("llama", seed=0), args=args,
                                train_dataset=hf_models.Synthetic(24, seed=1),
-                               callbacks=[CommFuseCallback(config), StepsRun(stop_at)])
+                               callbacks=[CommFuseCallback(config), StepsRun(stop_at), ResumedState()])
 
-    trainer = trainer_of(4 if mode == "auto" else None)
+    trainer = trainer_of(4 if mode in ("auto", "grow") else None)
     result = {}
-    if mode == "auto":
+    if mode == "grow":
+        trainer.train()
+        state = full_state(trainer.model, trainer.optimizer)
+        if rank == 0:
+            torch.save(state, os.path.join(out_dir, "grow-state.pt"))
+        return
+    if mode == "grown":
+        trainer.train()
+        if rank == 0:
+            saved = torch.load(os.path.join(out_dir, "grow-state.pt"), weights_only=True)
+            resumed = resumed_with["state"]
+            result["keys"] = sorted(saved) == sorted(resumed) and len(saved) > 0
+            diffs = {k: float((saved[k].float() - resumed[k].float()).abs().max()) for k in saved}
+            result["max_abs_diff"] = max(diffs.values())
+            result["world_size"] = int(os.environ["WORLD_SIZE"])
+    elif mode == "auto":
         trainer.train()
         result["first_checkpoints"] = sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-"))
         steps_run.clear()
@@ -107,6 +134,21 @@ def run(out_dir: str, mode: str) -> None:
                       checkpoints=sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-")))
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
             json.dump(result, f, indent=1)
+
+
+def full_state(model, optimizer) -> dict:
+    """The model's weights and the optimizer's moments, whole (on rank 0; ``{}`` elsewhere), keyed by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from commfuse_dp import checkpoint as ck
+
+    state = {f"model.{k}": v.clone() for k, v in ck.full_state_dict(model).items()}
+    optim = get_optimizer_state_dict(ck._unwrap(model), ck.unwrap_optimizer(optimizer),
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for name, entry in optim.get("state", {}).items():
+        for key, value in entry.items():
+            state[f"optimizer.{name}.{key}"] = torch.as_tensor(value).clone()   # (AdamW's step: the live tensor)
+    return state
 
 
 if __name__ == "__main__":
