@@ -243,7 +243,8 @@ class CommFuseConfig:
     refuses it (a callback cannot change where ``train()`` starts)."""
 
     async_save: bool = False
-    """Where the training loop is commfuse's: write each checkpoint's sharded state off the training thread
+    """Where the checkpoint is commfuse's (``CommFuseTrainer`` checkpoints, ``CommFuseAccelerator.save_state``,
+    the recipes): write each checkpoint's sharded state off the training thread
     (``checkpoint.AsyncSaver``): the state is copied to host memory at the save and written while training goes
     on; the next save waits for the one before; a checkpoint counts (is resumed from) once every rank's write
     finished. Such a checkpoint holds the sharded state only, not a consolidated ``from_pretrained`` copy of the

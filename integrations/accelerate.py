@@ -212,6 +212,7 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
         # prepare_model(m, evaluation_mode=True) shards m too (FrozenModels) once a model to train was sharded
         # (_shard): before, such a model stays whole, as for a script that only evaluates
         self.commfuse_frozen = None
+        self._commfuse_saver = ckpt.AsyncSaver()   # async_save: save_state's sharded part written in the background
         if self.distributed_type != DistributedType.DEEPSPEED and not self.commfuse_active:
             logger.warning("CommFuseAccelerator: no torch.distributed process group (a single process): models are "
                            "prepared as by Accelerator, unsharded. Launch with torchrun, accelerate launch or "
@@ -288,7 +289,8 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
     def end_training(self):
         """Lets gloo's worker threads free their finished work before accelerate destroys the process group
         (:func:`commfuse_dp.ring.topology.drain_gloo_workers`: otherwise the last group's destructor can deadlock or
-        abort the process at exit)."""
+        abort the process at exit). With ``async_save``, first waits for the last ``save_state``'s write."""
+        self.wait_for_save()
         drain_gloo_workers()
         super().end_training()
 
@@ -333,16 +335,39 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
             self._models, self._optimizers = saved_models, saved_optimizers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """accelerate's ``save_state``, with the sharded models' and their optimizers' state written by every rank
+        into ``<output_dir>/commfuse`` (:func:`commfuse_dp.checkpoint.save_sharded`). With
+        ``CommFuseConfig.async_save`` that part is copied to host memory here and written in the background
+        (:class:`commfuse_dp.checkpoint.AsyncSaver`): ``save_state`` returns while it is written, and
+        ``<output_dir>/commfuse`` appears, complete, once every rank's write finished (``wait_for_save``; the
+        next ``save_state``, ``load_state`` and ``end_training`` wait for it)."""
         models, pairs = self._split()
         if not models:
+            if self.commfuse_config.async_save and not getattr(self, "_commfuse_warned_sync", False):
+                self._commfuse_warned_sync = True
+                logger.warning("CommFuseAccelerator: async_save writes commfuse-sharded state in the background; "
+                               "no prepared model is commfuse-sharded (DeepSpeed's, or a single process), so "
+                               "save_state writes everything on the training thread")
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        self.wait_for_save()   # (accelerate's own files of this state must not overtake the write before)
         with self._hidden(models, pairs):
             location = super().save_state(output_dir, safe_serialization=safe_serialization,
                                           **save_model_func_kwargs)
-        ckpt.save_sharded(os.path.join(location, CHECKPOINT_SUBDIR), models, pairs)
+        folder = os.path.join(location, CHECKPOINT_SUBDIR)
+        if self.commfuse_config.async_save:
+            self._commfuse_saver.save(folder, models, pairs)
+        else:
+            ckpt.save_sharded(folder, models, pairs)
         return location
 
+    def wait_for_save(self) -> None:
+        """Blocks until the sharded state of the last ``save_state`` is written and complete; raises its error
+        (:class:`commfuse_dp.checkpoint.CheckpointError`, alike on every rank) if the write failed. Collective;
+        returns at once without ``async_save``."""
+        self._commfuse_saver.wait()
+
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        self.wait_for_save()   # (the state to load may be the one still being written)
         models, pairs = self._split()
         if not models:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)

@@ -15,7 +15,7 @@ Same embedded default and data options as finetune_clm.py (``--model``, ``--data
 ``accelerator.accumulate``, ``backward``, ``clip_grad_norm_``, ``gather_for_metrics``, a tqdm bar on rank 0,
 ``save_state`` every ``--save_steps`` (``--resume_from`` a saved state folder continues from it; ``--auto_resume``
 the newest complete one in ``--output_dir``, if any, so that a job ``commfuse-dp launch --max_restarts N`` restarts
-carries on), and writes what
+carries on; ``--async_save`` writes the sharded part of each state in the background), and writes what
 finetune_clm.py writes: ``model/`` (consolidated, with the tokenizer), ``loss.png``, ``timeline.png``,
 ``trace.json`` and ``summary.json``.
 """
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from commfuse_dp.integrations import bootstrap
 from commfuse_dp.recipes import common
 from commfuse_dp.recipes.finetune_clm import ClmArguments, prepare_inputs
 
@@ -75,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         args=argv)
     rank, world = common.world()
     try:
-        if args.async_save:
-            raise common.RecipeError("--async_save: this loop's save_state writes on the training thread; the "
-                                     "background writes are finetune_clm.py's (the Trainer's checkpoints)")
+        if args.async_save and not (args.commfuse or bootstrap.enabled()):
+            raise common.RecipeError("--async_save writes commfuse's sharded state in the background, and this run "
+                                     "is not sharded: add --commfuse, or launch with commfuse-dp launch")
         if args.auto_resume and not args.save_steps:
             raise common.RecipeError("--auto_resume resumes from this run's states, and --save_steps 0 writes none: "
                                      "add --save_steps N")
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             args, world, args.per_device_train_batch_size, args.gradient_accumulation_steps,
             args.per_device_eval_batch_size)
         cfg = common.commfuse_config(args.commfuse_config) if args.commfuse else None
+        if args.async_save and cfg is not None:
+            cfg = cfg.replace(async_save=True)
+        elif args.async_save:   # commfuse-dp launch: the CommFuseAccelerator that replaces Accelerator reads this
+            os.environ["COMMFUSE_ASYNC_SAVE"] = "1"
     except common.RecipeError as exc:
         common.fail(str(exc))
     return run(args, model, tokenizer, train, evaluation, cfg, info)
@@ -183,11 +188,11 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
                 window_start, window_tokens, window_losses, window_exposed = now, 0, [], []
             if args.save_steps and step % args.save_steps == 0:
                 folder = os.path.join(args.output_dir, f"state-{step}")
-                accelerator.save_state(folder)
+                accelerator.save_state(folder)   # (--async_save: folder/commfuse completes in the background)
                 accelerator.wait_for_everyone()   # step.json, written last, marks a state every rank finished
                 if accelerator.is_main_process:
                     with open(os.path.join(folder, "step.json"), "w") as f:
-                        json.dump({"step": step}, f)
+                        json.dump({"step": step, "sharded": sharded}, f)
             if step >= args.max_steps:
                 break
     bar.close()
@@ -201,7 +206,9 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
         paths = common.write_figures(args.output_dir, history, timeline,
                                      f"train_accelerate: {accelerator.num_processes} process(es)")
         summary = {**info, "world_size": accelerator.num_processes, "accelerator": type(accelerator).__name__,
-                   "sharded": sharded, "eval_loss_before": before, "eval_loss_after": after,
+                   "sharded": sharded, "async_save": bool(getattr(accelerator, "commfuse_config", None)
+                                                          and accelerator.commfuse_config.async_save),
+                   "eval_loss_before": before, "eval_loss_after": after,
                    "train_losses": [e["loss"] for e in history if "loss" in e], "steps": step,
                    "tokens_per_s": common.mean_recent(history, "tokens_per_s", 10),
                    "exposed_comm_s": common.mean_recent(history, "commfuse/exposed_comm_s", 10),
@@ -216,13 +223,24 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
 
 
 def newest_state(output_dir: str) -> str | None:
-    """The ``state-N`` folder of ``output_dir`` with the highest N whose ``step.json`` was written (the state's last
-    file, written once every rank's part was): a state whose save was cut short is passed over."""
+    """The ``state-N`` folder of ``output_dir`` with the highest N that is complete: its ``step.json`` was written
+    (the state's last file, written once every rank's part was) and, for a sharded run, its ``commfuse`` folder is
+    complete (with ``--async_save`` it is written in the background after ``step.json``). A state whose save was
+    cut short is passed over."""
     import re
 
+    from commfuse_dp import checkpoint as ck
+
+    def complete(folder: str) -> bool:
+        try:
+            with open(os.path.join(folder, "step.json")) as f:
+                sharded = json.load(f).get("sharded", False)
+        except (OSError, ValueError):
+            return False
+        return not sharded or ck.is_complete(os.path.join(folder, "commfuse"))
+
     found = [(int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else ())
-             if (m := re.fullmatch(r"state-(\d+)", name)) and os.path.isfile(os.path.join(output_dir, name,
-                                                                                       "step.json"))]
+             if (m := re.fullmatch(r"state-(\d+)", name)) and complete(os.path.join(output_dir, name))]
     return os.path.join(output_dir, max(found)[1]) if found else None
 
 

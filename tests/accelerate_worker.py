@@ -6,7 +6,9 @@ commfuse: CommFuseAccelerator; the optimizer is built on the full parameters BEF
 it); 6 optimizer steps of 2 accumulated micro-batches with clipping and a linear LR schedule; save_state after
 step 3; a consolidated save_pretrained at the end. ddp: the same loop with a plain Accelerator(cpu=True) (DDP).
 resume: a fresh CommFuseAccelerator run that load_state()s the step-3 checkpoint, skips the batches already
-consumed and runs steps 4..6. The modes run one after another in the same processes, each with an Accelerator of
+consumed and runs steps 4..6. async / asyncresume: commfuse / resume with CommFuseConfig(async_save=True): the
+sharded part of the state is written in the background while steps 4..6 change every weight, and read back by
+asyncresume (OUT_DIR/state-after-3-async). The modes run one after another in the same processes, each with an Accelerator of
 its own. Rank 0 writes OUT_DIR/MODE.json.
 """
 
@@ -43,8 +45,9 @@ def run(out_dir: str, mode: str, kind: str):
     if mode == "ddp":
         acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
     else:
-        acc = CommFuseAccelerator(commfuse=CommFuseConfig(schedule="fused", min_fuse_numel=0),
-                                                          gradient_accumulation_steps=ACCUM)
+        acc = CommFuseAccelerator(commfuse=CommFuseConfig(schedule="fused", min_fuse_numel=0,
+                                                          async_save=mode.startswith("async")),
+                                  gradient_accumulation_steps=ACCUM)
     model = hf_models.build(kind, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (4 * STEPS))
@@ -52,10 +55,10 @@ def run(out_dir: str, mode: str, kind: str):
     # number of batches consumed.
     loader = torch.utils.data.DataLoader(hf_models.Synthetic(48, seed=1), batch_size=2)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    ckpt_dir = os.path.join(out_dir, "state-after-3")
+    ckpt_dir = os.path.join(out_dir, "state-after-3-async" if mode.startswith("async") else "state-after-3")
     first_step = 0
     batches = loader
-    if mode == "resume":
+    if mode in ("resume", "asyncresume"):
         acc.load_state(ckpt_dir)
         first_step = SAVE_AFTER
         batches = acc.skip_first_batches(loader, SAVE_AFTER * ACCUM)
@@ -75,7 +78,7 @@ def run(out_dir: str, mode: str, kind: str):
             mean = acc.gather_for_metrics(torch.stack(window).mean().reshape(1)).mean()
             losses.append(float(mean))
             window = []
-            if mode == "commfuse" and step == SAVE_AFTER:
+            if mode in ("commfuse", "async") and step == SAVE_AFTER:
                 acc.save_state(ckpt_dir)
     result = {"losses": losses, "grad_norms": norms, "lr": scheduler.get_last_lr()[0],
               "world_size": acc.num_processes, "accelerator": type(acc).__name__,
@@ -85,6 +88,9 @@ def run(out_dir: str, mode: str, kind: str):
                                              for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")),
               "optimizer_is_model_params": {id(p) for g in optimizer.param_groups for p in g["params"]}
               == {id(p) for p in model.parameters()}}
+    if mode == "async":
+        acc.wait_for_save()
+        result["checkpoint_files"] = sorted(os.listdir(ckpt_dir))
     if mode == "commfuse":
         saved = os.path.join(out_dir, "hf")
         acc.unwrap_model(model).save_pretrained(saved, state_dict=acc.get_state_dict(model),

@@ -48,7 +48,7 @@ def _launch(out_dir, modes: tuple[str, ...]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("accelerate")
-    result = _launch(out, ("commfuse", "ddp", "resume"))
+    result = _launch(out, ("commfuse", "ddp", "resume", "async", "asyncresume"))
     result["dir"] = out
     return result
 
@@ -86,6 +86,20 @@ def test_resume_from_save_state_matches_uninterrupted_run(runs):
     assert resumed["losses"] == cf["losses"][3:]
     assert resumed["grad_norms"] == cf["grad_norms"][3:]
     assert resumed["lr"] == cf["lr"], "the scheduler state should be restored"
+
+
+def test_async_save_state_resumes_to_the_state_of_its_call(runs):
+    """async_save: save_state after step 3 returns while the sharded state is written, steps 4..6 change every
+    weight meanwhile, and a run resumed from that state repeats the uninterrupted run's steps 4..6 exactly."""
+    cf, written, resumed = runs["commfuse"], runs["async"], runs["asyncresume"]
+    assert written["losses"] == cf["losses"] and written["grad_norms"] == cf["grad_norms"]
+    assert written["checkpoint_files"] == cf["checkpoint_files"]
+    assert resumed["losses"] == cf["losses"][3:]
+    assert resumed["grad_norms"] == cf["grad_norms"][3:]
+    assert resumed["lr"] == cf["lr"]
+    from commfuse_dp import checkpoint as ck
+
+    assert ck.is_complete(runs["dir"] / "state-after-3-async" / "commfuse")
 
 
 def test_sharded_checkpoint_holds_every_ranks_optimizer_shard(runs):

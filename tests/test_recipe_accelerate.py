@@ -45,6 +45,8 @@ def test_unchanged_loop_under_commfuse_launch(tmp_path):
 
 
 def test_auto_resume_carries_on_from_the_newest_complete_state(tmp_path):
+    """With --async_save: the states' sharded parts are written in the background, and a state whose step.json
+    was written but whose background write never finished is passed over, as is one cut short before step.json."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:
         env.pop(name)
@@ -55,16 +57,24 @@ def test_auto_resume_carries_on_from_the_newest_complete_state(tmp_path):
         cmd = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file",
                os.path.join(ROOT, "recipes", "configs", "accelerate_cpu_commfuse.yaml"),
                os.path.join(ROOT, "recipes", "train_accelerate.py"), "--output_dir", str(out), *small,
-               "--max_steps", str(steps), "--auto_resume"]
+               "--max_steps", str(steps), "--auto_resume", "--async_save"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
         return proc.stdout + proc.stderr
 
+    from commfuse_dp import checkpoint as ck
+
     assert f"no complete state in {out}; starting at step 0" in launch(3)
+    assert ck.is_complete(out / "state-3" / "commfuse")
+    assert json.loads((out / "state-3" / "step.json").read_text()) == {"step": 3, "sharded": True}
     (out / "state-6").mkdir()  # a state whose save was cut short: no step.json
+    (out / "state-5" / "commfuse.partial").mkdir(parents=True)  # killed during the background write
+    (out / "state-5" / "step.json").write_text(json.dumps({"step": 5, "sharded": True}))
     said = launch(6)
     assert f"resuming from {out / 'state-3'} (step 3)" in said
-    assert json.loads((out / "summary.json").read_text())["steps"] == 6 and (out / "state-6" / "step.json").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["async_save"] and (out / "state-6" / "step.json").exists()
+    assert ck.is_complete(out / "state-6" / "commfuse"), "the last background write must finish before the end"
 
 
 @pytest.mark.parametrize("case, word", [("missing", "does not exist"), ("empty", "no text"),
