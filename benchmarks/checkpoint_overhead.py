@@ -1,9 +1,10 @@
 """What a checkpoint after every step costs: the step time and peak memory of training the demo's model (the CLM
 recipe's embedded default: a Llama-style decoder, hidden 512, 4 layers, 4096 tokens, tied embeddings; 4 sequences
 of 128 tokens per rank, AdamW) at 2 CPU ranks, with no checkpoint, with ``save_sharded`` after every step, and with
-``AsyncSaver`` after every step (``--every N``: after every N-th). Each (round, variant) is its own ``torchrun`` launch, the variants interleaved
-round by round; a launch times ``--steps`` steps after 2 warm-up steps and reports their mean, its peak
-resident memory (``VmHWM``, rank 0) and the bytes the asynchronous save's host copy holds.
+``AsyncSaver`` after every step (``--every N``: after every N-th). Each (round, variant) is its own ``torchrun``
+launch, the variants interleaved round by round; a launch times ``--steps`` steps after 2 warm-up steps and reports their mean, its peak
+resident memory (``VmHWM``, rank 0) and the bytes the asynchronous save's host copy holds. ``--variants`` picks
+some (``none`` always runs: the ratios are to it).
 
     python -m commfuse_dp.benchmarks.checkpoint_overhead --rounds 3 --out benchmarks/results/checkpoint-every-step.json
 """
@@ -87,10 +88,10 @@ def _launch(variant: str, steps: int, every: int) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _summary(rows: list[dict]) -> dict:
+def _summary(rows: list[dict], variants: list[str]) -> dict:
     out = {}
     base = [r for r in rows if r["variant"] == "none"]
-    for variant in VARIANTS:
+    for variant in variants:
         mine = [r for r in rows if r["variant"] == variant]
         ratios = [m["step_s"] / b["step_s"] for m, b in zip(mine, base)]  # paired by round
         out[variant] = {"step_s_median": statistics.median(r["step_s"] for r in mine),
@@ -109,21 +110,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every variant once (default 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per launch, after 2 warm-up steps")
     parser.add_argument("--every", type=int, default=1, help="a checkpoint after every N-th step (default 1)")
+    parser.add_argument("--variants", default="sync,async",
+                        help=f"comma-separated, among {', '.join(VARIANTS)}; none always runs (default: sync,async)")
     parser.add_argument("--out", help="write the rows and the summary to this JSON file")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.steps, args.dir, args.every)
+    variants = ["none"] + [v for v in VARIANTS if v != "none" and v in args.variants.split(",")]
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose among {', '.join(VARIANTS)}")
     rows = []
     for round_ in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             row = {"round": round_, "every": args.every, **_launch(variant, args.steps, args.every)}
             rows.append(row)
             print(f"round {round_} {variant:5s}: {row['step_s'] * 1e3:7.1f} ms a step, peak "
                   f"{row['peak_bytes'] / 2**20:6.1f} MiB, host copy {row['staged_bytes'] / 2**20:5.1f} MiB",
                   flush=True)
-    summary = _summary(rows)
+    summary = _summary(rows, variants)
     for variant, s in summary.items():
         print(f"{variant:5s}: step {s['step_s_median'] * 1e3:.1f} ms, {s['vs_none_median']:.3f}x none "
               f"[{s['vs_none_range'][0]:.3f}-{s['vs_none_range'][1]:.3f}], peak {s['peak_mib_median']:.1f} MiB "
