@@ -213,6 +213,7 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
         # (_shard): before, such a model stays whole, as for a script that only evaluates
         self.commfuse_frozen = None
         self._commfuse_saver = ckpt.AsyncSaver()   # async_save: save_state's sharded part written in the background
+        self._commfuse_warned_sync = False         # async_save without a commfuse-sharded model: said once
         if self.distributed_type != DistributedType.DEEPSPEED and not self.commfuse_active:
             logger.warning("CommFuseAccelerator: no torch.distributed process group (a single process): models are "
                            "prepared as by Accelerator, unsharded. Launch with torchrun, accelerate launch or "
@@ -343,7 +344,7 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
         next ``save_state``, ``load_state`` and ``end_training`` wait for it)."""
         models, pairs = self._split()
         if not models:
-            if self.commfuse_config.async_save and not getattr(self, "_commfuse_warned_sync", False):
+            if self.commfuse_config.async_save and not self._commfuse_warned_sync:
                 self._commfuse_warned_sync = True
                 logger.warning("CommFuseAccelerator: async_save writes commfuse-sharded state in the background; "
                                "no prepared model is commfuse-sharded (DeepSpeed's, or a single process), so "

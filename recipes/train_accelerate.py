@@ -230,6 +230,7 @@ def newest_state(output_dir: str) -> str | None:
     import re
 
     from commfuse_dp import checkpoint as ck
+    from commfuse_dp.integrations.accelerate import CHECKPOINT_SUBDIR
 
     def complete(folder: str) -> bool:
         try:
@@ -237,7 +238,7 @@ def newest_state(output_dir: str) -> str | None:
                 sharded = json.load(f).get("sharded", False)
         except (OSError, ValueError):
             return False
-        return not sharded or ck.is_complete(os.path.join(folder, "commfuse"))
+        return not sharded or ck.is_complete(os.path.join(folder, CHECKPOINT_SUBDIR))
 
     found = [(int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else ())
              if (m := re.fullmatch(r"state-(\d+)", name)) and complete(os.path.join(output_dir, name))]
