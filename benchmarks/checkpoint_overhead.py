@@ -2,9 +2,9 @@
 recipe's embedded default: a Llama-style decoder, hidden 512, 4 layers, 4096 tokens, tied embeddings; 4 sequences
 of 128 tokens per rank, AdamW) at 2 CPU ranks, with no checkpoint, with ``save_sharded`` after every step, and with
 ``AsyncSaver`` after every step (``--every N``: after every N-th). Each (round, variant) is its own ``torchrun``
-launch, the variants interleaved round by round; a launch times ``--steps`` steps after 2 warm-up steps and reports their mean, its peak
-resident memory (``VmHWM``, rank 0) and the bytes the asynchronous save's host copy holds. ``--variants`` picks
-some (``none`` always runs: the ratios are to it).
+launch, the variants interleaved round by round; a launch times ``--steps`` steps after 2 warm-up steps and reports
+their mean, its peak resident memory (``VmHWM``, rank 0) and the bytes the asynchronous save's host copy holds.
+``--variants`` picks some (``none`` always runs: the ratios are to it).
 
     python -m commfuse_dp.benchmarks.checkpoint_overhead --rounds 3 --out benchmarks/results/checkpoint-every-step.json
 """
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     for variant, s in summary.items():
         print(f"{variant:5s}: step {s['step_s_median'] * 1e3:.1f} ms, {s['vs_none_median']:.3f}x none "
               f"[{s['vs_none_range'][0]:.3f}-{s['vs_none_range'][1]:.3f}], peak {s['peak_mib_median']:.1f} MiB "
-              f"(+{statistics.median(s['peak_over_none_mib']):.1f} MiB over none), host copy {s['staged_mib']:.1f} MiB, "
-              f"a write's CPU {s['write_cpu_s_median'] * 1e3:.0f} ms")
+              f"(+{statistics.median(s['peak_over_none_mib']):.1f} MiB over none), "
+              f"host copy {s['staged_mib']:.1f} MiB, a write's CPU {s['write_cpu_s_median'] * 1e3:.0f} ms")
     if args.out:
         command = "python -m commfuse_dp.benchmarks.checkpoint_overhead " + " ".join(argv or sys.argv[1:])
         with open(args.out, "w") as f:

@@ -274,9 +274,10 @@ def _write_sharded(path: str, state: dict[str, Any], group) -> None:
 
 class AsyncSaver:
     """:func:`save_sharded` off the training thread. ``save`` copies this rank's shards of the models and the
-    optimizers' state into host memory (buffers kept and reused by the next save: ``_Staging``) and returns; a background thread then writes the copy with ``save_sharded``'s steps (DCP into
-    ``path.partial``, every file's size and SHA-256, the marker, the renames) and runs ``then``, on a gloo process
-    group of its own, so that its collectives never meet the training's. Training goes on meanwhile.
+    optimizers' state into host memory (buffers kept and reused by the next save: ``_Staging``) and returns; a
+    background thread then writes the copy with ``save_sharded``'s steps (DCP into ``path.partial``, every file's
+    size and SHA-256, the marker, the renames) and runs ``then``, on a gloo process group of its own, so that its
+    collectives never meet the training's. Training goes on meanwhile.
 
     - The next ``save`` first waits for the one before (so one copy is held at most: ``staged_bytes``).
     - A process killed during the write leaves ``path.partial`` unmarked: the previous checkpoint at ``path`` is

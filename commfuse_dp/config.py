@@ -147,11 +147,11 @@ class CommFuseConfig:
     """Weight shards per compute piece of a fused layer: its outputs in the forward and its input gradient in the
     backward are computed ``piece_shards`` landed shards at a time, as one wider GEMM (the weight gradient stays one
     piece per shard: it feeds the gradient ring). ``"auto"`` (default): the width with the shortest predicted fused
-    step (``choose.py``; 1 on CPU, where pieces cost what whole GEMMs do). ``1``: a piece per hop. On a GPU a GEMM cut into N
-    thin pieces loses 7-41 % at 8 ranks on Llama-3-8B shapes, mostly in the input gradient, and about 2-13 % in
-    pieces of 4 shards (docs/performance.md, "On one GPU"); the forward's first piece then waits for that many
-    shards. Takes effect where the gathered weight stays whole (the elastic lookahead, the kept lm_head, the slicing
-    schedule, whose runs go in shard order); lockstep (``lookahead_mb=0``) reuses two buffers and computes per
+    step (``choose.py``; 1 on CPU, where pieces cost what whole GEMMs do). ``1``: a piece per hop. On a GPU a GEMM
+    cut into N thin pieces loses 7-41 % at 8 ranks on Llama-3-8B shapes, mostly in the input gradient, and about
+    2-13 % in pieces of 4 shards (docs/performance.md, "On one GPU"); the forward's first piece then waits for that
+    many shards. Takes effect where the gathered weight stays whole (the elastic lookahead, the kept lm_head, the
+    slicing schedule, whose runs go in shard order); lockstep (``lookahead_mb=0``) reuses two buffers and computes per
     shard. The sums run in another order than with 1: results agree within rounding, and repeat from run to run."""
 
     ring_embeddings: bool = True

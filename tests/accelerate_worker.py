@@ -8,8 +8,8 @@ step 3; a consolidated save_pretrained at the end. ddp: the same loop with a pla
 resume: a fresh CommFuseAccelerator run that load_state()s the step-3 checkpoint, skips the batches already
 consumed and runs steps 4..6. async / asyncresume: commfuse / resume with CommFuseConfig(async_save=True): the
 sharded part of the state is written in the background while steps 4..6 change every weight, and read back by
-asyncresume (OUT_DIR/state-after-3-async). The modes run one after another in the same processes, each with an Accelerator of
-its own. Rank 0 writes OUT_DIR/MODE.json.
+asyncresume (OUT_DIR/state-after-3-async). The modes run one after another in the same processes, each with an
+Accelerator of its own. Rank 0 writes OUT_DIR/MODE.json.
 """
 
 import json
