@@ -28,7 +28,8 @@ With N ranks, for
 Gathers move the compute dtype (``param_dtype``, else the parameter's), reduce-scatters ``reduce_dtype`` (else the
 compute dtype), unless ``gather_format`` / ``reduce_format`` narrows them: then the bytes are the encoded rows'
 (``commfuse_dp/wire.py``: 2-D parameters in the format, scales included; 1-D ones as they are). Ring embeddings
-travel as they are. ``error_feedback_bytes``: the float32 residuals ``error_feedback`` keeps on this rank.
+travel as they are. ``error_feedback_bytes``: the float32 residuals ``error_feedback`` keeps on this rank (under
+HSDP also a float32 copy of each gradient shard for the exchange across the copies).
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ def describe(model: nn.Module) -> ShardReport:
         reduced = [g.shard_numel for g in report.fused_groups if g.reduce_scatter_bytes]
         reduced += [u.shard_numel for u in report.fsdp_units if u.reduce_scatter_bytes]
         report.error_feedback_bytes = 4 * world * sum(reduced)  # a float32 row per shard of each
+        if engine.replicas is not None:  # HSDP: the exchange across the copies keeps one of each shard too
+            report.error_feedback_bytes += 4 * sum(reduced)
     params = list(model.parameters())
     report.total_param_bytes = sum(_bytes(p) for p in params)
     report.fused_param_bytes = sum(_bytes(p) for p in params if id(p) in fused_params)

@@ -98,7 +98,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
     if mesh.ndim == 2:
-        replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block)
+        replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block,
+                            config.error_feedback)
     world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
     engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
     steps = step_state(engine)  # drives the schedule the config names

@@ -22,9 +22,9 @@ def _hsdp_worker(rank, world_size, cases):
     exchanged = []
     original = Replicas._summed
 
-    def counting(self, flat, what, async_op=False, tags=(None, None), narrow=False):
+    def counting(self, flat, what, async_op=False, tags=(None, None), narrow=False, key=None):
         exchanged.append(threading.current_thread().name.startswith("commfuse-ring"))  # on the replicate ring's
-        return original(self, flat, what, async_op, tags, narrow)                       # thread: at landing
+        return original(self, flat, what, async_op, tags, narrow, key)                  # thread: at landing
 
     Replicas._summed = counting
     per_step = {}
@@ -124,3 +124,98 @@ def test_checkpoints_cross_mesh_shapes(tmp_path, saved, loaded):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[name][key], saved_state[name][key]), (name, key)
     assert 0 < loss < 10
+
+
+def _fsdp2_hsdp_worker(rank, world_size, cases):
+    """The fsdp2 schedule under HSDP: FSDP2's units on the 2-D mesh, each unit's all-reduce across the copies on the
+    replicate group's ring (``RingReplicaGroup``), behind the backward's compute where FSDP2 leaves the sum unread."""
+    for kind, accum in cases:
+        config = cf.CommFuseConfig(schedule="fsdp2", min_fuse_numel=0, replicate=2)
+        result = run_case(rank, world_size, kind, "fsdp2", accum=accum, config=config)
+        assert_parity(result, label=f"{kind}/fsdp2/accum {accum}")
+    return True
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_fsdp2_schedule_hsdp_matches_one_process(kind):
+    assert all(run_ranks(_fsdp2_hsdp_worker, 4, ([(kind, 1), (kind, 2)],), timeout=600))
+
+
+def _rings_hsdp_worker(rank, world_size, formats):
+    """A model sharded by stock ``fully_shard`` on a 2-D mesh (as torchtitan builds HSDP), its collectives then put
+    on the rings with FSDP2's GPU schedule (``use_ring_collectives(overlap=True)``): its gradients equal FSDP2's own
+    (gloo's all-reduce) over the same steps, and the all-reduces across the copies ran on the rings, behind the
+    compute."""
+    import hf_models
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commfuse_dp.integrations.fsdp import use_ring_collectives
+    from commfuse_dp.ring.fsdp_comm import replica_groups
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    runs = {}
+    for name in ("torch", *formats):
+        model = hf_models.build("llama")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if name != "torch":
+            use_ring_collectives(model, cf.CommFuseConfig(reduce_format=name), overlap=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for step in range(4):
+            loss = model(**hf_models.batch(rank, step)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        served = [(g.exchanges, g.deferred_exchanges) for g in replica_groups(model)]
+        runs[name] = (torch.stack(losses), params, served)
+    ref_losses, ref_params, served = runs["torch"]
+    assert served == []  # FSDP2's own all-reduce
+    for name in formats:
+        losses, params, served = runs[name]
+        assert len(served) == 1 and served[0][0] == 4 * 3 and served[0][1] > 0, served  # 3 units, 4 steps
+        tol = dict(rtol=1e-5, atol=1e-5) if name == "exact" else dict(rtol=0, atol=2e-2)
+        torch.testing.assert_close(losses, ref_losses, **tol)
+        for n in ref_params:
+            torch.testing.assert_close(params[n], ref_params[n], **tol, msg=lambda m: f"{name} {n}: {m}")
+    return True
+
+
+def test_fsdp2_hsdp_on_the_rings_matches_fsdp2s_own():
+    assert all(run_ranks(_rings_hsdp_worker, 4, (("exact", "bf16"),), timeout=600))
+
+
+def _narrow_worker(rank, world_size):
+    """Narrow formats across the copies, for both schedules: int8 gradients (one rounding per contribution, owners
+    summing in float32) train within int8's error of one process, and error feedback keeps residuals for the
+    exchange across the copies and changes what crosses."""
+    from commfuse_dp.ring.fsdp_comm import replica_groups
+
+    out = {}
+    for schedule in ("fused", "fsdp2"):
+        for feedback in (False, True):
+            config = cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, replicate=2, reduce_format="int8",
+                                       error_feedback=feedback)
+            result = run_case(rank, world_size, "llama", schedule, config=config)
+            assert_parity(result, tol=dict(rtol=0, atol=3e-2), label=f"{schedule}/int8/feedback {feedback}")
+            model = result["model"]
+            if schedule == "fused":
+                kept = model._commfuse_engine.replicas.residual_bytes
+            else:
+                groups = replica_groups(model)
+                assert len(groups) == 1
+                kept = groups[0].residual_bytes
+            assert (kept > 0) == feedback, (schedule, feedback, kept)
+            out[(schedule, feedback)] = result["params"][0]
+    for schedule in ("fused", "fsdp2"):
+        plain, fed = out[(schedule, False)], out[(schedule, True)]
+        assert any(not torch.equal(plain[n], fed[n]) for n in plain), schedule  # the residuals were added in
+    return True
+
+
+def test_narrow_formats_cross_the_copies_with_error_feedback():
+    assert all(run_ranks(_narrow_worker, 4, timeout=600))

@@ -69,6 +69,7 @@ def run_case(rank, world_size, kind, schedule, accum=1, prepare=None, config=Non
         "logits": (logits, ref_logits),
         "stats": cf.step_stats(model),
         "initial": {n: p.detach() for n, p in hf_models.build(kind).named_parameters()},
+        "model": model,
     }
 
 

@@ -7,9 +7,10 @@ FSDP2 calls ``allocate`` for its flat buffers and ``__call__`` with them (``torc
 thread meanwhile, which stock FSDP2 cannot do on CPU. The reduce-scatter's return value is ignored, so it is
 complete when it returns (CPU) or ordered on FSDP2's reduce-scatter stream (CUDA).
 
-FSDP2 passes the group of each call: the shard group (the ``fsdp`` dimension of an HSDP mesh; HSDP's all-reduce
-across replicas stays ``dist.all_reduce``), the smaller post-forward group of ``reshard_after_forward=<int>``, or
-the group of ``set_separate_reduce_scatter_group``. Each group has its own ring.
+FSDP2 passes the group of each call: the shard group (the ``fsdp`` dimension of an HSDP mesh), the smaller
+post-forward group of ``reshard_after_forward=<int>``, or the group of ``set_separate_reduce_scatter_group``. Each
+group has its own ring. HSDP's all-reduce of each unit's shard across the replicas runs on the replicate group's
+ring too, in ``reduce_format`` ([Note: FSDP2's replica all-reduce on the rings], ``ring/all_reduce.py``).
 
 [Note: FSDP2's GPU schedule on the rings]
 ``use_ring_collectives(model, overlap=True)`` (and ``shard()``'s ``schedule="fsdp2"``) runs stock FSDP2 as it runs
@@ -25,8 +26,10 @@ on a GPU, also on CPU where FSDP2 itself waits for every collective at once:
 - reduce-scatters: issued from each unit's post-backward on the ring thread and not waited for there; the
   gradients are views of their output (FSDP2 builds them so), and the backward's last autograd callback waits for
   all of them, as FSDP2's ``finalize_backward`` makes the compute stream wait for its reduce-scatter stream. Where
-  FSDP2 reads the output right after the call (a gradient to accumulate into, a post-accumulate-grad hook, HSDP's
-  all-reduce, a cast to another dtype, a divide after the sum) the reduce-scatter completes before it returns.
+  FSDP2 reads the output right after the call (a gradient to accumulate into, a post-accumulate-grad hook, a cast
+  to another dtype, a divide after the sum, HSDP's accumulation without the all-reduce) the reduce-scatter
+  completes before it returns. Under HSDP the unit's all-reduce across the replicas follows its reduce-scatter on
+  the replicate group's ring thread, also behind the compute, and the same callback waits for it.
 The ring thread serves the all-gathers and reduce-scatters in the order they were issued: one link.
 """
 
@@ -45,6 +48,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import CommFuseConfig
 from ..stats import StatsRecorder
 from ..wire import RowFormat
+from .all_reduce import RingReplicaGroup
 from .collectives import ring_all_gather, ring_reduce_scatter
 
 _SHARD_OWNER = "commfuse_dp.shard()"
@@ -76,17 +80,25 @@ class _RingComm:
             return None
         key = (fmt, row.dtype, row.numel())
         if key not in self._formats:
-            params = self.param_group.fsdp_params
-            sizes = [p.padded_sharded_param_size.numel() for p in params]
-            made = None
-            if sum(sizes) == row.numel():
-                segments, at = [], 0
-                for p, size in zip(params, sizes):
-                    segments.append((at, size, len(p._orig_size) >= 2))
-                    at += size
-                made = RowFormat(fmt, row.dtype, row.numel(), segments, self.config.format_block)
-            self._formats[key] = made
+            segments = self.segments(row.numel())
+            self._formats[key] = None if segments is None else RowFormat(fmt, row.dtype, row.numel(), segments,
+                                                                         self.config.format_block)
         return self._formats[key]
+
+    def segments(self, numel: int) -> list[tuple[int, int, bool]] | None:
+        """A row of ``numel`` elements of this unit's flat buffer as ``(start, numel, 2-D or larger)`` per parameter
+        (its padded shard), or None where the row is not the unit's shards."""
+        if self.param_group is None:
+            return None
+        params = self.param_group.fsdp_params
+        sizes = [p.padded_sharded_param_size.numel() for p in params]
+        if sum(sizes) != numel:
+            return None
+        segments, at = [], 0
+        for p, size in zip(params, sizes):
+            segments.append((at, size, len(p._orig_size) >= 2))
+            at += size
+        return segments
 
 
 class RingAllGather(_RingComm, AllGather):
@@ -120,11 +132,14 @@ class RingReduceScatter(_RingComm, ReduceScatter):
         # FSDP2 ignores the return value of its reduce-scatter: complete on return, or deferred (see above)
         wire = self.wire(self.config.reduce_format, output_tensor, False)
         residual = self.feedback(output_tensor, group) if wire is not None and wire.lossy else None
+        replicas = replica_group(self.param_group)  # HSDP on the rings: the all-reduce FSDP2 calls next
         if self.deferred is not None and self.deferred.may_defer(self.param_group, output_tensor, op):
             work = ring_reduce_scatter(output_tensor, input_tensor, group, op, async_op=True, label=self.label,
                                        stats=self.recorder, wire=wire, residual=residual,
                                        **self.config.ring_kwargs)
             self.deferred.add(work)
+            if replicas is not None:
+                replicas.expect(output_tensor, self.segments(output_tensor.numel()) or (), self, work, self.deferred)
             return None
         scale = None
         if getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM:
@@ -133,6 +148,8 @@ class RingReduceScatter(_RingComm, ReduceScatter):
                             wire=wire, residual=residual, **self.config.ring_kwargs)
         if scale is not None:
             output_tensor.mul_(scale)
+        if replicas is not None:
+            replicas.expect(output_tensor, self.segments(output_tensor.numel()) or (), self)
         return None
 
 
@@ -166,8 +183,13 @@ class DeferredReductions:
         task = torch._C._current_graph_task_id()
         if task == -1 or task == self._finished:
             return False
-        if isinstance(param_group.mesh_info, DDPMeshInfo) or param_group._all_reduce_hook is not None:
+        if param_group._all_reduce_hook is not None:
             return False
+        if isinstance(param_group.mesh_info, DDPMeshInfo):  # HSDP: its all-reduce follows on the rings, unread
+            if replica_group(param_group) is None or not param_group.all_reduce_grads:
+                return False  # (FSDP2's own all-reduce; or accumulation, which adds the output in at once)
+            if param_group._partial_reduce_output is not None:
+                return False  # (the partial sum of no-all-reduce micro-batches is added in at once)
         if param_group._orig_dtype not in (None, output.dtype):
             return False
         for fsdp_param in param_group.fsdp_params:
@@ -196,6 +218,27 @@ class DeferredReductions:
         pending, self.pending = self.pending, []
         for work in pending:
             work.wait()
+
+
+def replica_group(param_group) -> RingReplicaGroup | None:
+    """The ``RingReplicaGroup`` an HSDP unit all-reduces with across the replicas (``use_ring_collectives``), or
+    None (no HSDP, or FSDP2's own all-reduce)."""
+    if param_group is None or not isinstance(param_group.mesh_info, DDPMeshInfo):
+        return None
+    group = getattr(param_group.mesh_info, "replicate_process_group", None)
+    return group if isinstance(group, RingReplicaGroup) else None
+
+
+def replica_groups(model: nn.Module) -> list[RingReplicaGroup]:
+    """The ``RingReplicaGroup``s the HSDP units of ``model`` all-reduce with (one per replicate group; none without
+    HSDP on the rings)."""
+    found: dict[int, RingReplicaGroup] = {}
+    for _, _, state in _units(model):
+        for group in param_groups(state):
+            replicas = replica_group(group)
+            if replicas is not None:
+                found.setdefault(id(replicas), replicas)
+    return list(found.values())
 
 
 def _units(model: nn.Module) -> list[tuple[str, FSDPModule, object]]:
@@ -311,6 +354,7 @@ def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder 
     """A ``RingAllGather`` and a ``RingReduceScatter`` on each unit with parameters; returns those units, in module
     order."""
     gathering = []  # the units with parameters, in module order
+    replicas: dict[int, RingReplicaGroup] = {}  # per replicate process group
     for unit, module, state in units:
         groups = param_groups(state)
         if not groups:  # a unit whose parameters all went to inner units: nothing to gather
@@ -319,6 +363,14 @@ def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder 
         gather = RingAllGather(config, recorder, f"FSDP2 unit {unit} (all-gather)")
         scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)", deferred)
         gather.param_group = scatter.param_group = groups[0]
+        info = groups[0].mesh_info
+        if isinstance(info, DDPMeshInfo):  # HSDP: the all-reduce across the replicas on their ring
+            current = info.replicate_process_group
+            real = current.group if isinstance(current, RingReplicaGroup) else current
+            if id(real) not in replicas:
+                replicas[id(real)] = RingReplicaGroup(real, config.reduce_format, config.format_block,
+                                                      config.error_feedback, config.ring_kwargs, recorder)
+            info.replicate_process_group = replicas[id(real)]
         if from_shard:
             gather.owner = scatter.owner = _SHARD_OWNER
         module.set_custom_all_gather(gather)

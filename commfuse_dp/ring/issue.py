@@ -249,3 +249,9 @@ class RingWork(dist.Work):
 
     def is_completed(self) -> bool:
         return self.pending.done()
+
+    def result(self) -> None:
+        """Block until its hops ran, on any thread, and re-raise their error: a wait that is not the compute's (it
+        is neither timed nor counted; ``wait`` still is)."""
+        if self.pending.future is not None:
+            self.pending.future.result()

@@ -33,9 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..ring.collectives import ring_all_gather, ring_reduce_scatter
+from ..ring.all_reduce import residual_shape, ring_all_reduce
 from ..ring.topology import get_ring
-from ..wire import RowFormat
 
 
 class Replicas:
@@ -43,12 +42,14 @@ class Replicas:
     replicate group, the copies of the model, while the backward goes on; ``exchange`` puts them in place."""
 
     def __init__(self, group: dist.ProcessGroup, ring_kwargs: dict[str, float], reduce_format: str = "exact",
-                 format_block: int = 2048) -> None:
+                 format_block: int = 2048, error_feedback: bool = False) -> None:
         self.group, self.ring_kwargs = group, ring_kwargs
-        # narrow formats ([Note: narrow formats]): the 2-D parameters' shards cross in ``reduce_format``, summed in
-        # float32 by each part's owner, and the sums come back encoded once, the owner decoding its own too, so
-        # every copy holds the same sum
-        self.reduce_format, self.format_block = reduce_format, format_block
+        # narrow formats ([Note: the replica all-reduce]): the 2-D parameters' shards cross in ``reduce_format``,
+        # summed in float32 by each part's owner, and the sums come back encoded once, the owner decoding its own
+        # too, so every copy holds the same sum; with ``error_feedback`` what encoding lost of a contribution is
+        # added to the next step's (a float32 residual per exchange, keyed by the parameters it carries)
+        self.reduce_format, self.format_block, self.error_feedback = reduce_format, format_block, error_feedback
+        self._residuals: dict[tuple, torch.Tensor] = {}
         self.ring = get_ring(group, op="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -88,7 +89,7 @@ class Replicas:
         start the same exchanges in the same order (landings complete in request order, the same everywhere)."""
         for flat, entries in self._by_dtype(contributions):
             summed, work = self._summed(flat, "the gradients of the fused layers", async_op=True,
-                                        narrow=self._narrow(entries))
+                                        narrow=self._narrow(entries), key=_key(entries))
 
             def done(work=work, summed=summed, entries=entries) -> list:
                 work.wait()
@@ -111,7 +112,8 @@ class Replicas:
             done = []
             for flat, entries in self._by_dtype(finish()):
                 narrow = self._narrow(entries)
-                done.append((self._summed(flat, what, tags=tags[(flat.dtype, narrow)], narrow=narrow)[0], entries))
+                done.append((self._summed(flat, what, tags=tags[(flat.dtype, narrow)], narrow=narrow,
+                                          key=_key(entries))[0], entries))
             return done
 
         self._inflight.append(self.ring.submit(job).result)
@@ -170,25 +172,29 @@ class Replicas:
                             )[0].view_as(grad)
 
     def _summed(self, flat: torch.Tensor, what: str, async_op: bool = False, tags: tuple[int, int] = (None, None),
-                narrow: bool = False):
-        """A ring all-reduce (reduce-scatter, then all-gather) of ``flat``, padded to a multiple of R: the sum and,
-        with ``async_op``, the work to wait for before reading it (else None). ``tags``: of the two ring ops
-        (default: drawn now). ``narrow``: in ``reduce_format``."""
-        r = self.size
-        part = -(-flat.numel() // r)
-        padded = flat.new_zeros(part * r)
-        padded[:flat.numel()].copy_(flat)
-        mine = padded.new_empty(part)
-        label = f"{what} across the model's copies (HSDP)"
-        wire = RowFormat(self.reduce_format, flat.dtype, part, [(0, part, True)], self.format_block) \
-            if narrow and part and r > 1 else None
-        ring_reduce_scatter(mine, padded, self.group, label=label, async_op=async_op, tag=tags[0], wire=wire,
-                            **self.ring_kwargs)
-        # Ops of one ring run in the order they were issued (its one thread on CPU, its stream on CUDA)
-        work = ring_all_gather(padded, mine, self.group, label=label, async_op=async_op, tag=tags[1], wire=wire,
-                               **self.ring_kwargs)
-        return padded[:flat.numel()], work
+                narrow: bool = False, key: tuple | None = None):
+        """``flat`` summed over the replicate group (``ring_all_reduce``): the sum and, with ``async_op``, the work to
+        wait for before reading it (else None). ``tags``: of its two ring ops (default: drawn now). ``narrow``: in
+        ``reduce_format``; ``key``: whose error-feedback residual it uses (none: no feedback)."""
+        residual = None
+        if narrow and self.error_feedback and key is not None and self.reduce_format != "exact":
+            shape = residual_shape(flat.numel(), self.size)
+            residual = self._residuals.get(key)
+            if residual is None or residual.shape != shape:
+                residual = self._residuals[key] = torch.zeros(shape, dtype=torch.float32, device=flat.device)
+        return ring_all_reduce(flat, self.group, reduce_format=self.reduce_format, format_block=self.format_block,
+                               narrow=narrow, async_op=async_op, tags=tags, residual=residual,
+                               label=f"{what} across the model's copies (HSDP)", **self.ring_kwargs)
 
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of float32 error-feedback residuals kept (``describe``)."""
+        return sum(t.numel() * t.element_size() for t in self._residuals.values())
+
+
+def _key(entries: list) -> tuple:
+    """An exchange's identity from one step to the next: the parameters it carries, in order."""
+    return tuple(id(param) for param, _, _ in entries)
 
 def autograd_grad(engine, param: nn.Parameter, node, grad: torch.Tensor, what: str) -> torch.Tensor | None:
     """What a ring embedding's or weight read's backward returns for ``param``'s local shard ``grad`` (``node``: the
