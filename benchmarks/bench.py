@@ -3,7 +3,8 @@
     commfuse-dp bench --quick --json bench.json        # about 4 minutes here: 2 ranks, 3 rates, all variants
     commfuse-dp bench --rates 1000,2000,4000 --world-size 2 --out-dir bench-out
     commfuse-dp bench --compute emulated --tflops 0.02 --world-size 8   # 8 ranks on 2 cores (benchmarks/emulated.py)
-    commfuse-dp bench --nodes 2 --world-size 4 --compute emulated --rates 3280,1640,820   # 2 nodes x 2 ranks, HSDP
+    # 2 nodes x 2 ranks, HSDP: each node one NIC that its 2 ranks share, at 1600, 800 and 400 Mbit/s
+    commfuse-dp bench --nodes 2 --world-size 4 --compute emulated --nic-mbit 1600,800,400
 
 1. Calibration: compute alone at a reference rate, and communication alone at that rate and twice it, give the
    *balanced* rate, where the ZeRO-3 bytes of a step take as long as its compute (communication time fitted as
@@ -27,6 +28,15 @@ under ``--compute emulated`` it is real CPU work on cores the ranks share, and H
 of a flat shard (compute alone's covers a flat one): compare HSDP's step minus it. The overlap limit is max(compute
 alone, communication alone) (``x limit``); the gather floor (``x floor``, ``gather_floor``) adds that a step's forward
 cannot end before its all-gathers do, nor its backward begin before. Needs root (network namespaces); every run is bounded by ``--timeout``.
+
+Several nodes (``--nodes N``), machines as they are built (``--nic-mbit R``; ``benchmarks/cluster.py``,
+``EmulatedNodes``): one network namespace per node, the node's M = world / N ranks talk over its loopback (unshaped,
+or one cap for all of them with ``--intra-mbit``), and share its ``--nics-per-node`` K NICs of R Mbit/s each way
+for traffic to other nodes: local rank l on NIC l % K. R is the figure swept (the ``rate Mbit/s`` column); when all
+of a node's ranks send at once each gets R / (M / K) (``inter_mbit_per_rank``, given to the worker as its
+``--link-mbit``). E.g. 8 GPUs on one 100 GbE NIC: M / K = 8, 1.56 GB/s a GPU; cloud H100 nodes, one 400 Gb NIC a GPU:
+M / K = 1. ``--inter-fraction F`` with ``--rates`` is the older emulation: one namespace per rank, every rank its own
+link to other nodes at F times its link inside the node.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from .cluster import EmulatedCluster
+from .cluster import EmulatedCluster, EmulatedNodes
 from .bench_model import MODEL_DEFAULTS
 from .probes import MMAP_ENV
 from .worker import EXTRA_VARIANTS, NODE_VARIANTS, OPTIMIZERS, VARIANTS
@@ -67,12 +77,15 @@ SHAPING_NOTE = ("tbf token buckets ({burst} KiB, --burst-kb) refill while a link
                 "does not (tbf shaping); a real link has no such credit")
 
 
-def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *, memory=False,
+def run_rate(cluster: EmulatedCluster | EmulatedNodes, rate: float, variants: list[str], args, *, memory=False,
              timeline: str | None = None) -> dict:
-    """One set of ranks at ``rate``: every variant, interleaved. Returns the worker's result (rank 0's JSON).
-    ``memory``: instead of timing, measure each variant's peak memory (a run of its own, with large allocations
-    mapped so that the resident size follows the live tensors; see ``probes.peak_step_bytes``)."""
+    """One set of ranks at ``rate`` (with ``EmulatedNodes``: each NIC's): every variant, interleaved. Returns the
+    worker's result (rank 0's JSON). ``memory``: instead of timing, measure each variant's peak memory (a run of its
+    own, with large allocations mapped so that the resident size follows the live tensors; see
+    ``probes.peak_step_bytes``)."""
     cluster.set_rate(rate)
+    # the worker's --link-mbit: between nodes, a rank's share of its NIC when all of the node's ranks send
+    link_mbit = cluster.inter_mbit_per_rank if isinstance(cluster, EmulatedNodes) else rate
     with tempfile.TemporaryDirectory(prefix="commfuse-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
         port = 29500 + int(rate) % 400 + int(time.time()) % 50
@@ -81,7 +94,7 @@ def run_rate(cluster: EmulatedCluster, rate: float, variants: list[str], args, *
                 "--master", f"{cluster.address(0)}:{port}", "--variants", ",".join(variants),
                 "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(warmup),
                 "--settle", str(args.settle if rounds else 0),
-                "--out", out, "--link-mbit", f"{rate:g}", *args.model_args]
+                "--out", out, "--link-mbit", f"{link_mbit:g}", *args.model_args]
         env = None
         if memory:
             argv.append("--memory")
@@ -222,10 +235,24 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"subset of {','.join(VARIANTS)} (also: {','.join(EXTRA_VARIANTS)}); default: the first "
                              f"list, or with --nodes {','.join(NODE_VARIANTS)}")
     parser.add_argument("--nodes", type=int, default=1,
-                        help="emulated nodes (default 1): --world-size ranks split into this many nodes; links "
-                             "between nodes run at --inter-fraction of each rate (one per rank); needs --rates")
-    parser.add_argument("--inter-fraction", type=float, default=0.25,
-                        help="--nodes: inter-node link rate as a fraction of the intra-node rate (default 0.25)")
+                        help="emulated nodes (default 1): --world-size ranks split into this many nodes of consecutive "
+                             "ranks, for the HSDP variants. Give --nic-mbit (a namespace per node, its ranks sharing "
+                             "its NICs) or --inter-fraction (a namespace per rank, each its own link between nodes)")
+    parser.add_argument("--nic-mbit",
+                        help="--nodes: each NIC's rate, Mbit/s each way, comma-separated: the sweep (instead of "
+                             "--rates). All of a node's ranks share its NICs for traffic to other nodes: when all "
+                             "send at once each gets NIC x NICs per node / ranks per node (printed); inside a node "
+                             "they talk over its loopback")
+    parser.add_argument("--nics-per-node", type=int, default=1,
+                        help="--nic-mbit: NICs (rails) K a node has, each at --nic-mbit; local rank l uses NIC "
+                             "l %% K, its gloo bound to it (default 1: one NIC for the whole node; as many as its "
+                             "ranks: a NIC each)")
+    parser.add_argument("--intra-mbit", type=float, default=None,
+                        help="--nic-mbit: cap on all traffic among a node's ranks together, Mbit/s (a PCIe-only "
+                             "node, its ranks sharing the switch); default: unshaped loopback")
+    parser.add_argument("--inter-fraction", type=float, default=None,
+                        help="--nodes with --rates, the older emulation: every rank its own link to other nodes at "
+                             "this fraction of --rates, its rate inside the node (e.g. 0.25)")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps per variant (about 4 minutes)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants per rate")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
@@ -269,8 +296,40 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if args.nodes < 1 or args.world_size % args.nodes:
         parser.error(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
-    if args.nodes > 1 and not args.rates:
-        parser.error("--nodes needs --rates (intra-node Mbit/s): the calibration measures flat rings only")
+    if args.nodes == 1:
+        stray = [flag for flag, given in (("--nic-mbit", args.nic_mbit is not None),
+                                          ("--nics-per-node", args.nics_per_node != 1),
+                                          ("--intra-mbit", args.intra_mbit is not None)) if given]
+        if stray:
+            parser.error(f"{', '.join(stray)}: only with --nodes 2 or more (they describe the links between "
+                         f"nodes); add --nodes N or leave {'it' if len(stray) == 1 else 'them'} out")
+    elif args.nic_mbit is not None and args.inter_fraction is not None:
+        parser.error("--nodes: give --nic-mbit (a node's ranks share its NICs) or --inter-fraction (a link per rank "
+                     "between nodes, with --rates), not both")
+    elif args.nic_mbit is None and args.inter_fraction is None:
+        parser.error("--nodes needs --nic-mbit R1,R2,... (each node's NIC rate, Mbit/s: the sweep), or the older "
+                     "--inter-fraction F with --rates")
+    elif args.nic_mbit is not None:
+        ranks_per_node = args.world_size // args.nodes
+        if args.rates:
+            parser.error("--nic-mbit is the sweep of --nodes; drop --rates (inside a node the ranks talk over its "
+                         "loopback: --intra-mbit caps it)")
+        if args.nics_per_node < 1 or ranks_per_node % args.nics_per_node:
+            parser.error(f"--nics-per-node {args.nics_per_node} must divide the {ranks_per_node} ranks of a node "
+                         f"(--world-size {args.world_size} / --nodes {args.nodes}), so that every NIC carries as many")
+        if args.intra_mbit is not None and not args.intra_mbit > 0:
+            parser.error(f"--intra-mbit {args.intra_mbit:g}: a rate must be above 0 Mbit/s (leave it out: unshaped)")
+        args.rates = ",".join(str(r) for r in _rates(parser, "--nic-mbit", args.nic_mbit))
+    else:
+        if args.nics_per_node != 1 or args.intra_mbit is not None:
+            parser.error("--nics-per-node and --intra-mbit go with --nic-mbit, not --inter-fraction")
+        if not 0 < args.inter_fraction <= 1:
+            parser.error(f"--inter-fraction {args.inter_fraction:g} must be in (0, 1]")
+        if not args.rates:
+            parser.error("--nodes with --inter-fraction needs --rates (intra-node Mbit/s): the calibration measures "
+                         "flat rings only")
+    if args.rates:
+        _rates(parser, "--nic-mbit" if args.nic_mbit is not None else "--rates", args.rates)
     if args.nodes == 1 and any(v.startswith("hsdp") or v == "fsdp2_hsdp" for v in variants):
         parser.error("the hsdp_* and fsdp2_hsdp variants need --nodes 2 or more")
     unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
@@ -284,8 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     if args.burst_kb * 1024 < 2 * 65000:
         parser.error("--burst-kb must hold two 65000-byte packets (the links' MTU): at least 127")
-    with EmulatedCluster(args.world_size, args.reference_rate, burst_bytes=args.burst_kb * 1024, nodes=args.nodes,
-                         inter_fraction=args.inter_fraction) as cluster:
+    if args.nic_mbit is not None:
+        cluster = EmulatedNodes(args.nodes, args.world_size // args.nodes, float(args.rates.split(",")[0]),
+                                nics_per_node=args.nics_per_node, intra_mbit=args.intra_mbit,
+                                burst_bytes=args.burst_kb * 1024)
+        print(f"{args.nodes} nodes of {cluster.ranks_per_node} ranks, {_nics(args.nics_per_node)} each; inside a "
+              f"node: {_intra(args.intra_mbit)}", flush=True)
+    else:
+        cluster = EmulatedCluster(args.world_size, args.reference_rate, burst_bytes=args.burst_kb * 1024,
+                                  nodes=args.nodes, inter_fraction=args.inter_fraction or 0.25)
+    with cluster:
         if args.rates:
             rates = [float(r) for r in args.rates.split(",")]
             balanced = rates[len(rates) // 2]
@@ -304,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         timeline_path = os.path.join(args.out_dir, "timeline.json")
         for rate in rates:
             at_balance = rate == balanced
+            if args.nic_mbit is not None:
+                print(f"NIC {rate:g} Mbit/s: {_share(rate, args)}", flush=True)
             print(f"running {len(variants)} variants at {rate:g} Mbit/s ...", flush=True)
             result = run_rate(cluster, rate, variants, args, timeline=timeline_path if at_balance else None)
             if at_balance:
@@ -311,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 peaks = run_rate(cluster, rate, variants, args, memory=True)["variants"]
                 for name, v in result["variants"].items():
                     v["peak_mem_mb"] = peaks[name]["peak_mem_mb"]
-            records += [dict(r, nodes=args.nodes, inter_rate_mbit=rate * args.inter_fraction if args.nodes > 1
-                             else None) for r in records_from(result, rate, args.world_size)]
+            records += [dict(r, **_node_fields(rate, args)) for r in records_from(result, rate, args.world_size)]
             if at_balance and result.get("timelines"):
                 _write_timeline(result["timelines"], args.out_dir, rate, args.world_size)
     print_table(records, balanced, args.burst_kb)
@@ -320,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     print_paired(paired)
     paired_defaults = paired_ratios(records, args.rounds, of="defaults")
     print_paired(paired_defaults, of="defaults")
-    if args.nodes > 1:
+    if args.nic_mbit is not None:
+        print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks, {_nics(args.nics_per_node)} each: the "
+              f"rates are each NIC's; inside a node: {_intra(args.intra_mbit)}")
+        for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
+            print(f"{rate:>11g}  {_share(rate, args)}")
+    elif args.nodes > 1:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks: the rates are inside a node; between "
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
     from commfuse_dp.config import CommFuseConfig
@@ -329,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
                "records": records, "paired": paired, "paired_defaults": paired_defaults, "rounds": args.rounds, "balanced_rate_mbit": balanced,
                "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
+               **({"cluster": "a namespace per node, its ranks sharing its NICs (benchmarks/cluster.py EmulatedNodes)",
+                   "nic_mbit": [float(r) for r in args.rates.split(",")], "nics_per_node": args.nics_per_node,
+                   "ranks_per_node": args.world_size // args.nodes, "intra_mbit": args.intra_mbit,
+                   "inter_mbit_per_rank": [_node_fields(float(r), args)["inter_mbit_per_rank"]
+                                           for r in args.rates.split(",")]} if args.nic_mbit is not None else {}),
                "compute": "real" if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s",
                **({"emulated_host": args.emulated_host} if args.compute == "emulated" else {}),
                "tbf_burst_kb": args.burst_kb, "optimizer": f"AdamW ({args.optimizer})",
@@ -345,11 +423,51 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(payload, f, indent=1)
     from .plots import sweep_png
 
-    sweep_png(records, os.path.join(args.out_dir, "sweep.png"),
-              f"{args.world_size} ranks, emulated links: step time per schedule")
+    title = (f"{args.nodes} nodes of {args.world_size // args.nodes} ranks, {_nics(args.nics_per_node)} each "
+             f"(rate: a NIC's): step time per schedule" if args.nic_mbit is not None
+             else f"{args.world_size} ranks, emulated links: step time per schedule")
+    sweep_png(records, os.path.join(args.out_dir, "sweep.png"), title)
     print(f"\nwrote {args.json or '(no JSON)'}, {args.out_dir}/sweep.png, {args.out_dir}/timeline.png, "
           f"{args.out_dir}/trace.json in {time.monotonic() - started:.0f}s")
     return 0
+
+
+def _rates(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
+    """``text``'s comma-separated rates, Mbit/s; a rate that is no number or not above 0 is the user's error."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        parser.error(f"{flag} {text}: give rates in Mbit/s separated by commas, e.g. 1600,800,400")
+    if not rates or any(not r > 0 for r in rates):
+        parser.error(f"{flag} {text}: every rate must be above 0 Mbit/s")
+    return rates
+
+
+def _nics(k: int) -> str:
+    return "one NIC" if k == 1 else f"{k} NICs"
+
+
+def _intra(intra_mbit: float | None) -> str:
+    return "loopback, unshaped" if intra_mbit is None else f"loopback capped at {intra_mbit:g} Mbit/s for all its ranks"
+
+
+def _share(nic_mbit: float, args) -> str:
+    """What the NIC rate leaves each rank towards other nodes, in words."""
+    ranks, k = args.world_size // args.nodes, args.nics_per_node
+    per_nic = ranks // k
+    on = f" ({k} NICs, {per_nic} rank{'s' if per_nic > 1 else ''} on each)" if k > 1 else ""
+    return (f"each of a node's {ranks} ranks: {nic_mbit:g}/{per_nic} = {nic_mbit / per_nic:g} Mbit/s to other nodes "
+            f"when all send at once{on}, {nic_mbit:g} alone")
+
+
+def _node_fields(rate: float, args) -> dict:
+    """What a record says of the nodes at ``rate`` (with --nic-mbit: each NIC's)."""
+    if args.nic_mbit is None:
+        return {"nodes": args.nodes, "inter_rate_mbit": rate * args.inter_fraction if args.nodes > 1 else None}
+    ranks = args.world_size // args.nodes
+    per_rank = rate * args.nics_per_node / ranks
+    return {"nodes": args.nodes, "nic_mbit": rate, "nics_per_node": args.nics_per_node, "ranks_per_node": ranks,
+            "inter_mbit_per_rank": per_rank, "inter_rate_mbit": per_rank, "intra_mbit": args.intra_mbit}
 
 
 def balanced_rate(reference: float, compute: float, comm: float, comm_at_double: float) -> float:

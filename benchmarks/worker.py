@@ -37,7 +37,12 @@ Variants (``bench --help`` and docs/performance.md say more):
   communication bound); ``concurrent`` (when asked for): both at once on two threads, the best any overlap can do
   on this machine.
 - ``hsdp_fused``, ``hsdp_slicing``, ``fsdp2_hsdp`` (``--nodes K``): K copies of the model sharded over each node's
-  ranks, gradients averaged across them; ``fsdp2_hsdp`` is stock ``fully_shard`` on the 2-D mesh.
+  ranks, gradients averaged across them. ``fsdp2_hsdp`` is FSDP2's HSDP as torchtitan builds it: stock
+  ``fully_shard`` over torchtitan's units (``fsdp_units.peer_plan``) on the 2-D mesh ``(replicate, shard)``, its
+  collectives on the same rings run as FSDP2 runs on a GPU (``use_ring_collectives(overlap=True)``: gathers one
+  unit ahead, reduce-scatters and each unit's all-reduce across the copies behind the backward's compute). With a
+  narrow format: ``hsdp_fused_<format>``, ``fsdp2_hsdp_<format>`` (``NARROW``), the format on both tiers.
+  Under ``--nodes`` the ``defaults`` variant is told only the tokens: its ``replicate="auto"`` measures both tiers.
 
 ``compute_only`` and ``comm_only`` also time their forward part (``forward_s``: the forward, and the embedding's
 exchange with the forward all-gathers), for the bench's *gather floor* (``bench.records_from``).
@@ -67,13 +72,14 @@ VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsd
 # for before/after measurements and the multi-node bench (--nodes); not in the default set
 EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
                   "fused_ring", "fused_bf16", "fused_fp8", "fused_int8", "fused_int8_int8", "fsdp2_bf16", "fsdp2_int8",
-                  "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp")
+                  "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp",
+                  *(f"{kind}_{fmt}" for kind in ("hsdp_fused", "fsdp2_hsdp") for fmt in ("bf16", "int8", "int8_int8")))
 # Narrow formats on the wire (commfuse_dp/wire.py) of the fused_<name> and fsdp2_<name> variants
 NARROW = {"bf16": dict(gather_format="bf16", reduce_format="bf16"),
           "fp8": dict(gather_format="fp8", reduce_format="bf16"),
           "int8": dict(gather_format="int8", reduce_format="bf16"),
           "int8_int8": dict(gather_format="int8", reduce_format="int8", error_feedback=True)}
-NODE_VARIANTS = ("fused", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
+NODE_VARIANTS = ("defaults", "hsdp_fused", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
 
@@ -102,7 +108,10 @@ class Runner:
 
     def _builder(self, name):
         """The build method of variant ``name``; ``fused_<format>`` and ``fsdp2_<format>``: fused or the peer with
-        a narrow format on the wire (``NARROW``)."""
+        a narrow format on the wire (``NARROW``); ``hsdp_fused_<format>``, ``fsdp2_hsdp_<format>``: HSDP so."""
+        for prefix, build in (("hsdp_fused_", self._build_hsdp_fused), ("fsdp2_hsdp_", self._build_fsdp2_hsdp)):
+            if name.startswith(prefix) and name[len(prefix):] in NARROW:
+                return lambda: build(**NARROW[name[len(prefix):]])
         schedule, _, fmt = name.partition("_")
         if schedule in ("fused", "fsdp2") and fmt in NARROW:
             build = self._build_fused if schedule == "fused" else self._build_fsdp2_overlap
@@ -120,6 +129,7 @@ class Runner:
         if schedule == "fused" and "lookahead_mb" not in options:
             la = getattr(self.args, "lookahead_mb", "auto")
             options["lookahead_mb"] = la if la == "auto" else float(la)
+        options.setdefault("replicate", 1)  # (one flat ring also across --nodes; the hsdp_* variants say otherwise)
         config = cf.CommFuseConfig(schedule=schedule, timeout_s=600, min_fuse_numel=self.args.min_fuse_numel,
                                    **options)
         self.model = cf.shard(build_model(self.args), config)
@@ -128,8 +138,9 @@ class Runner:
     def _build_defaults(self, hints=True):
         import commfuse_dp as cf
 
-        told = dict(tokens_per_rank=self.args.batch * self.args.seq,
-                    link_gbps=self.args.link_mbit / 8000 if self.args.link_mbit else None) if hints else {}
+        told = dict(tokens_per_rank=self.args.batch * self.args.seq) if hints else {}
+        if hints and self.args.nodes == 1:  # (across nodes the two tiers are measured: replicate="auto")
+            told["link_gbps"] = self.args.link_mbit / 8000 if self.args.link_mbit else None
         config = cf.CommFuseConfig(timeout_s=600, min_fuse_numel=self.args.min_fuse_numel, **told)
         self.model = cf.shard(build_model(self.args), config)
         self.opt = self._optimizer(self.model.parameters())
@@ -137,25 +148,27 @@ class Runner:
     def _build_defaults_nohints(self):
         self._build_defaults(hints=False)
 
-    def _build_hsdp_fused(self, schedule="fused"):
-        self._build_fused(schedule, replicate=self.args.nodes)
+    def _build_hsdp_fused(self, schedule="fused", **formats):
+        self._build_fused(schedule, replicate=self.args.nodes, **formats)
 
     def _build_hsdp_slicing(self):
         self._build_hsdp_fused("slicing")
 
-    def _build_fsdp2_hsdp(self):
+    def _build_fsdp2_hsdp(self, **formats):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        import commfuse_dp as cf
+        from commfuse_dp import fsdp_units
         from commfuse_dp.integrations.fsdp import use_ring_collectives
 
         nodes = self.args.nodes
-        mesh = init_device_mesh("cpu", (nodes, self.world // nodes), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", (nodes, self.world // nodes), mesh_dim_names=("dp_replicate", "dp_shard"))
         self.model = build_model(self.args)
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
+        layers = list(self.model.model.layers)[::-1]  # (innermost first, as shard() lists units)
+        fsdp_units.apply(fsdp_units.peer_plan(self.model, layers, set()), mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        use_ring_collectives(self.model)
+        use_ring_collectives(self.model, cf.CommFuseConfig(timeout_s=600, **formats), overlap=True)
         self.opt = self._optimizer(self.model.parameters())
 
     def _build_fused_noprefetch(self):
@@ -370,8 +383,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)  # one core per rank
     host, port = args.master.rsplit(":", 1)
-    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(args.rank), WORLD_SIZE=str(args.world_size),
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(args.rank), WORLD_SIZE=str(args.world_size))
+    # what a launcher tells a rank of its node (the emulated cluster sets them under --nodes): one node of every rank,
+    # each with its own link, else ``--nodes`` nodes of consecutive ranks
+    per_node = args.world_size // args.nodes
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(per_node))
+    os.environ.setdefault("LOCAL_RANK", str(args.rank % per_node))
+    os.environ.setdefault("GROUP_RANK", str(args.rank // per_node))
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=600))
     rank, world = args.rank, args.world_size
