@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .config import CommFuseConfig
 from .measure import Measured, layer_shapes, measure_machine
-from .plan import MARGIN, decide, peer_step
+from .plan import MARGIN, UNPLAYED, decide, peer_step
 from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, Unit, peer_host_on_cpu, placed, units_for
 
 __all__ = ["MARGIN", "Choice", "Resolved", "choose", "decide", "resolve"]
@@ -213,7 +213,7 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
                       predicted, described, _collectives_chosen(collectives, predicted), measured, plan)
     schedule, width, predicted = decide(units, cl, config.schedule, config.piece_shards)
     fused_s = predicted[f"fused, piece_shards={width}"] if schedule == "fused" else min(
-        v for k, v in predicted.items() if k.startswith("fused"))
+        v for k, v in predicted.items() if k.startswith("fused"))  # (a lower bound where UNPLAYED is the least)
     if fixed is not None:
         reason = f"schedule='fused' as given; piece_shards={width}: the shortest predicted fused step"
     elif schedule == "fused" and not any(u.groups or u.table for u in placed(units, cl, elastic=True)):
@@ -224,7 +224,7 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
         reason = (f"fused predicted {fused_s:.3g} s a step, the peer (fsdp2) {predicted['fsdp2']:.3g} s: "
                   f"{1 - fused_s / predicted['fsdp2']:.0%} faster")
     else:
-        reason = (f"the peer (fsdp2) predicted {predicted['fsdp2']:.3g} s a step, fused at best {fused_s:.3g} s: "
+        reason = (f"the peer (fsdp2) predicted {predicted['fsdp2']:.3g} s a step, {_fused_at_best(predicted)}: "
                   f"fusing does not win by {MARGIN:.0%} here" + (_on(predicted) if collectives is None else ""))
     return Choice(schedule, width, reason, predicted, described,
                   _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured, plan)
@@ -266,6 +266,20 @@ def _collectives_chosen(known: str | None, predicted: dict[str, float]) -> str:
     if known is not None:
         return known
     return "rings" if predicted["fsdp2 on the rings"] <= (1 - MARGIN) * predicted["fsdp2 on NCCL"] else "torch"
+
+
+def _fused_at_best(predicted: dict[str, float]) -> str:
+    """The best fused step ``decide`` knows of, in words: the least played, or where the piece widths it did not
+    play (``UNPLAYED``: a lower bound of their steps from compute, GEMM pieces, host time and the link's work) might
+    be lower, that bound."""
+    played = [v for k, v in predicted.items() if k.startswith("fused, piece_shards=")]
+    bound = predicted.get(UNPLAYED)
+    if bound is None or (played and min(played) <= bound):
+        return f"fused at best {min(played):.3g} s"
+    if not played:
+        return f"fused at least {bound:.3g} s at every piece width (a lower bound; none could win, none was played)"
+    return (f"fused {min(played):.3g} s at best at the piece widths played, at least {bound:.3g} s at the others "
+            f"(a lower bound; they could not win and were not played)")
 
 
 def _on(predicted: dict[str, float]) -> str:

@@ -79,6 +79,9 @@ class Cluster:
     # Narrow formats on the wire (``commfuse_dp/wire.py``): param_bytes / grad_bytes are then their bytes per
     # element, and encoding and decoding take this many compute seconds per element and pass (``codec_seconds``)
     codec_s_per_elem: float = 0.0
+    # The fused schedule on more ranks than this is played on a ring of this many, each hop standing for several
+    # (replay.py's [Note: a stand-in ring]); None: always on the real ring
+    stand_in_ranks: int | None = 64
 
 
 def placed(units: list[Unit], cl: Cluster, elastic: bool) -> list[Unit]:
@@ -269,6 +272,22 @@ def piece_extra(units: list[Unit], cl: Cluster, shards: int = 1) -> float:
     ``piece_slowdown``)."""
     return sum(3.0 * 2.0 * u.tokens * g / cl.flops_per_s * (piece_slowdown(cl, o, shards) - 1.0)
                for u in units for g, o in zip(u.groups, u.outs))
+
+
+def fused_link_floor(units: list[Unit], cl: Cluster) -> float:
+    """Seconds the link needs at least for the rings of one step of the fused schedule over ``units`` (as
+    ``placed`` split them), whatever it overlaps with: every fused group's weight gathered in the forward and in
+    the backward (the forward's last group, the lm_head, keeps its weight for its backward) and its gradient
+    reduce-scattered, each (N-1)/N of its elements, and N-1 hop latencies per unit with fused groups in each
+    phase (a request never carries two hops of one ring, nor hops of two units). The exchanges at the step's head
+    and tail (``edges``) and the collectives of layers with FSDP2 units of their own come on top."""
+    n = cl.ranks
+    if n == 1:
+        return 0.0
+    sizes = [g for u in units for g in u.groups]
+    weights = 2 * sum(sizes) - (sizes[-1] if sizes else 0)
+    return ((n - 1) / n * (weights * cl.param_bytes + sum(sizes) * cl.grad_bytes) / cl.bytes_per_s
+            + 2 * (n - 1) * cl.latency_s * sum(1 for u in units if u.groups))
 
 
 def edges(units: list[Unit], cl: Cluster, nbytes: int) -> float:

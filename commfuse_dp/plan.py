@@ -59,8 +59,10 @@ KNOWN_MODELS = {
 }
 
 
-def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
-    """Step time (s), its compute, and the model FLOPs of one step on one rank."""
+def simulate(units: list[Unit], cl: Cluster, schedule: str, floor: bool = False) -> dict:
+    """Step time (s), its compute, and the model FLOPs of one step on one rank. ``floor``: for the fused schedule
+    (and lockstep), a lower bound of the step that plays nothing (``plays.fused_floor``); the other schedules' steps
+    are cheap to play and come as they are."""
     schedule = ALIASES.get(schedule, schedule)
     if schedule in PLACED:  # what shard() fuses for it
         units = costs.placed(units, cl, elastic=schedule == "fused" and cl.lookahead_bytes != 0)
@@ -70,10 +72,10 @@ def simulate(units: list[Unit], cl: Cluster, schedule: str) -> dict:
     flops = 3 * sum(u.flops for u in units)
     if schedule == "no_overlap":
         return {"step_s": compute + _unoverlapped_comm(units, cl), "compute_s": compute, "flops": flops}
-    slowed = _slowed_compute(units, cl, schedule, compute)
+    slowed = _slowed_compute(units, cl, schedule, compute, floor)
     if slowed is not None:
         return slowed
-    return _played(units, cl, schedule, compute, flops)
+    return _played(units, cl, schedule, compute, flops, floor)
 
 
 def _unoverlapped_comm(units: list[Unit], cl: Cluster) -> float:
@@ -88,7 +90,8 @@ def _unoverlapped_comm(units: list[Unit], cl: Cluster) -> float:
                coll(u.fused_numel + u.other_numel, cl.grad_bytes) for u in units)
 
 
-def _slowed_compute(units: list[Unit], cl: Cluster, schedule: str, compute: float) -> dict | None:
+def _slowed_compute(units: list[Unit], cl: Cluster, schedule: str, compute: float, floor: bool = False
+                    ) -> dict | None:
     """Where work of ``cl``'s on the computing thread slows the compute (the codec of narrow formats, the peer's or
     the fused groups' host work, the CPU that overlapped communication takes): the schedule played with the compute
     that much slower, each such cost in turn. None where there is none."""
@@ -96,7 +99,7 @@ def _slowed_compute(units: list[Unit], cl: Cluster, schedule: str, compute: floa
 
     def slowed(extra_s: float, **plain) -> dict:  # the compute takes extra_s more per step; reported against cl's rate
         slow = replace(cl, flops_per_s=cl.flops_per_s * compute / (compute + extra_s), **plain)
-        r = simulate(units, slow, schedule)
+        r = simulate(units, slow, schedule, floor)
         return {**r, "compute_s": compute, "pieces_s": r.get("pieces_s", 0.0) * slow.flops_per_s / cl.flops_per_s}
 
     if cl.codec_s_per_elem and n > 1:
@@ -121,9 +124,11 @@ def _slowed_compute(units: list[Unit], cl: Cluster, schedule: str, compute: floa
     return None
 
 
-def _played(units: list[Unit], cl: Cluster, schedule: str, compute: float, flops: float) -> dict:
+def _played(units: list[Unit], cl: Cluster, schedule: str, compute: float, flops: float, floor: bool = False
+            ) -> dict:
     """The step of an overlapping schedule, its compute as ``cl`` rates it: the schedule's play on the compute
-    stream and the link (``plays.py``), at least the host's time to issue it."""
+    stream and the link (``plays.py``; ``floor``: the fused schedule's lower bound instead), at least the host's
+    time to issue it."""
     n = cl.ranks
     # The fused and slicing schedules compute their GEMMs in N / piece_shards pieces (lockstep: N)
     # ... and the host issues every hop and piece of the fused groups (``costs.host_seconds``)
@@ -144,7 +149,7 @@ def _played(units: list[Unit], cl: Cluster, schedule: str, compute: float, flops
                 "host_s": cl.peer_host_s}
     if schedule in ("fused", "lockstep"):
         lockstep = schedule == "lockstep" or cl.lookahead_bytes == 0
-        t = compute if n == 1 else plays.fused(units, cl, lockstep)
+        t = compute if n == 1 else (plays.fused_floor if floor else plays.fused)(units, cl, lockstep)
         return {"step_s": max(t, host), "device_s": t, "compute_s": compute, "flops": flops, "host_s": host,
                 "pieces_s": costs.piece_extra(units, cl, 1 if lockstep else cl.piece_shards)}
     raise ValueError(f"unknown schedule {schedule!r}")
@@ -204,15 +209,16 @@ def with_formats(cl: Cluster, gather: str, reduce: str, dtype_bytes: int, codec:
 def formats_table(units: list, cl: Cluster, dtype_bytes: int, codec: dict[str, float],
                   names: tuple[str, ...] = tuple(FORMAT_PLAYS)) -> dict[str, dict[str, float]]:
     """Per format: the fused step (its best piece width), the peer's on the rings with the same format, and the
-    exact defaults' step (``decide`` on ``cl``: fused or the peer, NCCL where that wins), in seconds."""
-    _, best, predicted = decide(units, cl)
-    exact = min(predicted[f"fused, piece_shards={best}"], predicted["fsdp2"])
+    exact defaults' step (``decide`` on ``cl``: fused at its width where chosen, else the peer, NCCL where that
+    wins), in seconds."""
+    schedule, best, predicted = decide(units, cl)
+    exact = predicted[f"fused, piece_shards={best}"] if schedule == "fused" else predicted["fsdp2"]
     out = {}
     for name in names:
         gather, reduce = FORMAT_PLAYS[name]
         narrow = with_formats(cl, gather, reduce, dtype_bytes, codec)
-        widths = [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
-        fused = min(simulate(units, replace(narrow, piece_shards=g), "fused")["step_s"] for g in widths)
+        _, _, steps = decide(units, narrow, "fused")
+        fused = min(v for k, v in steps.items() if k.startswith("fused, piece_shards="))
         peer = simulate(units, replace(narrow, peer_nccl=False), "fsdp2")["step_s"]
         if name == "exact":
             peer = predicted["fsdp2"]
@@ -226,10 +232,70 @@ def formats_table(units: list, cl: Cluster, dtype_bytes: int, codec: dict[str, f
 def decide(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int | str = "auto"
            ) -> tuple[str, int, dict[str, float]]:
     """The schedule and piece width for ``units`` on ``cl`` (``"auto"`` values chosen, explicit ones kept), and the
-    predicted step seconds of each candidate: fused at each piece width (powers of two up to the ranks, or the one
-    given), and the peer (``fsdp2``). Fused where it is predicted faster than the peer by ``MARGIN``; the piece
-    width with the shortest fused step, the smallest on a tie. ``CommFuseConfig()``'s defaults choose with this
-    (``choose.py``), and ``commfuse-dp plan`` recommends with it."""
+    predicted step seconds of the candidates: fused at the piece widths played (powers of two up to the ranks, or
+    the one given), and the peer (``fsdp2``). Fused where it is predicted faster than the peer by ``MARGIN``; the
+    piece width with the shortest fused step, the smallest on a tie. ``CommFuseConfig()``'s defaults choose with
+    this (``choose.py``), and ``commfuse-dp plan`` recommends with it.
+
+    A width is played only where it could change the choice: each width's step is bounded from below without a
+    play (``simulate(..., floor=True)``: its compute and GEMM pieces, the host, the link's bytes and hops), the
+    widths are played in the order of their bounds, and one whose bound shows that it can be neither the best
+    width nor (under ``"auto"``) faster than the peer by ``MARGIN`` is not played. So the choice is the one that
+    playing every width makes; ``predicted`` has an entry for each width played and, where any was not,
+    ``UNPLAYED``: the least of their bounds."""
+    widths = [piece_shards] if piece_shards != "auto" else [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
+    floors = {g: simulate(units, replace(cl, piece_shards=g), "fused", floor=True)["step_s"] * (1 - FLOOR_SLACK)
+              for g in widths}
+    peer: dict[str, float] = {}
+    beat = math.inf  # a fused step above this cannot be chosen
+    if schedule == "auto":
+        peer["fsdp2"] = peer_step(units, cl, peer)
+        beat = (1 - MARGIN) * peer["fsdp2"]
+    played = _played_widths(units, cl, floors, beat)
+    predicted = {f"fused, piece_shards={g}": played[g] for g in widths if g in played}
+    if len(played) < len(widths):
+        predicted[UNPLAYED] = min(floors[g] for g in widths if g not in played)
+    best = min(played, key=lambda g: (round(played[g], 6), g)) if played else None
+    if schedule != "auto":
+        return schedule, best, predicted
+    predicted.update(peer)  # ("fsdp2 on NCCL", "fsdp2 on the rings", then "fsdp2")
+    if best is not None and played[best] <= beat:
+        return "fused", best, predicted
+    return "fsdp2", 1 if piece_shards == "auto" else piece_shards, predicted
+
+
+UNPLAYED = "fused, not played, at least"  # decide's entry for the piece widths it bounded out: their least bound
+FLOOR_SLACK = 1e-9  # the bounds are taken this much lower: their float sums run in another order than the play's
+
+
+def _played_widths(units: list, cl: Cluster, floors: dict[int, float], beat: float) -> dict[int, float]:
+    """The fused step at each width of ``floors`` (width -> lower bound of its step) that could be chosen, played
+    cheapest bound first: a width whose bound is above ``beat``, or whose bound ranks (rounded, then by width)
+    after the best step played so far, is not played; every width after it in that order would rank after too.
+    Where any width is played, so is width 1 (its trace is the same: a play costs one more timing of it)."""
+    def rank(seconds: float, g: int) -> tuple[float, int]:
+        return round(seconds, 6), g
+
+    played: dict[int, float] = {}
+    best = None
+    for g in sorted(floors, key=lambda g: rank(floors[g], g)):
+        if floors[g] > beat:
+            continue
+        if best is not None and rank(floors[g], g) > rank(played[best], best):
+            break
+        played[g] = simulate(units, replace(cl, piece_shards=g), "fused")["step_s"]
+        if best is None or rank(played[g], g) < rank(played[best], best):
+            best = g
+    if played and 1 in floors and 1 not in played:  # one shard a piece, what the others are compared with: one
+        played[1] = simulate(units, replace(cl, piece_shards=1), "fused")["step_s"]  # more timing of the same trace
+    return played
+
+
+def decide_by_playing_all(units: list, cl: Cluster, schedule: str = "auto", piece_shards: int | str = "auto"
+                          ) -> tuple[str, int, dict[str, float]]:
+    """The naive reference of ``decide``: every width played, nothing bounded, the same rule (with
+    ``replace(cl, stand_in_ranks=None)`` every play also runs on the real ring; ``tests/test_plan_speed.py`` and
+    ``benchmarks/startup.py`` compare the two)."""
     widths = [piece_shards] if piece_shards != "auto" else [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
     predicted = {f"fused, piece_shards={g}": simulate(units, replace(cl, piece_shards=g), "fused")["step_s"]
                  for g in widths}

@@ -282,7 +282,9 @@ def sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes: int, s
             for tokens in SWEEP_TOKENS:
                 units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
                 schedule, width, predicted = decide(units, cl)
-                fused_s = predicted[f"fused, piece_shards={width}"]
+                fused_s = predicted.get(f"fused, piece_shards={width}")  # (width 1 where the peer is chosen)
+                if fused_s is None:  # a width decide bounded out without playing it
+                    fused_s = simulate(units, replace(cl, piece_shards=width), "fused")["step_s"]
                 mine = fused_s if schedule == "fused" else predicted["fsdp2"]
                 theirs = predicted["fsdp2"] if against == "fsdp2" else simulate(
                     units, replace(cl, piece_shards=ranks), against)["step_s"]

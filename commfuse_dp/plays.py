@@ -3,14 +3,16 @@
 ``Unit`` and ``Cluster`` (``costs.py``) describe the model and the machine; ``units_for`` builds a decoder's units;
 ``fused`` plays the fused schedule (elastic or lockstep) with the runtime's own ``FusedSchedule`` on a simulated
 clock (``replay.py``); ``slicing`` and ``fsdp2`` play those schedules as ``runtime/slicing.py`` and FSDP2 run them;
-each returns the step time; ``edges`` is what every fused schedule leaves exposed at a step's head and tail.
+each returns the step time; ``fused_floor`` bounds the fused step from below without playing it; ``edges`` is
+what every fused schedule leaves exposed at a step's head and tail.
 ``plan.py`` builds predictions, calibration and the sweep on these.
 """
 
 from __future__ import annotations
 
 from .config import CommFuseConfig
-from .costs import Cluster, Unit, edges, gemm_items, own_unit_between, peer_collective_seconds, peer_units
+from .costs import (Cluster, Unit, edges, fused_link_floor, gemm_items, own_unit_between,
+                    peer_collective_seconds, peer_units)
 from .replay import Group, play
 
 
@@ -140,5 +142,17 @@ def fused(units: list[Unit], cl: Cluster, lockstep: bool = False) -> float:
 
     compute_end, link_end = play(groups, cl.ranks, cl.latency_s, cl.param_bytes / cl.bytes_per_s,
                                  cl.grad_bytes / cl.bytes_per_s, config, start=edges(units, cl, cl.param_bytes),
-                                 first=bool(units[0].table), between=between if lockstep else None)
+                                 first=bool(units[0].table), between=between if lockstep else None,
+                                 stand_in=cl.stand_in_ranks)
     return max(compute_end, link_end) + edges(units, cl, cl.grad_bytes)
+
+
+def fused_floor(units: list[Unit], cl: Cluster, lockstep: bool = False) -> float:
+    """A lower bound of ``fused(units, cl, lockstep)`` that plays nothing: the head's exchanges, then the longer of
+    the compute (every item of ``gemm_items`` once in the forward and twice in the backward: the whole GEMMs plus
+    what their pieces add, ``costs.piece_extra``) and the link's work for the rings (``costs.fused_link_floor``),
+    then the tail's exchanges. The play can only add waits to either clock."""
+    items = gemm_items(units, cl, 1 if lockstep else cl.piece_shards)
+    compute = 3.0 * sum(seconds for _, seconds, _ in items)
+    return (edges(units, cl, cl.param_bytes) + max(compute, fused_link_floor(units, cl))
+            + edges(units, cl, cl.grad_bytes))

@@ -14,13 +14,35 @@ recorded as a ``Trace`` (``TracedLink``, ``TracedPending``), and only the clocks
 
 Every decision of the schedule depends on the recorded layer order and byte counts, never on timing, so the order
 of requests here is the runtime's (``tests/test_replay.py`` compares them on a real model and ring), and one
-trace serves every link rate, latency and compute rate (``play`` caches them). What the planner predicts is then
-what runs, apart from the cost model: seconds per piece, per byte, per hop.
+trace serves every link rate, latency and compute rate (``play`` caches them). Nor does ``piece_shards`` change a
+request (it only groups the landed shards a piece computes, ``fused/linear.py``'s ``ShardRuns``): a piece is
+recorded as its place k in the ring, and ``Trace.time`` groups them into runs of the width it is given, so one
+trace serves every width too. What the planner predicts is then what runs, apart from the cost model: seconds
+per piece, per byte, per hop.
+
+[Note: a stand-in ring]
+A trace holds O(ranks x groups) events, and building one costs Python work per event (about 2 s at 1024 ranks on
+Llama-3-8B's 129 groups; timing it, a fiftieth of that). On a ring larger than ``stand_in`` ranks (``Cluster.
+stand_in_ranks``; ``play``) the step is played on a ring of ``stand_in`` ranks instead, each hop standing for
+(N-1)/(N'-1) of the real ring's: its latency and its seconds per element scaled so that every ring's total (N-1
+hops, (N-1)/N of the group's elements) is the real ring's. The compute is the real ring's: each group's seconds
+come from the real ranks and width (``costs.gemm_items``), split into N' pieces of 1/N' each; a run of ``g``
+shards of N becomes ``g·N'/N`` shards of N' (at least one). The schedule's decisions that depend on the ranks are
+made for the real ring (``forward_bundles="auto"``); its budget is in gathered bytes, which the ranks do not
+change (padding apart). What the stand-in cannot show is detail finer than 1/N' of a ring: the first piece of a
+group waits for one stand-in hop (N/N' real ones) where the runtime waits for one, and lockstep's prefetch of hop
+0 of the next layers carries N/N' hops' bytes. ``tests/test_plan_speed.py`` plays both rings at 128 and 256 ranks
+(Llama-3-8B and -70B, 6.25-450 GB/s): with a stand-in of 64 ranks the elastic step came within 0.003 % of the full
+ring's and lockstep's within 0.23 %, and the schedule chosen was the same. Where GEMM pieces cost nothing, the
+piece widths up to N/N' differ by less than that, and the width chosen may be another whose step on the full ring
+is within 2e-5 of the best.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,28 +61,34 @@ GRAD_DTYPE = torch.bfloat16  # the played gradients': ``grad_s_per_elem``
 
 
 # trace events (``Trace.events``): what the compute and the link do, in program order
-COMPUTE, REQUEST, WAIT, BETWEEN = range(4)
+COMPUTE, PIECE, REQUEST, WAIT, BETWEEN = range(5)
 
 
 class Trace:
-    """One played step as it ran on the compute side, timing apart: the events in program order (compute
-    ``(COMPUTE, group, times)``: ``times`` the group's forward seconds; a request ``(REQUEST, weight elements,
-    gradient elements)``; a wait ``(WAIT, request)``; the compute passing between units ``(BETWEEN, left,
-    entered, backward)``), and ``order``: ``(layer, phase, k)`` of each request. The schedule decides by the
-    recorded layer order and byte counts alone, so one trace serves every link rate, latency and compute rate."""
+    """One played step on a ring of ``ranks`` as it ran on the compute side, timing apart: the events in program
+    order (compute with no hop ``(COMPUTE, group, times)``: ``times`` the group's forward seconds; piece k of a
+    fused group ``(PIECE, group, k, backward)``; a request ``(REQUEST, weight elements, gradient elements)``; a
+    wait ``(WAIT, request)``; the compute passing between units ``(BETWEEN, left, entered, backward)``), and
+    ``order``: ``(layer, phase, k)`` of each request. The schedule decides by the recorded layer order and byte
+    counts alone, so one trace serves every link rate, latency, compute rate and piece width."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
         self.events: list[tuple] = []
         self.order: list[tuple[str, str, int]] = []
 
     def time(self, seconds: list[float], latency_s: float, param_s_per_elem: float, grad_s_per_elem: float,
-             start: float = 0.0, between=None) -> tuple[float, float]:
+             start: float = 0.0, between=None, shards: int = 1) -> tuple[float, float]:
         """``(compute end, link end)`` of the step on a FIFO link (a request ends at ``max(its time, the link
         free) + latency + bytes / bandwidth``) where group ``g``'s forward takes ``seconds[g]``, both starting at
-        ``start``; ``between(left, entered, backward, block, t)``: see ``play``."""
+        ``start``; ``between(left, entered, backward, block, t)``: see ``play``. A fused group's pieces compute
+        ``shards`` landed shards at a time (``CommFuseConfig.piece_shards``): its forward outputs and its
+        backward's dx at the end of each run of ``shards`` pieces and at the last piece; its backward's dW piece
+        by piece (it feeds the gradient ring)."""
         now = free = start
         ends: list[float] = []
         block_at = [0.0]
+        inv, last = 1.0 / self.ranks, self.ranks - 1
 
         def block(at: float, took: float) -> float:
             block_at[0] = max(block_at[0], at) + took
@@ -68,8 +96,13 @@ class Trace:
 
         for event in self.events:
             kind = event[0]
-            if kind == COMPUTE:
-                now += seconds[event[1]] * event[2]
+            if kind == PIECE:
+                piece = seconds[event[1]] * inv
+                if event[3]:
+                    now += piece  # dW
+                k = event[2]
+                if (k + 1) % shards == 0 or k == last:
+                    now += piece * (k % shards + 1)  # the run's outputs (forward) or dx (backward)
             elif kind == REQUEST:
                 free = (free if free > now else now) + latency_s + event[1] * param_s_per_elem + \
                     event[2] * grad_s_per_elem
@@ -78,6 +111,8 @@ class Trace:
                 end = ends[event[1]]
                 if end > now:
                     now = end
+            elif kind == COMPUTE:
+                now += seconds[event[1]] * event[2]
             elif between is not None:
                 block_at[0] = free
                 now = between(event[1], event[2], event[3], block, now)
@@ -169,30 +204,64 @@ class Group:
 
 def play(groups: list[Group], ranks: int, latency_s: float, param_s_per_elem: float, grad_s_per_elem: float,
          config: CommFuseConfig, start: float = 0.0, first: bool = False,
-         between: Callable[[object, object, bool, Callable[[float, float], float], float], float] | None = None
-         ) -> tuple[float, float]:
+         between: Callable[[object, object, bool, Callable[[float, float], float], float], float] | None = None,
+         stand_in: int | None = None) -> tuple[float, float]:
     """``(compute end, link end)`` of one step of the fused schedule of ``config`` (``lookahead_mb``,
     ``forward_bundles``, ``prefetch_depth``, ``piece_shards``) over ``groups`` on ``ranks`` ranks, after a step that
     recorded the same layer order (as every step after the first runs); both clocks start at ``start``.
     ``first``: a ring embedding before the first group (``start_first``). ``between(left, entered, backward,
     block, t)``: what the compute waits for between two units (their own FSDP2 units' collectives:
-    ``costs.own_unit_between``), ``block(at, seconds)`` a collective on the link."""
-    key = (tuple((g.numel, g.unit) for g in groups), ranks, first, config.lookahead_mb, config.piece_shards,
-           config.prefetch_depth, config.forward_bundles)
+    ``costs.own_unit_between``), ``block(at, seconds)`` a collective on the link. ``stand_in``: on more ranks than
+    this, the step is played on a ring of this many ([Note: a stand-in ring]); None: on the real ring."""
+    played = ranks if stand_in is None or ranks <= stand_in else max(stand_in, 2)
+    shards = config.piece_shards if config.elastic(ranks) else 1  # (lockstep computes per shard)
+    units = {g.unit if g.unit is not None else ("group", at) for at, g in enumerate(groups) if g.numel}
+    # decided for the real ring; the requests do not depend on the piece width (the module's Note)
+    config = config.replace(forward_bundles=config.bundles_forward(ranks, len(units)), piece_shards=1)
+    key = (tuple((g.numel, g.unit) for g in groups), played, first, config.lookahead_mb, config.prefetch_depth,
+           config.forward_bundles)
     trace = _traces.get(key)
     if trace is None:
-        trace = _traces[key] = traced(groups, ranks, config, first)
+        with _collector_paused():
+            trace = _traces[key] = traced(groups, played, config, first)
         if len(_traces) > 64:
             _traces.pop(next(iter(_traces)))
-    return trace.time([g.seconds for g in groups], latency_s, param_s_per_elem, grad_s_per_elem, start, between)
+    hops = (ranks - 1) / (played - 1) if played < ranks else 1.0  # real hops per played hop
+    per_elem = played * (ranks - 1) / (ranks * (played - 1)) if played < ranks else 1.0  # real elements per played
+    if played < ranks:
+        shards = min(played, max(1, round(shards * played / ranks)))
+    return trace.time([g.seconds for g in groups], latency_s * hops, param_s_per_elem * per_elem,
+                      grad_s_per_elem * per_elem, start, between, shards)
 
 
-_traces: dict[tuple, Trace] = {}
+_traces: dict[tuple, Trace] = {}  # the traces ``play`` built, by groups, ring and schedule settings (at most 64)
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while a trace is built (back as it was after). A build makes some
+    10^5 small objects, which set off the collector's full passes over the whole heap (the model's modules
+    included): on Llama-3-70B's 321 groups at 64 ranks those made the first build 0.76 s against 0.49 s without.
+    What a build leaves in cycles (the runtime's objects) is collected at the next pass after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def forget_traces() -> None:
+    """Drop the traces ``play`` keeps: the next play builds its trace as a fresh process does (what
+    ``benchmarks/startup.py`` times)."""
+    _traces.clear()
 
 
 def traced(groups: list[Group], ranks: int, config: CommFuseConfig, first: bool = False) -> Trace:
-    """One step of the fused schedule over ``groups`` as the runtime runs it (the module's Note), as a ``Trace``."""
-    trace = Trace()
+    """One step of the fused schedule over ``groups`` on a ring of ``ranks`` as the runtime runs it (the module's
+    Note), as a ``Trace``; ``config.piece_shards`` changes no request (``Trace.time`` applies it)."""
+    trace = Trace(ranks)
     ring = SimRing(ranks)
     engine = Engine(ring, None, config.replace(schedule="fused"))
     engine.link = TracedLink(ring, trace)
@@ -203,7 +272,6 @@ def traced(groups: list[Group], ranks: int, config: CommFuseConfig, first: bool 
         if state is not None:
             sched.entered(state, True)
     sched.begin_step()
-    shards = engine.config.piece_shards if sched.elastic else 1
     if first:
         sched.start_first("forward")
     kept = {}
@@ -216,7 +284,7 @@ def traced(groups: list[Group], ranks: int, config: CommFuseConfig, first: bool 
         sched.entered(state, True)
         keep = ranks > 1 and sched.keeps_weight(state)
         weights = sched.weights(state, state.local_params(), WEIGHT_DTYPE, "forward", keep)
-        run_pieces(state, "forward", ranks, weights, None, _Compute(trace, at, ranks, shards, False))
+        run_pieces(state, "forward", ranks, weights, None, _Compute(trace, at, False))
         sched.release(weights)
         kept[id(state)] = weights if keep and weights.slots is not None else None
     walk.enter(None, False)
@@ -232,7 +300,7 @@ def traced(groups: list[Group], ranks: int, config: CommFuseConfig, first: bool 
             WeightRing(engine, None, full.slots, own=full.own, wire=full.wire)
         grads = sched.grads(state, state.layout.numel, GRAD_DTYPE, torch.device("meta"), False, True, weights,
                             True)
-        run_pieces(state, "backward", ranks, weights, grads, _Compute(trace, at, ranks, shards, True))
+        run_pieces(state, "backward", ranks, weights, grads, _Compute(trace, at, True))
         sched.release(weights)
         sched.finish_grads(state, grads, 1.0, (WEIGHT_DTYPE,), (True,))
     walk.enter(None, True)
@@ -253,18 +321,10 @@ class _Walk:
 
 
 class _Compute:
-    """Piece k's compute as events: the forward's GEMM, a run of ``shards`` landed shards at once (the forward's
-    outputs, the backward's dx), and in the backward dW piece by piece (it feeds the gradient ring)."""
+    """Piece k's compute as an event (``Trace.time`` groups the pieces into runs of the width it is given)."""
 
-    def __init__(self, trace: Trace, group: int, ranks: int, shards: int, backward: bool) -> None:
-        self.events, self.group, self.ranks, self.shards, self.backward = trace.events, group, ranks, shards, backward
-        self.piece = 1.0 / ranks
-        self.owed = 0.0
+    def __init__(self, trace: Trace, group: int, backward: bool) -> None:
+        self.events, self.group, self.backward = trace.events, group, backward
 
     def __call__(self, k: int) -> None:
-        if self.backward:
-            self.events.append((COMPUTE, self.group, self.piece))
-        self.owed += self.piece
-        if (k + 1) % self.shards == 0 or k == self.ranks - 1:
-            self.events.append((COMPUTE, self.group, self.owed))
-            self.owed = 0.0
+        self.events.append((PIECE, self.group, k, self.backward))
