@@ -65,10 +65,12 @@ class Choice:
     collectives: str = "rings"  # the fsdp2 schedule's: "rings" or "torch" (FSDP2 as shipped)
     measured: Measured | None = field(default=None, compare=False)  # what the plays read that was measured
     plan: Plan | None = field(default=None, compare=False, repr=False)  # the cost model played; None: none was
+    replicate: int | None = None  # on a multi-node launch, the copies chosen (1: one flat ring); None: not chosen
 
     def as_dict(self) -> dict:
         return {"schedule": self.schedule, "piece_shards": self.piece_shards, "reason": self.reason,
-                "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives}
+                "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives,
+                **({"replicate": self.replicate} if self.replicate is not None else {})}
 
     def fused_with(self, min_fuse_numel: int) -> Choice | None:
         """The fused schedule at its best piece width on this choice's cost model with ``min_fuse_numel`` instead:
@@ -135,7 +137,7 @@ def needs_machine(config: CommFuseConfig, ranks: int, model: nn.Module, device: 
     if ranks == 1 or model_shape(model) is None:
         return False, False
     cuda = device.type == "cuda"
-    plans = {"auto": config.replicate == 1, "fused": config.piece_shards == "auto" and cuda,
+    plans = {"auto": config.replicate in (1, "auto"), "fused": config.piece_shards == "auto" and cuda,
              "fsdp2": config.fsdp2_collectives == "auto" and cuda}.get(config.schedule, False)
     return plans and (config.link_gbps is None or config.ring_latency_us is None), plans and config.tflops is None
 
@@ -196,7 +198,7 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
     if fixed is None and narrow_formats(config):
         return Choice("fused", pieces, f"gather_format={config.gather_format!r}, reduce_format="
                                        f"{config.reduce_format!r}: narrow formats run on the fused schedule")
-    if config.replicate > 1 and fixed is None:
+    if config.replicate not in (1, "auto") and fixed is None:  # ("auto" here: one node, one copy)
         return Choice("fused", pieces, "HSDP (replicate > 1): the fused rings inside each copy, gradients across them")
     shape = model_shape(model)
     if shape is None:

@@ -160,12 +160,15 @@ class CommFuseConfig:
     moves fewer bytes, about while a rank's tokens are fewer than the table's rows (``fused/embedding.py``), for
     either schedule. Off: the table goes through FSDP2 and the bucketed rings like the other unfused parameters."""
 
-    replicate: int = 1
+    replicate: int | str = "auto"
     """HSDP (docs/design.md, "Past one node"): the data-parallel ranks form ``replicate`` groups of equal size, each
     holding one copy of the model sharded over its members (consecutive ranks: a node), and gradient shards are
-    averaged across the copies. The fused rings run inside a group; across groups only gradients travel, once per
-    synchronised backward (accumulation micro-batches skip it, as DeepSpeed's MiCS does). Parameters are DTensors
-    ``(Replicate(), Shard(d))`` on a 2-D mesh ``("replicate", "shard")``. 1 (default): one group, no HSDP. Passing
+    averaged across the copies as soon as they land, beside the rest of the backward (accumulation micro-batches
+    skip it, as DeepSpeed's MiCS does). Parameters are DTensors ``(Replicate(), Shard(d))`` on a 2-D mesh
+    ``("replicate", "shard")``. ``"auto"`` (default): 1 (one group, no HSDP) on one node; on a launch over several
+    nodes (the launcher's ``LOCAL_WORLD_SIZE``, ``commfuse_dp/node_layout.py``), a copy per node or one flat ring
+    over every rank, whichever the planner predicts faster on the two tiers measured at ``shard()``
+    (``commfuse_dp/choose_nodes.py``; HSDP unless the flat ring wins by 2 %). An integer: that many copies. Passing
     ``shard(model, config, mesh=<2-D DeviceMesh>)`` sets the groups instead."""
 
     fsdp2_collectives: str = "auto"
@@ -340,10 +343,13 @@ class CommFuseConfig:
 
     def _check_run(self) -> None:
         """The copies (HSDP), the timeout, the switches, the dtypes and the excluded modules."""
-        self.replicate = _number("replicate", self.replicate, int)
-        if self.replicate < 1:
-            raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be an integer >= 1 (the number of "
-                             f"model copies; 1: no HSDP)")
+        if isinstance(self.replicate, str) and self.replicate.strip().lower() == "auto":
+            self.replicate = "auto"
+        else:
+            self.replicate = _number("replicate", self.replicate, int)
+            if self.replicate < 1:
+                raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be \"auto\" or an integer >= 1 "
+                                 f"(the number of model copies; 1: no HSDP)")
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
@@ -458,7 +464,7 @@ def with_parallelism(cfg: CommFuseConfig, sizes: Mapping[str, Any], where: str,
     replicate = int(sizes.get("dp_replicate_size") or 1)
     if replicate <= 1:
         return cfg
-    if cfg.replicate not in (1, replicate):
+    if cfg.replicate not in (1, "auto", replicate):
         raise ValueError(f"{where}: dp_replicate_size={replicate} disagrees with {cfg_name} replicate={cfg.replicate}: "
                          f"give one of them")
     return dataclasses.replace(cfg, replicate=replicate)
@@ -532,7 +538,7 @@ def _parse_env(name: str, raw: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
-    if name in ("lookahead_mb", "forward_bundles", "piece_shards") and text.lower() == "auto":
+    if name in ("lookahead_mb", "forward_bundles", "piece_shards", "replicate") and text.lower() == "auto":
         return "auto"
     if name in ("link_gbps", "ring_latency_us", "tflops", "tokens_per_rank") and text.lower() in ("none", ""):
         return None

@@ -23,6 +23,7 @@ are cached per process group and device (the link) and per device, dtype and sha
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -88,13 +89,48 @@ def measure_machine(group: dist.ProcessGroup, device: torch.device, dtype: torch
     return Measured(_LINKS.get(key) if link else None, _GEMMS.get(gemm_key) if gemm and shapes else None)
 
 
+@dataclass(frozen=True)
+class Tiers:
+    """The two tiers of a multi-node launch (``measure_tiers``): the ring inside a node, a rank's link to other
+    nodes while every rank of its node crosses at once (HSDP's exchange), and one flow alone across (a flat ring's
+    hop between nodes). None where a tier's larger hops took no longer than its small ones (no line to fit)."""
+
+    intra: Link | None
+    share: Link | None
+    flow: Link | None
+
+
+_TIERS: dict[tuple, Tiers] = {}
+
+
+def measure_tiers(node_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup, device: torch.device
+                  ) -> Tiers:
+    """Both tiers, measured as ``measure_machine`` measures a link (module docstring): ring all-gathers on each
+    node's group, every node at once; on each replicate group (the ranks of one local rank across the nodes),
+    every group at once, so that the ranks of a node share its NICs as HSDP's exchange does; and on the first
+    local rank's replicate group alone. The median rank's figures (of the ranks that ran each). Collective over the
+    world; cached per groups and device."""
+    device = torch.device(device)
+    key = (tuple(dist.get_process_group_ranks(node_group)), tuple(dist.get_process_group_ranks(replicate_group)),
+           str(device))
+    if key not in _TIERS:
+        per_node, nodes = dist.get_world_size(node_group), dist.get_world_size(replicate_group)
+        first = dist.get_rank(node_group) == 0
+        _TIERS[key] = Tiers(_measure_link(node_group, device, per_node) if per_node > 1 else None,
+                            _measure_link(replicate_group, device, nodes),
+                            _measure_link(replicate_group, device, nodes, active=first))
+    return _TIERS[key]
+
+
 def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
     """(in, out) of a decoder layer's linears as the planner groups them: q/k/v, o, gate/up, down."""
     kv = hidden * kv_heads // heads
     return [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
 
 
-def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) -> Link | None:
+def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int, active: bool = True) -> Link | None:
+    """``group``'s line of seconds per hop against bytes (module docstring); ``active``: whether this rank's group
+    runs (the others take part only in agreeing on the figures, the median of the ranks that ran)."""
     def hop_seconds(nbytes: int, calls: int) -> float:
         """Seconds per hop: the faster of two runs of ``calls`` ring all-gathers back to back, each run
         started together on every rank (a barrier), so that neither a late neighbour nor a link's burst credit
@@ -106,14 +142,17 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int) ->
 
         def run() -> float:
             _sync(device)
-            dist.barrier(group, device_ids=[device.index] if device.type == "cuda" else None)
+            dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)  # every group at once
+            if not active:
+                return math.nan
             began = time.perf_counter()
             for _ in range(calls):
                 ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)
             _sync(device)
             return (time.perf_counter() - began) / (calls * (world - 1))
 
-        ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)  # untimed: buffers, connections
+        if active:
+            ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)  # untimed: buffers, connections
         return _agreed(device, [min(run(), run())])[0]
 
     kind = device.type if device.type in MAX_HOP_BYTES else "cpu"
@@ -175,7 +214,8 @@ def _agreed(device: torch.device, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t)
-    return torch.stack(everyone).median(dim=0).values.tolist()  # (the lower middle of an even count)
+    # (the lower middle of an even count; NaN: a rank that did not measure, left out)
+    return torch.stack(everyone).nanmedian(dim=0).values.tolist()
 
 
 def _size(n: int) -> str:

@@ -18,30 +18,113 @@ import sys
 from dataclasses import replace
 from typing import NamedTuple
 
-from . import costs, plan
+from . import costs, nodes, plan
 from .config import MIN_FUSE_NUMEL
 from .costs import Cluster, units_for
-from .plan import (ALIASES, KNOWN_MODELS, TORCHTITAN_8B, decide, predict, predict_nodes, recommend, simulate,
+from .nodes import Machines
+from .plan import (ALIASES, KNOWN_MODELS, decide, predict, recommend, simulate,
                    unplayed)
 
 
-def print_nodes(args, model: tuple, intra: Cluster) -> None:
+def machines_of(args) -> Machines:
+    """The tier between nodes that ``--nodes``, ``--nic-gbps`` / ``--inter-gbps``, ``--nics-per-node`` and
+    ``--inter-latency-us`` describe (``nodes.Machines``)."""
     per_node = args.ranks // args.nodes
-    results = predict_nodes(model, args.nodes, per_node, intra, args.inter_gbps * 1e9, args.tokens, args.seq,
-                            args.peak_tflops * 1e12)
-    print(f"{args.model}: {args.nodes} nodes x {per_node} ranks, {args.link_gbps:g} GB/s inside a node, "
-          f"{args.inter_gbps:g} GB/s per rank between nodes, {args.latency_us:g} us per hop, {args.tflops:g} "
-          f"TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
-    print(f"{'schedule':>12} {'mesh':>5} {'step s':>8} {'tok/s/rank':>10} {'MFU':>6}")
+    if args.inter_gbps is not None:  # each rank its own link: a NIC per rank
+        return Machines.of_nics(args.nodes, per_node, args.inter_gbps * 1e9, per_node, args.inter_latency_us * 1e-6)
+    return Machines.of_nics(args.nodes, per_node, args.nic_gbps * 1e9, args.nics_per_node,
+                            args.inter_latency_us * 1e-6)
+
+
+NODE_LAYOUTS = {"hsdp/fsdp2": "the peer: FSDP2's HSDP as torchtitan builds it (fully_shard on a 2-D mesh)",
+                "hsdp/fused": "HSDP, the fused rings inside a node, each group's gradient across nodes as it lands",
+                "flat/fsdp2": "one flat ring over every rank, FSDP2's units",
+                "flat/fused": "one flat ring over every rank, fused"}
+
+
+def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: dict[str, float] | None = None,
+                said: str | None = None) -> None:
+    """One multi-node cluster: each layout's step (``nodes.predict``), then with ``--formats`` each narrow format's
+    best, and the line of what ``CommFuseConfig()``'s defaults run there (``nodes.decide``)."""
+    units = units_for(*model, tokens=args.tokens, seq=args.seq)
+    results = nodes.predict(units, intra, machines)
+    chosen, steps = nodes.decide(units, intra, machines)
+    flops = 3 * sum(u.flops for u in units)
+    print(f"{args.model}: {machines.describe()}; {args.link_gbps:g} GB/s a rank inside a node ({args.latency_us:g} "
+          f"us a hop), {args.tflops:g} TFLOP/s achievable of {args.peak_tflops:g} peak, {args.tokens} tokens per rank")
+    print(f"{'layout':>7} {'schedule':>8} {'step s':>8} {'tok/s/rank':>10} {'MFU':>6} {'x peer':>7} {'shard of':>8}")
+    peer = steps[nodes.PEER]
     for key, r in results.items():
-        schedule, mesh = key.split("/")
-        print(f"{schedule:>12} {mesh:>5} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['mfu']:>6.1%}")
-    print("hsdp: sharded inside a node, gradients averaged across nodes on each rank's own link; flat: one ring over "
-          "every rank (its slowest hop sets its speed). fsdp2: stock FSDP2's schedule (HSDP: its all-reduce "
-          "per unit after the reduce-scatter)")
-    if args.model in ("llama3-8b",):
-        print("published (torchtitan, FSDP2, Llama-3.1-8B, eager bf16, seq 8192, local batch 2, H100): "
-              + ", ".join(f"{v:,} tok/s per GPU on {k} GPUs" for k, v in TORCHTITAN_8B.items()))
+        layout, schedule = key.split("/")
+        print(f"{layout:>7} {schedule:>8} {r['step_s']:>8.3f} {args.tokens / r['step_s']:>10.0f} "
+              f"{flops / (r['step_s'] * args.peak_tflops * 1e12):>6.1%} {peer / r['step_s']:>6.3f}x "
+              f"{r['shard_of']:>8}  {NODE_LAYOUTS[key]}")
+    print("x peer: the peer's step over this one (above 1: faster); shard of: the ranks one copy of the parameters "
+          "and optimizer state is split over (its memory per rank: 1/that)")
+    if codec is not None:
+        rows = nodes.formats(units, intra, machines, args.dtype_bytes, codec)
+        print(f"narrow formats on the wire, inside a node and between nodes (codec: {said}):")
+        print(f"{'format':>10} {'best':>11} {'step s':>8} {'x peer':>7} {'peer with it':>12} {'x defaults':>10}")
+        for name, r in rows.items():
+            print(f"{name:>10} {r['best']:>11} {r['step_s']:>8.3f} {r['over_peer']:>6.3f}x {r['peer_s']:>12.3f} "
+                  f"{r['gain']:>9.3f}x")
+        print("best: the fastest layout/schedule with that format; peer with it: FSDP2's HSDP with the same format "
+              "on the rings; x defaults: the exact defaults' step over the format's best")
+    layout, schedule = chosen.split("/")
+    replicate = f"replicate={machines.nodes} (HSDP)" if layout == "hsdp" else "replicate=1 (one flat ring)"
+    why = ("the peer's layout and schedule: nothing is predicted faster by 2%" if chosen == nodes.PEER else
+           f"predicted {steps[chosen]:.3f} s against the peer's {peer:.3f} s: {1 - steps[chosen] / peer:.0%} faster")
+    print(f"CommFuseConfig()'s defaults on this cluster: {replicate}, schedule={schedule!r}: {why} "
+          f"(commfuse_dp/nodes.py; exact: no narrow format unless asked)")
+
+
+NODE_SWEEP_NODES = (2, 4, 8, 16, 32)
+NODE_SWEEP_NIC_GBIT = (25, 100, 200, 400)
+NODE_SWEEP_NICS = (1, 2, 8)
+
+
+def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq: int, dtype_bytes: int,
+                codec: dict[str, float], said: str, latency_s: float, json_path: str | None = None) -> list[dict]:
+    """The map for users: over ``NODE_SWEEP_NODES`` nodes of ``per_node`` ranks with ``NODE_SWEEP_NICS`` NICs of
+    ``NODE_SWEEP_NIC_GBIT`` Gb/s each, what the exact defaults run and how their step compares with FSDP2's HSDP,
+    and the best narrow format's (``nodes.formats``)."""
+    model = load_model(model_name)
+    units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
+    names = tuple(plan.FORMAT_PLAYS)
+    print(f"{model_name}: {per_node} ranks a node at {intra.bytes_per_s / 1e9:g} GB/s each, {tokens} tokens per rank, "
+          f"{intra.flops_per_s / 1e12:g} TFLOP/s, {dtype_bytes}-byte values; the peer is FSDP2's HSDP; each cell: "
+          f"FSDP2 HSDP's step over the setting's (above 1: faster) and, for exact, the layout/schedule the defaults "
+          f"run; codec {said}")
+    print(f"{'nodes':>5} {'NIC Gb':>6} {'NICs':>4} {'GB/s/rank':>9} {'peer s':>7} " +
+          " ".join(f"{n:>20}" for n in names))
+    records = []
+    for k in NODE_SWEEP_NODES:
+        for gbit in NODE_SWEEP_NIC_GBIT:
+            for nics in NODE_SWEEP_NICS:
+                machines = Machines.of_nics(k, per_node, gbit / 8 * 1e9, nics, latency_s)
+                rows = nodes.formats(units, intra, machines, dtype_bytes, codec, names)
+                peer = rows["exact"]["steps"][nodes.PEER]
+                chosen = nodes.decide(units, intra, machines)[0]
+                cells = []
+                for n in names:
+                    r = rows[n]
+                    label = chosen if n == "exact" else r["best"]
+                    step = r["steps"][chosen] if n == "exact" else r["step_s"]
+                    cells.append(f"{peer / step:.3f}x {label:>11}")
+                records.append({"nodes": k, "nic_gbit": gbit, "nics_per_node": nics, "per_rank_gbps":
+                                machines.share / 1e9, "peer_s": peer, "defaults": chosen,
+                                **{n: {"best": rows[n]["best"], "step_s": rows[n]["step_s"],
+                                       "over_peer": peer / rows[n]["step_s"]} for n in names}})
+                print(f"{k:>5} {gbit:>6} {nics:>4} {machines.share / 1e9:>9.3g} {peer:>7.3f} " + " ".join(
+                    f"{c:>20}" for c in cells))
+    for n in names:
+        gains = sorted(r[n]["over_peer"] for r in records)
+        print(f"{n}: {gains[0]:.3f}x - {gains[-1]:.3f}x over FSDP2's HSDP (median {gains[len(gains) // 2]:.3f}x)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"command": "commfuse-dp plan " + " ".join(sys.argv[1:]), "model": model_name,
+                       "per_node": per_node, "tokens": tokens, "records": records}, f, indent=1)
+    return records
 
 
 def load_model(spec: str) -> tuple:
@@ -385,6 +468,20 @@ def main(argv: list[str] | None = None) -> int:
             codec, said = codec_costs(args.codec_ns, args.dtype_bytes)
         except ValueError:
             parser.error(f"--codec-ns {args.codec_ns!r}: give 'measure' or a number of ns (e.g. 0.002)")
+    if args.sweep == "nodes":
+        if args.ranks_per_node < 1:
+            parser.error("--ranks-per-node must be at least 1")
+        if codec is None:
+            try:
+                codec, said = codec_costs(args.codec_ns, args.dtype_bytes)
+            except ValueError:
+                parser.error(f"--codec-ns {args.codec_ns!r}: give 'measure' or a number of ns (e.g. 0.002)")
+        intra = Cluster(args.ranks_per_node, args.link_gbps * 1e9, args.latency_us * 1e-6, args.tflops * 1e12,
+                        args.dtype_bytes, args.dtype_bytes, piece_fit=fit, host_fit=host_fit,
+                        min_fuse_numel=args.min_fuse_numel, peer_nccl=True)
+        nodes_sweep(args.model, args.ranks_per_node, intra, args.tokens, args.seq, args.dtype_bytes, codec, said,
+                    args.inter_latency_us * 1e-6, args.json)
+        return 0
     if args.sweep and args.formats:
         formats_sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.tokens, args.seq, codec, said,
                       fit, host_fit, args.min_fuse_numel)
@@ -399,11 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.dtype_bytes, args.dtype_bytes, piece_fit=fit, piece_shards=args.piece_shards, host_fit=host_fit,
                  min_fuse_numel=args.min_fuse_numel, peer_nccl=True)
     if args.nodes != 1:
-        if args.nodes < 1 or args.ranks % args.nodes:
-            parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks} (the same ranks in every node)")
-        if args.inter_gbps <= 0:
-            parser.error("--inter-gbps must be > 0")
-        print_nodes(args, model, cl)
+        print_nodes(args, model, cl, _machines(parser, args), codec, said)
         return 0
     print_predictions(args, model, cl, codec, said)
     return 0
@@ -437,10 +530,20 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default %(default)s)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element (default %(default)s)")
     parser.add_argument("--nodes", type=int, default=1,
-                        help="nodes the --ranks are split into (HSDP against one flat ring; default 1)")
-    parser.add_argument("--inter-gbps", type=float, default=50.0,
-                        help="--nodes: each rank's own link between nodes, GB/s (default 50: a 400 Gb/s NIC per GPU; "
-                             "--link-gbps is then the link inside a node)")
+                        help="nodes the --ranks are split into, alike (HSDP and one flat ring played; default 1); "
+                             "--link-gbps is then each rank's link inside a node")
+    parser.add_argument("--nic-gbps", type=float, default=12.5,
+                        help="--nodes: one NIC's rate between nodes, GB/s (bytes; default 12.5: 100 Gb Ethernet; 50 "
+                             "for 400 Gb InfiniBand), shared by the node's ranks (docs/performance.md, 'Past one "
+                             "machine', says which figure to give)")
+    parser.add_argument("--nics-per-node", type=int, default=1,
+                        help="--nodes: NICs per node, each serving as many of its ranks (default 1; 8 on a node "
+                             "with a NIC per GPU)")
+    parser.add_argument("--inter-gbps", type=float, default=None,
+                        help="--nodes: each rank's own link between nodes, GB/s (as a NIC per rank of that rate; "
+                             "instead of --nic-gbps and --nics-per-node)")
+    parser.add_argument("--inter-latency-us", type=float, default=20.0,
+                        help="--nodes: the fixed cost of one hop between nodes, microseconds (default 20)")
     parser.add_argument("--piece-fit", default="h200",
                         help="what a GEMM cut into N pieces of w output rows costs (the fused and slicing schedules "
                              "compute so): 'h200' (default: 1 + 0.645 (256/w)^0.89, measured on an H200 in bf16 at "
@@ -469,10 +572,19 @@ def _mode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", metavar="JSON",
                         help="--calibrate: each schedule's own work per step on the bench's machine, from "
                              "benchmarks/step_overhead.py --fake-worlds W --bench-model real|emulated --json JSON")
-    parser.add_argument("--sweep", action="store_true",
-                        help=f"the step of CommFuseConfig()'s defaults over the peer's (--against) at ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
+    parser.add_argument("--sweep", nargs="?", const="ranks", choices=("ranks", "nodes"), default=None,
+                        help=f"'ranks' (the default with no value): the step of CommFuseConfig()'s defaults over the "
+                             f"peer's (--against) at ranks {SWEEP_RANKS[0]}-{SWEEP_RANKS[-1]}, links "
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
-                             f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens)")
+                             f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens). 'nodes': "
+                             f"the map past one machine, {NODE_SWEEP_NODES[0]}-{NODE_SWEEP_NODES[-1]} nodes of "
+                             f"--ranks-per-node ranks on --link-gbps, NICs of {NODE_SWEEP_NIC_GBIT[0]}-"
+                             f"{NODE_SWEEP_NIC_GBIT[-1]} Gb/s, {NODE_SWEEP_NICS[0]}-{NODE_SWEEP_NICS[-1]} a node: "
+                             f"what the defaults run, each narrow format's best, and their step over FSDP2's HSDP "
+                             f"(--codec-ns for the formats; --json writes the records)")
+    parser.add_argument("--ranks-per-node", type=int, default=8,
+                        help="--sweep nodes: ranks (GPUs) in each node (default %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="--sweep nodes: write its records to this JSON file")
     parser.add_argument("--formats", action="store_true",
                         help="add a row per narrow format on the wire (gather_format / reduce_format: bf16, fp8, "
                              "int8 gathers; bf16 or int8 gradients); with --sweep: the formats' gain over the exact "
@@ -501,6 +613,22 @@ def _fits(parser: argparse.ArgumentParser, args: argparse.Namespace
     except ValueError:
         parser.error(f"--host-fit {args.host_fit!r}: give 'h200', 'none' or two numbers 'A,B' (e.g. 1.7e-3,3e-4)")
     return fit, host_fit
+
+
+def _machines(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Machines:
+    """``--nodes`` and the NICs read and checked; a wrong one is a usage error (one line)."""
+    if args.nodes < 1 or args.ranks % args.nodes:
+        parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks}: every node holds as many ranks")
+    for name in ("nic_gbps", "inter_gbps"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} {value:g}: a link's rate must be > 0 GB/s")
+    per_node = args.ranks // args.nodes
+    if args.nics_per_node < 1 or (per_node >= args.nics_per_node and per_node % args.nics_per_node):
+        parser.error(f"--nics-per-node {args.nics_per_node}: must be >= 1 and divide the {per_node} ranks of a node")
+    if args.inter_latency_us < 0:
+        parser.error(f"--inter-latency-us {args.inter_latency_us:g}: must be >= 0")
+    return machines_of(args)
 
 
 def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

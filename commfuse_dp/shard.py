@@ -43,9 +43,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from . import fsdp_units, lockstep
+from . import fsdp_units, lockstep, node_layout
 from .checks import check_not_sharded_elsewhere, check_ranks_agree
 from .choose import Resolved, narrow_formats, resolve
+from .choose_nodes import resolve_nodes
+from .node_layout import NodeLayout
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
 from .fused.embedding import convert_embedding
@@ -88,13 +90,16 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     ``PreTrainedModel`` must set its non-persistent buffers itself. ``device`` is only for meta models.
     """
     config = config if config is not None else CommFuseConfig()
-    device, on_meta, mesh = _device_and_mesh(model, config, mesh, device)
+    device, on_meta, mesh, layout = _device_and_mesh(model, config, mesh, device)
     group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
     everyone = mesh.mesh.flatten().tolist()
-    one_node = device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count()
+    one_node = not layout.multi and (device.type != "cuda" or dist.get_world_size() <= torch.cuda.device_count())
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
     asked_schedule = config.schedule
-    config, choice = _resolve_auto(model, config, mesh, group, device, one_node)
+    config, choice = _resolve_auto(model, config, mesh, group, device, one_node, layout)
+    if mesh.ndim == 2 and config.replicate == 1:  # the flat ring chosen over HSDP across the nodes
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        group = mesh.get_group(0)
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
     if mesh.ndim == 2:
@@ -123,9 +128,10 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
 
 
 def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh | None,
-                     requested: torch.device | str | None) -> tuple[torch.device, bool, DeviceMesh]:
-    """The device the model's shards live on, whether the model is on the meta device, and the data-parallel mesh;
-    a model sharded already, on several devices, or on another device than the mesh is refused."""
+                     requested: torch.device | str | None) -> tuple[torch.device, bool, DeviceMesh, NodeLayout]:
+    """The device the model's shards live on, whether the model is on the meta device, the data-parallel mesh and
+    the launch's nodes (``node_layout.read``); a model sharded already, on several devices, or on another device
+    than the mesh is refused."""
     if getattr(model, "_commfuse_engine", None) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
     check_not_sharded_elsewhere(model)  # DeepSpeed or FSDP2 shards it already (checks.py)
@@ -139,23 +145,28 @@ def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh 
     elif requested is not None:
         raise ValueError(f"shard: device= is for a model on the meta device (where its shards are allocated); this "
                          f"model is on {device} already. Move it with model.to(...) before shard() instead")
-    mesh = _data_parallel_mesh(mesh, config, device)
+    layout = node_layout.read() if mesh is None else NodeLayout(1, dist.get_world_size(), "the mesh given")
+    mesh = _data_parallel_mesh(mesh, config, device, layout)
     if mesh.device_type != device.type:
         raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
                          f"move the model to the mesh's device first")
-    return device, on_meta, mesh
+    return device, on_meta, mesh, layout
 
 
 def _resolve_auto(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh, group, device: torch.device,
-                  one_node: bool) -> Resolved:
-    """``config``'s "auto" settings, decided in one pass of the planner's plays (``choose.resolve``) on what was
-    given or is measured now (the median rank's figures: every rank chooses alike); the formats on the wire checked
-    against the schedule chosen."""
+                  one_node: bool, layout: NodeLayout) -> Resolved:
+    """``config``'s "auto" settings, decided in one pass of the planner's plays (``choose.resolve``; across nodes
+    ``choose_nodes.resolve_nodes``, which also picks HSDP or one flat ring) on what was given or is measured now
+    (the median rank's figures: every rank chooses alike); the formats on the wire checked against the schedule
+    chosen."""
     ranks = dist.get_world_size(group)
     copies = mesh.size(0) if mesh.ndim == 2 else 1  # (HSDP from a mesh given: choose as for replicate=R)
-    resolved, choice = resolve(model, config.replace(replicate=max(copies, config.replicate)), ranks, device,
-                               one_node, group)
-    resolved = resolved.replace(replicate=config.replicate)
+    if layout.multi and mesh.ndim == 2 and mesh.size(0) == layout.nodes and (
+            config.replicate == "auto" or config.schedule == "auto"):
+        resolved, choice = resolve_nodes(model, config, mesh, device)
+    else:
+        resolved, choice = resolve(model, config.replace(replicate=copies), ranks, device, one_node, group)
+        resolved = resolved.replace(replicate=copies)
     if narrow_formats(resolved) and resolved.schedule == "fsdp2" and resolved.fsdp2_collectives == "torch":
         raise ValueError(f"shard: gather_format={resolved.gather_format!r} and reduce_format="
                          f"{resolved.reduce_format!r} travel on the library's rings, but fsdp2_collectives='torch' "
@@ -239,12 +250,14 @@ def _shard_the_rest(model: nn.Module, config: CommFuseConfig, engine: Engine, st
     return plans, scalars
 
 
-def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device: torch.device) -> DeviceMesh:
+def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device: torch.device,
+                        layout: NodeLayout) -> DeviceMesh:
     """The 1-D shard mesh, or for HSDP the 2-D ``(replicate, shard)`` one: ``mesh`` as given, else built over the
-    world from ``config.replicate`` (consecutive ranks share a copy)."""
+    world from ``config.replicate`` (consecutive ranks share a copy); ``"auto"``: one copy on one node, and on a
+    launch over several nodes a copy per node, which ``_resolve_auto`` may turn into one flat ring."""
     world = dist.get_world_size()
     if mesh is None:
-        r = config.replicate
+        r = config.replicate if config.replicate != "auto" else layout.nodes
         if world % r:
             raise ValueError(f"shard: CommFuseConfig.replicate={r} does not divide the {world} ranks; the copies "
                              f"must be of equal size (e.g. replicate = the number of nodes)")
@@ -254,7 +267,7 @@ def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"shard: the data-parallel mesh must be 1-D (shard) or 2-D (replicate, shard), got "
                          f"{mesh.ndim} dimensions")
-    if config.replicate != 1 and (mesh.ndim != 2 or mesh.size(0) != config.replicate):
+    if config.replicate not in (1, "auto") and (mesh.ndim != 2 or mesh.size(0) != config.replicate):
         raise ValueError(f"shard: CommFuseConfig.replicate={config.replicate} but the mesh passed has shape "
                          f"{tuple(mesh.shape)}; give one of them (the mesh's first dimension is the replicas)")
     if mesh.ndim == 2 and mesh.size() != world:

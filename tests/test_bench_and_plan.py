@@ -116,26 +116,6 @@ def test_plan_shows_fused_with_the_recommended_piece_shards(capsys):
     assert default[f"fused, ps={best}"] == given["fused"] < default["fused"]
 
 
-def test_planner_models_nodes(capsys):
-    """HSDP keeps the shard rings on the fast links and pays only its replica exchange's tail; a flat ring over
-    every rank runs at its slowest hop. The exchange started at landing leaves less tail than at the backward's end."""
-    model = plan.KNOWN_MODELS["llama3-8b"]
-    intra = plan.Cluster(8, 450e9, 15e-6, 400e12)
-    slow = plan.predict_nodes(model, 8, 8, intra, 12.5e9, 8192, 4096, 989e12)
-    assert slow["fused/hsdp"]["step_s"] < slow["fused/flat"]["step_s"]
-    assert slow["fused/hsdp"]["step_s"] < slow["slicing/hsdp"]["step_s"]
-    units = plan.units_for(*model, tokens=8192, seq=4096)
-    node = plan.Cluster(8, 450e9, 15e-6, 400e12)
-    early, late = (plan.exchange_tail(units, node, 8, 12.5e9, at_landing=a) for a in (True, False))
-    assert 0 < early < late
-    assert plan.exchange_tail(units, node, 1, 12.5e9, at_landing=True) == 0.0
-    assert plan_cli.main(["--model", "llama3-8b", "--nodes", "8", "--ranks", "64", "--link-gbps", "450"]) == 0
-    out = capsys.readouterr().out
-    assert "8 nodes x 8 ranks" in out and "hsdp" in out and "torchtitan" in out
-    with pytest.raises(SystemExit):
-        plan_cli.main(["--nodes", "3", "--ranks", "8"])
-
-
 def test_planner_plays_the_elastic_lookahead():
     from dataclasses import replace
 

@@ -27,7 +27,7 @@ def test_defaults_and_keywords():
     ("prefetch_depth", 1.5, "whole number"),
     ("piece_shards", 0, "one per hop"),
     ("forward_bundles", "yes", 'must be "auto", true or false'),
-    ("replicate", 0, "replicate=0: must be an integer >= 1"),
+    ("replicate", 0, "replicate=0: must be \"auto\" or an integer >= 1"),
     ("replicate", 1.5, "whole number"),
     ("param_dtype", "int8", "allowed values are None, float32, bfloat16, float16"),
     ("reduce_dtype", torch.int32, "reduce_dtype"),

@@ -1,0 +1,133 @@
+"""Past one machine: the launch's nodes read off the launcher and checked on every rank (``node_layout.py``), the
+defaults choosing HSDP or one flat ring from the two tiers measured at ``shard()`` (``choose_nodes.py``) and staying
+exact, and the planner's model of nodes that share their NICs (``nodes.py``, ``commfuse-dp plan --nodes``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import commfuse_dp as cf
+from commfuse_dp import nodes, plan, plan_cli
+from commfuse_dp.costs import Cluster, units_for
+from harness import run_ranks
+from test_shard_parity import assert_parity, run_case
+
+
+def _launched(rank: int, per_node: int) -> None:
+    """What torchrun tells a rank of a launch over nodes of ``per_node`` ranks."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    os.environ["GROUP_RANK"] = str(rank // per_node)
+    os.environ["LOCAL_RANK"] = str(rank % per_node)
+
+
+def _defaults_worker(rank, world_size, per_node, replicate):
+    _launched(rank, per_node)
+    config = cf.CommFuseConfig(min_fuse_numel=0, replicate=replicate, tokens_per_rank=64)
+    result = run_case(rank, world_size, "llama", "auto", config=config)
+    assert_parity(result, label=f"{world_size // per_node}x{per_node}, replicate={replicate}")
+    model = result["model"]
+    choice = model._commfuse_choice
+    engine = model._commfuse_engine
+    copies = engine.replicas.size if engine.replicas is not None else 1
+    return choice.as_dict(), copies, engine.ring.size, cf.describe(model).choice
+
+
+@pytest.mark.parametrize("world_size,per_node", [(4, 2), (6, 2)], ids=["2x2", "3x2"])
+def test_defaults_on_a_multi_node_launch_choose_a_layout_and_stay_exact(world_size, per_node):
+    nodes_ = world_size // per_node
+    for choice, copies, ring, described in run_ranks(_defaults_worker, world_size, (per_node, "auto"), timeout=600):
+        assert choice["replicate"] in (1, nodes_) and copies == choice["replicate"]
+        assert ring == (per_node if copies == nodes_ else world_size)
+        assert "hsdp/fsdp2" in str(choice["predicted_s"]) and "flat/" in str(choice["predicted_s"])
+        assert "between nodes" in choice["machine"] and "measured" in choice["machine"]
+        assert described == choice
+
+
+def test_hsdp_given_on_a_multi_node_launch_plays_the_schedules():
+    for choice, copies, ring, _ in run_ranks(_defaults_worker, 4, (2, 2), timeout=600):
+        assert copies == 2 and ring == 2 and choice["replicate"] == 2
+        assert choice["schedule"] in ("fused", "fsdp2") and "flat/" not in str(choice["predicted_s"])
+
+
+def _bad_layout_worker(rank, world_size, told):
+    per_node, node = told[rank]
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    os.environ["GROUP_RANK"] = str(node)
+    import hf_models
+
+    try:
+        cf.shard(hf_models.build("llama"), cf.CommFuseConfig(min_fuse_numel=0))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("told,match", [
+    ([(2, 0), (2, 0), (2, 1), (1, 1)], "told different numbers of ranks per node"),
+    ([(3, 0), (3, 0), (3, 0), (3, 1)], "does not divide the 4 ranks"),
+    ([(2, 0), (2, 1), (2, 0), (2, 1)], "must be consecutive"),
+], ids=["disagree", "unequal", "not-consecutive"])
+def test_a_bad_launch_layout_is_one_clear_line_on_every_rank(told, match):
+    errors = run_ranks(_bad_layout_worker, 4, (told,), timeout=300)
+    assert all(e is not None and match in e for e in errors), errors
+    assert len(set(errors)) == 1  # the same line on every rank
+
+
+def test_machines_share_their_nics():
+    m = nodes.Machines.of_nics(2, 8, 12.5e9)  # 8 GPUs on one 100 Gb NIC
+    assert m.share == pytest.approx(12.5e9 / 8) and m.flow_bytes_per_s == 12.5e9
+    assert nodes.Machines.of_nics(2, 8, 50e9, 8).share == pytest.approx(50e9)  # a 400 Gb NIC per GPU
+    assert nodes.Machines.of_nics(2, 8, 25e9, 2).share == pytest.approx(25e9 / 4)
+    for bad in (dict(nic_bytes_per_s=0.0), dict(nics=3), dict(nics=0)):
+        with pytest.raises(ValueError):
+            nodes.Machines.of_nics(**{"nodes": 2, "per_node": 8, "nic_bytes_per_s": 12.5e9, **bad})
+
+
+def test_the_exchange_between_nodes_is_the_limit_of_a_slow_nic():
+    """A slower NIC lengthens HSDP's tail; landing-time exchanges leave less tail than exchanges at the backward's
+    end; narrower gradients shorten it; the defaults never run slower than FSDP2's HSDP."""
+    units = units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=8192, seq=8192)
+    intra = Cluster(8, 450e9, 15e-6, 400e12, 2, 2, peer_nccl=True)
+    tails = [nodes.exchange_tail(units, intra, nodes.Machines.of_nics(2, 8, gb * 1e9), 2) for gb in (6.25, 12.5, 50)]
+    assert tails[0] > tails[1] > tails[2] >= 0
+    m = nodes.Machines.of_nics(4, 8, 12.5e9)
+    assert nodes.exchange_tail(units, intra, m, 2) < nodes.exchange_tail(units, intra, m, 2, at_landing=False)
+    assert nodes.exchange_tail(units, intra, m, 1) < nodes.exchange_tail(units, intra, m, 2)
+    assert nodes.exchange_tail(units, intra, nodes.Machines.of_nics(1, 8, 12.5e9), 2) == 0.0
+    for gb, nics in ((3.125, 1), (12.5, 1), (50, 8)):
+        chosen, steps = nodes.decide(units, intra, nodes.Machines.of_nics(4, 8, gb * 1e9, nics))
+        assert steps[chosen] <= steps[nodes.PEER]
+    rows = nodes.formats(units, intra, m, 2, {"bf16": 0.0, "fp8": 0.0, "int8": 0.0})
+    assert rows["int8/int8"]["over_peer"] > 1.2  # half the gradient bytes across a slow NIC
+
+
+def test_plan_nodes_prints_the_rate_per_rank_and_the_defaults(capsys):
+    assert plan_cli.main(["--model", "llama3-8b", "--ranks", "16", "--nodes", "2", "--link-gbps", "450",
+                          "--nic-gbps", "12.5", "--tokens", "8192", "--seq", "8192", "--formats", "--codec-ns",
+                          "0.002"]) == 0
+    out = capsys.readouterr().out
+    assert "1.56 GB/s a rank when all of a node's ranks cross at once" in out
+    assert "CommFuseConfig()'s defaults on this cluster: replicate=2 (HSDP)" in out
+    assert "int8/int8" in out and "   hsdp    fsdp2" in out and "   flat    fused" in out
+    for argv, match in ((["--nodes", "3", "--ranks", "16"], "must divide"),
+                        (["--nodes", "2", "--ranks", "16", "--nic-gbps", "0"], "must be > 0"),
+                        (["--nodes", "2", "--ranks", "16", "--nics-per-node", "3"], "divide the 8 ranks")):
+        with pytest.raises(SystemExit):
+            plan_cli.main(argv)
+        assert match in capsys.readouterr().err
+
+
+def test_plan_sweeps_nodes_and_nics(tmp_path, capsys):
+    path = tmp_path / "sweep.json"
+    assert plan_cli.main(["--model", "gpt2", "--sweep", "nodes", "--codec-ns", "0.002", "--piece-fit", "none",
+                          "--host-fit", "none", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    import json
+
+    records = json.loads(path.read_text())["records"]
+    assert len(records) == len(plan_cli.NODE_SWEEP_NODES) * len(plan_cli.NODE_SWEEP_NIC_GBIT) * len(
+        plan_cli.NODE_SWEEP_NICS)
+    assert all(r["exact"]["over_peer"] >= 1.0 - 1e-9 for r in records)  # the defaults: never slower than the peer
+    assert "int8/int8:" in out
