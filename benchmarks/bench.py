@@ -70,7 +70,7 @@ CPU_NOTES = {
     "concurrent": "compute alone and communication alone at once, independent: the CPU-shared limit",
     "hsdp_fused": "shard(), replicate = nodes: fused rings inside a node, gradients averaged across nodes",
     "hsdp_slicing": "the same with the slicing schedule",
-    "fsdp2_hsdp": "stock FSDP2 on a 2-D mesh (HSDP), its gathers and reduce-scatters on rings",
+    "fsdp2_hsdp": "the peer: FSDP2's HSDP as torchtitan builds it, on the same rings, run as on a GPU",
 }
 SHAPING_NOTE = ("tbf token buckets ({burst} KiB, --burst-kb) refill while a link is idle, so schedules with compute "
                 "gaps get up to that many bytes above the rate after each gap, which back-to-back communication alone "
@@ -218,7 +218,11 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
             cpu = f"{r['cpu_s']:.3f}" if r.get("cpu_s") is not None else "-"
             opt = f"{r['opt_s']:.3f}" if r.get("opt_s") is not None else "-"
             faults = f"{r['minor_faults'] / 1000:.1f}" if r.get("minor_faults") is not None else "-"
-            note = CPU_NOTES.get(r["schedule"], "").format(chosen=r.get("chosen", {}).get("schedule", "?"))
+            chosen = r.get("chosen", {})
+            said = chosen.get("schedule", "?") + (f", replicate={chosen['replicate']}" if "replicate" in chosen else "")
+            note = CPU_NOTES.get(r["schedule"], "").format(chosen=said)
+            if r["schedule"] == "defaults" and r.get("nodes", 1) > 1 and r.get("nic_mbit") is not None:
+                note = f"CommFuseConfig() told the tokens, both tiers measured at shard(): it chose {said}"
             print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
                   f"{mem:>9} {ratio:>7} {floor:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
@@ -242,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--nodes: each NIC's rate, Mbit/s each way, comma-separated: the sweep (instead of "
                              "--rates). All of a node's ranks share its NICs for traffic to other nodes: when all "
                              "send at once each gets NIC x NICs per node / ranks per node (printed); inside a node "
-                             "they talk over its loopback")
+                             "they talk over its loopback. 'balanced': calibrated, the NIC rate at which HSDP's "
+                             "exchange of a step's gradients across the nodes (fp32, 2 (K-1)/K of the model through "
+                             "each node's NICs) takes as long as compute alone, then twice it and half it")
     parser.add_argument("--nics-per-node", type=int, default=1,
                         help="--nic-mbit: NICs (rails) K a node has, each at --nic-mbit; local rank l uses NIC "
                              "l %% K, its gloo bound to it (default 1: one NIC for the whole node; as many as its "
@@ -319,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"(--world-size {args.world_size} / --nodes {args.nodes}), so that every NIC carries as many")
         if args.intra_mbit is not None and not args.intra_mbit > 0:
             parser.error(f"--intra-mbit {args.intra_mbit:g}: a rate must be above 0 Mbit/s (leave it out: unshaped)")
-        args.rates = ",".join(str(r) for r in _rates(parser, "--nic-mbit", args.nic_mbit))
+        if args.nic_mbit.strip().lower() != "balanced":
+            args.rates = ",".join(str(r) for r in _rates(parser, "--nic-mbit", args.nic_mbit))
     else:
         if args.nics_per_node != 1 or args.intra_mbit is not None:
             parser.error("--nics-per-node and --intra-mbit go with --nic-mbit, not --inter-fraction")
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.burst_kb * 1024 < 2 * 65000:
         parser.error("--burst-kb must hold two 65000-byte packets (the links' MTU): at least 127")
     if args.nic_mbit is not None:
-        cluster = EmulatedNodes(args.nodes, args.world_size // args.nodes, float(args.rates.split(",")[0]),
+        first = float(args.rates.split(",")[0]) if args.rates else args.reference_rate
+        cluster = EmulatedNodes(args.nodes, args.world_size // args.nodes, first,
                                 nics_per_node=args.nics_per_node, intra_mbit=args.intra_mbit,
                                 burst_bytes=args.burst_kb * 1024)
         print(f"{args.nodes} nodes of {cluster.ranks_per_node} ranks, {_nics(args.nics_per_node)} each; inside a "
@@ -356,6 +364,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.rates:
             rates = [float(r) for r in args.rates.split(",")]
             balanced = rates[len(rates) // 2]
+        elif args.nic_mbit is not None:  # --nic-mbit balanced: HSDP's exchange against compute alone
+            print(f"calibrating compute alone (NICs at {args.reference_rate:g} Mbit/s) ...", flush=True)
+            calib_args = argparse.Namespace(**{**vars(args), "rounds": 1, "steps": 3, "warmup": 2})
+            compute = run_rate(cluster, args.reference_rate, ["compute_only"], calib_args)["variants"][
+                "compute_only"]["step_s"]
+            balanced = balanced_nic_rate(args, compute)
+            rates = [2 * balanced, balanced, balanced / 2]
+            args.rates = ",".join(f"{r:g}" for r in rates)
+            print(f"compute {compute:.3f}s per step; HSDP's exchange moves {exchange_bytes(args) / 1e6:.1f} MB "
+                  f"through each node's NICs a step -> balanced NIC rate {balanced:g} Mbit/s; sweep "
+                  f"{', '.join(f'{r:g}' for r in rates)}", flush=True)
         else:
             print(f"calibrating at {args.reference_rate:g} Mbit/s ...", flush=True)
             calib_args = argparse.Namespace(**{**vars(args), "rounds": 1, "steps": 3, "warmup": 2})
@@ -388,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     print_paired(paired)
     paired_defaults = paired_ratios(records, args.rounds, of="defaults")
     print_paired(paired_defaults, of="defaults")
+    paired_peer = paired_ratios(records, args.rounds, of="fsdp2_hsdp")  # (above 1: the other is faster)
+    print_paired(paired_peer, of="fsdp2_hsdp")
     if args.nic_mbit is not None:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks, {_nics(args.nics_per_node)} each: the "
               f"rates are each NIC's; inside a node: {_intra(args.intra_mbit)}")
@@ -399,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     from commfuse_dp.config import CommFuseConfig
 
     payload = {"command": "commfuse-dp bench " + " ".join(sys.argv[1:] if argv is None else argv),
-               "records": records, "paired": paired, "paired_defaults": paired_defaults, "rounds": args.rounds, "balanced_rate_mbit": balanced,
+               "records": records, "paired": paired, "paired_defaults": paired_defaults, "paired_peer": paired_peer, "rounds": args.rounds, "balanced_rate_mbit": balanced,
                "world_size": args.world_size,
                "nodes": args.nodes, "inter_fraction": args.inter_fraction if args.nodes > 1 else None,
                **({"cluster": "a namespace per node, its ranks sharing its NICs (benchmarks/cluster.py EmulatedNodes)",
@@ -468,6 +489,25 @@ def _node_fields(rate: float, args) -> dict:
     per_rank = rate * args.nics_per_node / ranks
     return {"nodes": args.nodes, "nic_mbit": rate, "nics_per_node": args.nics_per_node, "ranks_per_node": ranks,
             "inter_mbit_per_rank": per_rank, "inter_rate_mbit": per_rank, "intra_mbit": args.intra_mbit}
+
+
+def exchange_bytes(args) -> float:
+    """Bytes HSDP's exchange sends through each node's NICs in a step: every rank's fp32 gradient shard summed over
+    the K copies (a ring all-reduce: 2 (K-1)/K of it), for all of the node's ranks, so 2 (K-1)/K of the model."""
+    import torch
+
+    from .bench_model import build_model
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(args).parameters())
+    k = args.nodes
+    return 2 * (k - 1) / k * params * 4
+
+
+def balanced_nic_rate(args, compute_s: float) -> float:
+    """The NIC rate, Mbit/s, at which ``exchange_bytes`` takes ``compute_s`` (each node's ``--nics-per-node`` NICs
+    carry it together)."""
+    return round(exchange_bytes(args) * 8 / compute_s / 1e6 / args.nics_per_node, -1)
 
 
 def balanced_rate(reference: float, compute: float, comm: float, comm_at_double: float) -> float:

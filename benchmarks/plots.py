@@ -13,7 +13,9 @@ COLORS = {"defaults": "#ff00ff", "fused": "#d62728", "slicing": "#1f77b4", "fsdp
           "fsdp2_hsdp": "#98df8a", "fused_ring": "#c5b0d5", "fused_bundles": "#8c6d31",
           "fsdp2_overlap": "#000000", "fsdp2_coarse": "#555555", "fsdp2_torch": "#aaaaaa", "defaults_nohints": "#ffa0ff",
           "fused_bf16": "#bcbd22", "fused_fp8": "#7f7f7f", "fused_int8": "#17a768", "fused_int8_int8": "#0b5d3a",
-          "fsdp2_bf16": "#6b6b00", "fsdp2_int8": "#5fa8d3", "fsdp2_int8_int8": "#1b4f72"}
+          "fsdp2_bf16": "#6b6b00", "fsdp2_int8": "#5fa8d3", "fsdp2_int8_int8": "#1b4f72",
+          "hsdp_fused_bf16": "#ffbb78", "hsdp_fused_int8": "#e6550d", "hsdp_fused_int8_int8": "#a63603",
+          "fsdp2_hsdp_bf16": "#74c476", "fsdp2_hsdp_int8": "#31a354", "fsdp2_hsdp_int8_int8": "#006d2c"}
 LANES = {"compute": ("compute", "#4c72b0"), "device": ("emulated device busy", "#8172b3"),
          "ring": ("hops (fused)", "#dd8452"), "ring-thread": ("ring thread (async)", "#55a868"),
          "ring-thread-2": ("replicate ring thread (HSDP)", "#c44e52"),
@@ -23,7 +25,8 @@ LANES = {"compute": ("compute", "#4c72b0"), "device": ("emulated device busy", "
 def sweep_png(records: list[dict], path: str, title: str) -> None:
     """Step time against link rate, one line per schedule, the overlap limit dashed."""
     fig, ax = plt.subplots(figsize=(8, 5))
-    schedules = sorted({r["schedule"] for r in records}, key=list(COLORS).index)
+    order = list(COLORS)
+    schedules = sorted({r["schedule"] for r in records}, key=lambda s: (order.index(s) if s in order else len(order), s))
     for schedule in schedules:
         rows = sorted((r for r in records if r["schedule"] == schedule), key=lambda r: r["rate_mbit"])
         style = ":" if schedule in ("compute_only", "comm_only", "concurrent") else "-"

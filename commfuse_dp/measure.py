@@ -109,7 +109,7 @@ def measure_tiers(node_group: dist.ProcessGroup, replicate_group: dist.ProcessGr
     node's group, every node at once; on each replicate group (the ranks of one local rank across the nodes),
     every group at once, so that the ranks of a node share its NICs as HSDP's exchange does; and on the first
     local rank's replicate group alone. The median rank's figures (of the ranks that ran each). Collective over the
-    world; cached per groups and device."""
+    world; cached per groups and device. The shared tier is timed until the last group is done (``together``)."""
     device = torch.device(device)
     key = (tuple(dist.get_process_group_ranks(node_group)), tuple(dist.get_process_group_ranks(replicate_group)),
            str(device))
@@ -117,7 +117,7 @@ def measure_tiers(node_group: dist.ProcessGroup, replicate_group: dist.ProcessGr
         per_node, nodes = dist.get_world_size(node_group), dist.get_world_size(replicate_group)
         first = dist.get_rank(node_group) == 0
         _TIERS[key] = Tiers(_measure_link(node_group, device, per_node) if per_node > 1 else None,
-                            _measure_link(replicate_group, device, nodes),
+                            _measure_link(replicate_group, device, nodes, together=True),
                             _measure_link(replicate_group, device, nodes, active=first))
     return _TIERS[key]
 
@@ -128,9 +128,12 @@ def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> l
     return [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
 
 
-def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int, active: bool = True) -> Link | None:
+def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int, active: bool = True,
+                  together: bool = False) -> Link | None:
     """``group``'s line of seconds per hop against bytes (module docstring); ``active``: whether this rank's group
-    runs (the others take part only in agreeing on the figures, the median of the ranks that ran)."""
+    runs (the others take part only in agreeing on the figures, the median of the ranks that ran); ``together``:
+    every group's hops are timed until the last group's end (a barrier of the world), so that groups that share
+    a link (a node's NICs) are measured at the rate they get while all of them send, not while some are done."""
     def hop_seconds(nbytes: int, calls: int) -> float:
         """Seconds per hop: the faster of two runs of ``calls`` ring all-gathers back to back, each run
         started together on every rank (a barrier), so that neither a late neighbour nor a link's burst credit
@@ -144,11 +147,15 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int, ac
             _sync(device)
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)  # every group at once
             if not active:
+                if together:
+                    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
                 return math.nan
             began = time.perf_counter()
             for _ in range(calls):
                 ring_all_gather(whole, shard, group, direct_kb=0, bucket_mb=bucket_mb)
             _sync(device)
+            if together:
+                dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
             return (time.perf_counter() - began) / (calls * (world - 1))
 
         if active:
