@@ -5,6 +5,8 @@ the exact run's.
     python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 60 --json wire-60.json --png wire-60.png
     python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --json wire-300.json --png wire-300.png
     python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --settings bf16,int8
+    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --nproc 4 --replicate 2 \
+        --settings bf16,int8_int8          # across 2 copies of 2 ranks (HSDP): the formats cross the copies too
 
 A small model trained from scratch is chaotic: any change of rounding sends the run down another path, and the
 eval loss after it differs from the exact run's by more than the rounding itself costs. ``--seeds`` runs every
@@ -46,21 +48,23 @@ LIMITS = {"bf16": 0.002}  # the most a setting's eval loss may differ from the e
 DEFAULT_LIMIT = 0.01
 
 
-def run(name: str, fields: dict, steps: int, out_dir: str, schedule: str, seed: int = 0) -> dict:
+def run(name: str, fields: dict, steps: int, out_dir: str, schedule: str, seed: int = 0, nproc: int = 2,
+        replicate: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFUSE_")}
     env["COMMFUSE_SCHEDULE"] = schedule
+    env["COMMFUSE_REPLICATE"] = str(replicate)
     for field, value in fields.items():
         env["COMMFUSE_" + field.upper()] = str(value).lower()
     where = os.path.join(out_dir, f"{name}-seed{seed}")
-    argv = [sys.executable, "-m", "commfuse_dp.demo", "--max_steps", str(steps), "--output_dir", where,
-            "--overwrite_output_dir", "--", "--seed", str(seed)]
+    argv = [sys.executable, "-m", "commfuse_dp.demo", "--max_steps", str(steps), "--nproc", str(nproc),
+            "--output_dir", where, "--overwrite_output_dir", "--", "--seed", str(seed)]
     began = time.time()
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name}: the demo failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     with open(os.path.join(where, "summary.json")) as f:
         summary = json.load(f)
-    return {"setting": name, "seed": seed, "config": fields, "eval_loss_before": summary["eval_loss_before"],
+    return {"setting": name, "seed": seed, "config": fields, "nproc": nproc, "replicate": replicate, "eval_loss_before": summary["eval_loss_before"],
             "eval_loss_after": summary["eval_loss_after"], "train_losses": summary["train_losses"],
             "wire": summary.get("wire"), "step_wall_s": summary.get("step_wall_s"),
             "seconds": round(time.time() - began, 1)}
@@ -82,7 +86,9 @@ def plot(records: list[dict], path: str, steps: int) -> None:
         ax.plot(xs, ys, label=f"{r['setting']} (eval {r['eval_loss_after']:.4f})", linewidth=1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"finetune_clm, embedded default, 2 ranks, {steps} steps, seed {first}: formats on the wire")
+    ranks, copies = records[0].get("nproc", 2), records[0].get("replicate", 1)
+    where = f"{copies} copies x {ranks // copies} ranks (HSDP)" if copies > 1 else f"{ranks} ranks"
+    ax.set_title(f"finetune_clm, embedded default, {where}, {steps} steps, seed {first}: formats on the wire")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -114,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated data orders (the recipe's --seed); every setting runs with each, and "
                              "is compared with the exact run of the same order (default 0)")
     parser.add_argument("--schedule", default="fused", help="COMMFUSE_SCHEDULE of every run (default fused)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of every run (default 2)")
+    parser.add_argument("--replicate", type=int, default=1,
+                        help="CommFuseConfig.replicate of every run: copies of the model (HSDP), each sharded over "
+                             "nproc / replicate ranks, the formats crossing the copies too (default 1)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="draw the loss curves (of the first seed) here")
     parser.add_argument("--work_dir", help="where the runs' output folders go (default: a temporary folder)")
@@ -122,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; choose from {','.join(SETTINGS)}")
+    if args.nproc < 1 or args.replicate < 1 or args.nproc % args.replicate:
+        parser.error(f"--replicate {args.replicate} must divide --nproc {args.nproc} (copies of equal size)")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             for name in names:
                 print(f"{name}, seed {seed}: {args.max_steps} steps ...", flush=True)
-                records.append(run(name, SETTINGS[name], args.max_steps, out_dir, args.schedule, seed))
+                records.append(run(name, SETTINGS[name], args.max_steps, out_dir, args.schedule, seed, args.nproc,
+                                   args.replicate))
                 print(f"  eval loss {records[-1]['eval_loss_after']:.5f} ({records[-1]['seconds']:.0f} s)",
                       flush=True)
     rows = summarize(records)
@@ -146,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["python -m commfuse_dp.benchmarks.wire_accuracy", *(argv or sys.argv[1:])]),
-                       "max_steps": args.max_steps, "seeds": seeds, "summary": rows, "records": records}, f, indent=1)
+                       "max_steps": args.max_steps, "seeds": seeds, "nproc": args.nproc, "replicate": args.replicate, "summary": rows, "records": records}, f, indent=1)
     if args.png:
         plot(records, args.png, args.max_steps)
     return 0 if all(row["within"] for row in rows) else 1

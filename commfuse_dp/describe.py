@@ -102,6 +102,7 @@ class ShardReport:
     fused_param_bytes: int = 0  # full bytes of the parameters in fused linears and ring embeddings
     total_param_bytes: int = 0
     choice: dict[str, Any] = field(default_factory=dict)  # what CommFuseConfig's "auto" settings became (choose.py)
+    copies: int = 1  # HSDP: the model's copies, each sharded over ``world`` ranks (CommFuseConfig.replicate)
     gather_format: str = "exact"  # what weight gathers put on the wire (CommFuseConfig.gather_format)
     reduce_format: str = "exact"
     error_feedback_bytes: int = 0  # float32 residuals kept on this rank (CommFuseConfig.error_feedback)
@@ -126,8 +127,9 @@ class ShardReport:
         return out
 
     def __str__(self) -> str:
-        lines = [f"commfuse_dp: {self.world} ranks, {self.schedule} schedule; {_size(self.fused_param_bytes)} of "
-                 f"{_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
+        copies = f" in each of {self.copies} copies (HSDP)" if self.copies > 1 else ""
+        lines = [f"commfuse_dp: {self.world} ranks{copies}, {self.schedule} schedule; "
+                 f"{_size(self.fused_param_bytes)} of {_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
                  f"embeddings; bytes sent per rank per training step"]
         if (self.gather_format, self.reduce_format) != ("exact", "exact"):
             lines.append(f"on the wire: gathers {self.gather_format}, gradients {self.reduce_format} (2-D parameters; "
@@ -135,7 +137,9 @@ class ShardReport:
                              f"; error feedback keeps {_size(self.error_feedback_bytes)} of residuals"
                              if self.error_feedback_bytes else ""))
         if self.choice:
-            lines.append(f"chosen: schedule {self.choice['schedule']!r}, piece_shards {self.choice['piece_shards']}: "
+            replicate = f"replicate {self.choice['replicate']}, " if "replicate" in self.choice else ""
+            lines.append(f"chosen: {replicate}schedule {self.choice['schedule']!r}, piece_shards "
+                         f"{self.choice['piece_shards']}: "
                          f"{self.choice['reason']}" + (f" [{self.choice['machine']}]" if self.choice["machine"] else ""))
             if self.choice["predicted_s"]:
                 lines.append("  predicted step s: " + ", ".join(
@@ -169,7 +173,8 @@ def describe(model: nn.Module) -> ShardReport:
     choice = getattr(model, "_commfuse_choice", None)
     report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})),
                          choice=choice.as_dict() if choice is not None else {}, gather_format=config.gather_format,
-                         reduce_format=config.reduce_format)
+                         reduce_format=config.reduce_format,
+                         copies=engine.replicas.size if engine.replicas is not None else 1)
     named = list(model.named_modules())
     fused_params: set[int] = set()
     groups: dict[int, list[tuple[int, str, nn.Module]]] = {}

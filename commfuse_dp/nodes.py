@@ -157,12 +157,29 @@ def layouts(units: list[Unit], intra: Cluster, machines: Machines, grad_bytes: f
     return out
 
 
+def hpz_step(units: list[Unit], intra: Cluster, machines: Machines) -> float:
+    """ZeRO++'s hpZ under the peer's schedule, played but not run by ``shard()``: sharded flat over every rank (its
+    forward gathers and reduce-scatters on the flat ring), the backward's gathers from a second copy of the weight
+    shards that each node keeps over its own ranks, on the links inside it (``plays.fsdp2``'s ``backward``)."""
+    from .plays import fsdp2
+
+    flat = flat_cluster(intra, machines)
+    node = replace(intra, ranks=machines.per_node)
+    if machines.nodes == 1:
+        return plan.peer_step(units, node)
+    return fsdp2(units, replace(flat, peer_nccl=False), backward=replace(node, peer_nccl=False))
+
+
 def predict(units: list[Unit], intra: Cluster, machines: Machines) -> dict[str, dict]:
-    """``layouts`` with each layout's memory: per ``layout/schedule``, ``step_s`` and ``shard_of`` (the ranks one
-    copy of the parameters and optimizer state is sharded over)."""
+    """``layouts`` with each layout's memory, and hpZ (``hpz_step``; ``shard()`` does not run it): per
+    ``layout/schedule``, ``step_s`` and ``shard_of`` (the ranks one copy of the parameters and optimizer state is
+    sharded over; hpZ's ``second_copy_of``: the ranks its second copy of the weights is split over)."""
     steps = layouts(units, intra, machines)
-    return {key: {"step_s": s, "shard_of": machines.per_node if key.startswith("hsdp") else machines.ranks}
-            for key, s in steps.items()}
+    out = {key: {"step_s": s, "shard_of": machines.per_node if key.startswith("hsdp") else machines.ranks}
+           for key, s in steps.items()}
+    out["hpz/fsdp2"] = {"step_s": hpz_step(units, intra, machines), "shard_of": machines.ranks,
+                        "second_copy_of": machines.per_node}
+    return out
 
 
 PEER = "hsdp/fsdp2"  # FSDP2's HSDP as torchtitan builds it: what the defaults' choice is measured against

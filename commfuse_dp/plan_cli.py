@@ -39,7 +39,9 @@ def machines_of(args) -> Machines:
 NODE_LAYOUTS = {"hsdp/fsdp2": "the peer: FSDP2's HSDP as torchtitan builds it (fully_shard on a 2-D mesh)",
                 "hsdp/fused": "HSDP, the fused rings inside a node, each group's gradient across nodes as it lands",
                 "flat/fsdp2": "one flat ring over every rank, FSDP2's units",
-                "flat/fused": "one flat ring over every rank, fused"}
+                "flat/fused": "one flat ring over every rank, fused",
+                "hpz/fsdp2": "a flat ring, the backward's gathers from a second copy of the weights per node "
+                             "(ZeRO++'s hpZ; played, not run by shard())"}
 
 
 def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: dict[str, float] | None = None,
@@ -60,7 +62,8 @@ def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: d
               f"{flops / (r['step_s'] * args.peak_tflops * 1e12):>6.1%} {peer / r['step_s']:>6.3f}x "
               f"{r['shard_of']:>8}  {NODE_LAYOUTS[key]}")
     print("x peer: the peer's step over this one (above 1: faster); shard of: the ranks one copy of the parameters "
-          "and optimizer state is split over (its memory per rank: 1/that)")
+          "and optimizer state is split over (its memory per rank: 1/that; hpZ keeps a second copy of the weights "
+          f"split over a node's {machines.per_node} ranks besides)")
     if codec is not None:
         rows = nodes.formats(units, intra, machines, args.dtype_bytes, codec)
         print(f"narrow formats on the wire, inside a node and between nodes (codec: {said}):")
@@ -84,7 +87,8 @@ NODE_SWEEP_NICS = (1, 2, 8)
 
 
 def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq: int, dtype_bytes: int,
-                codec: dict[str, float], said: str, latency_s: float, json_path: str | None = None) -> list[dict]:
+                codec: dict[str, float], said: str, latency_s: float, json_path: str | None = None,
+                command: str = "") -> list[dict]:
     """The map for users: over ``NODE_SWEEP_NODES`` nodes of ``per_node`` ranks with ``NODE_SWEEP_NICS`` NICs of
     ``NODE_SWEEP_NIC_GBIT`` Gb/s each, what the exact defaults run and how their step compares with FSDP2's HSDP,
     and the best narrow format's (``nodes.formats``)."""
@@ -94,9 +98,9 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
     print(f"{model_name}: {per_node} ranks a node at {intra.bytes_per_s / 1e9:g} GB/s each, {tokens} tokens per rank, "
           f"{intra.flops_per_s / 1e12:g} TFLOP/s, {dtype_bytes}-byte values; the peer is FSDP2's HSDP; each cell: "
           f"FSDP2 HSDP's step over the setting's (above 1: faster) and, for exact, the layout/schedule the defaults "
-          f"run; codec {said}")
+          f"run; hpZ: the peer's step over hpZ's, exact; codec {said}")
     print(f"{'nodes':>5} {'NIC Gb':>6} {'NICs':>4} {'GB/s/rank':>9} {'peer s':>7} " +
-          " ".join(f"{n:>20}" for n in names))
+          " ".join(f"{n:>20}" for n in names) + f" {'hpZ':>7}")
     records = []
     for k in NODE_SWEEP_NODES:
         for gbit in NODE_SWEEP_NIC_GBIT:
@@ -111,18 +115,23 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
                     label = chosen if n == "exact" else r["best"]
                     step = r["steps"][chosen] if n == "exact" else r["step_s"]
                     cells.append(f"{peer / step:.3f}x {label:>11}")
+                hpz = peer / nodes.hpz_step(units, intra, machines)
                 records.append({"nodes": k, "nic_gbit": gbit, "nics_per_node": nics, "per_rank_gbps":
-                                machines.share / 1e9, "peer_s": peer, "defaults": chosen,
+                                machines.share / 1e9, "peer_s": peer, "defaults": chosen, "hpz_over_peer": hpz,
                                 **{n: {"best": rows[n]["best"], "step_s": rows[n]["step_s"],
                                        "over_peer": peer / rows[n]["step_s"]} for n in names}})
                 print(f"{k:>5} {gbit:>6} {nics:>4} {machines.share / 1e9:>9.3g} {peer:>7.3f} " + " ".join(
-                    f"{c:>20}" for c in cells))
+                    f"{c:>20}" for c in cells) + f" {hpz:>6.3f}x")
     for n in names:
         gains = sorted(r[n]["over_peer"] for r in records)
         print(f"{n}: {gains[0]:.3f}x - {gains[-1]:.3f}x over FSDP2's HSDP (median {gains[len(gains) // 2]:.3f}x)")
+    wins = [r for r in records if r["hpz_over_peer"] > 1 / (1 - plan.MARGIN)]
+    print(f"hpZ (exact, the peer's schedule; played, not run by shard()): beats FSDP2's HSDP by 2 % or more in "
+          f"{len(wins)} of {len(records)} cells" + (f", at most {max(r['hpz_over_peer'] for r in wins):.3f}x" if wins
+                                                   else ""))
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"command": "commfuse-dp plan " + " ".join(sys.argv[1:]), "model": model_name,
+            json.dump({"command": command, "model": model_name,
                        "per_node": per_node, "tokens": tokens, "records": records}, f, indent=1)
     return records
 
@@ -480,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.dtype_bytes, args.dtype_bytes, piece_fit=fit, host_fit=host_fit,
                         min_fuse_numel=args.min_fuse_numel, peer_nccl=True)
         nodes_sweep(args.model, args.ranks_per_node, intra, args.tokens, args.seq, args.dtype_bytes, codec, said,
-                    args.inter_latency_us * 1e-6, args.json)
+                    args.inter_latency_us * 1e-6, args.json,
+                    "commfuse-dp plan " + " ".join(sys.argv[1:] if argv is None else argv))
         return 0
     if args.sweep and args.formats:
         formats_sweep(args.model, args.latency_us, args.tflops, args.dtype_bytes, args.tokens, args.seq, codec, said,

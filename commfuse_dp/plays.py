@@ -57,7 +57,7 @@ def slicing(units: list[Unit], cl: Cluster) -> float:
     return max(t, link[0]) + edges(units, cl, cl.grad_bytes)
 
 
-def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
+def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False, backward: Cluster | None = None) -> float:
     """Step time of the peer, stock FSDP2 as it runs on a GPU over its units (``costs.peer_units``: torchtitan's
     wrapping, or the coarse one), on one FIFO link: nothing fused, whole GEMMs (``use_ring_collectives(overlap=True)``,
     the bench's ``fsdp2_overlap`` and ``fsdp2_coarse``). The first unit of the forward is gathered before anything
@@ -66,7 +66,9 @@ def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
     gathered). Each unit's pre-backward waits for its gather (unless it stayed gathered) and issues that of the unit
     that ended its forward before it; its reduce-scatter is issued when its backward compute ends. The step ends
     when the compute and the link are both done (the backward waits for every reduce-scatter). The collectives are
-    the rings', or NCCL's where ``cl.peer_nccl`` (``costs.peer_collective_seconds``)."""
+    the rings', or NCCL's where ``cl.peer_nccl`` (``costs.peer_collective_seconds``). ``backward``: the backward's
+    gathers instead from a second copy of the weight shards inside each node (ZeRO++'s hpZ), on that cluster's own
+    link (a node's ranks on the links inside it), beside ``cl``'s."""
     if cl.ranks == 1:
         return sum(3 * u.flops for u in units) / cl.flops_per_s
     peers = peer_units(units, coarse)
@@ -76,12 +78,13 @@ def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
     forward_order = sorted(range(len(peers)), key=first.__getitem__)
     ended_order = sorted(range(len(peers)), key=last.__getitem__)  # FSDP2's post-forward order
     held = {k for k, (_, kept) in enumerate(peers) if kept}  # not resharded after the forward
-    link = [0.0]
+    link = [0.0, 0.0]  # the link, and (hpZ) the one inside a node the backward gathers on
     ready: dict[int, float] = {}  # gathers issued and not yet waited for
 
-    def gather(k: int, at: float) -> None:
-        link[0] = max(at, link[0]) + peer_collective_seconds(size[k], cl, cl.param_bytes)
-        ready[k] = link[0]
+    def gather(k: int, at: float, back: bool = False) -> None:
+        on, where = (1, backward) if back and backward is not None else (0, cl)
+        link[on] = max(at, link[on]) + peer_collective_seconds(size[k], where, where.param_bytes)
+        ready[k] = link[on]
 
     t = 0.0
     gather(forward_order[0], t)
@@ -95,7 +98,7 @@ def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
         t += u.flops / cl.flops_per_s
     resharded = [k for k in ended_order if k not in held]
     if resharded:  # the backward's first gather, issued as the forward ends
-        gather(resharded[-1], t)
+        gather(resharded[-1], t, True)
     for i in reversed(range(len(units))):  # backward: twice the forward's compute
         k = of[i]
         if i == last[k]:
@@ -104,11 +107,11 @@ def fsdp2(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
             at = ended_order.index(k)
             before = ended_order[at - 1] if at > 0 else None
             if before is not None and before not in held and before not in ready:
-                gather(before, t)
+                gather(before, t, True)
         t += 2 * units[i].flops / cl.flops_per_s
         if i == first[k]:
             link[0] = max(t, link[0]) + peer_collective_seconds(size[k], cl, cl.grad_bytes)
-    return max(t, link[0])
+    return max(t, *link)
 
 
 def fsdp2_bytes(units: list[Unit], cl: Cluster, coarse: bool = False) -> float:
