@@ -66,11 +66,20 @@ class Choice:
     measured: Measured | None = field(default=None, compare=False)  # what the plays read that was measured
     plan: Plan | None = field(default=None, compare=False, repr=False)  # the cost model played; None: none was
     replicate: int | None = None  # on a multi-node launch, the copies chosen (1: one flat ring); None: not chosen
+    between: dict | None = None  # on a multi-node launch, the tier between nodes played (``nodes.Machines``'s figures)
 
     def as_dict(self) -> dict:
-        return {"schedule": self.schedule, "piece_shards": self.piece_shards, "reason": self.reason,
-                "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives,
-                **({"replicate": self.replicate} if self.replicate is not None else {})}
+        out = {"schedule": self.schedule, "piece_shards": self.piece_shards, "reason": self.reason,
+               "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives}
+        if self.replicate is not None:
+            out["replicate"] = self.replicate
+        if self.plan is not None:  # the figures the plays ran on (a shard group's ranks and links)
+            cl = self.plan.cluster
+            out["played"] = {"ranks": cl.ranks, "link_gbps": cl.bytes_per_s / 1e9, "latency_us": cl.latency_s * 1e6,
+                             "tflops": cl.flops_per_s / 1e12, "element_bytes": cl.param_bytes,
+                             "tokens": self.plan.units[0].tokens if self.plan.units else None,
+                             **({"between_nodes": dict(self.between)} if self.between else {})}
+        return out
 
     def fused_with(self, min_fuse_numel: int) -> Choice | None:
         """The fused schedule at its best piece width on this choice's cost model with ``min_fuse_numel`` instead:

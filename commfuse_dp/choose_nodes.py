@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from . import nodes, plan
-from .choose import Choice, Resolved, cost_model, model_shape, narrow_formats, tokens_of
+from .choose import Choice, Plan, Resolved, cost_model, model_shape, narrow_formats, tokens_of
 from .config import CommFuseConfig
 from .measure import Measured, layer_shapes, measure_machine, measure_tiers
 from .wire import bytes_per_element
@@ -56,13 +56,8 @@ def resolve_nodes(model: nn.Module, config: CommFuseConfig, mesh, device: torch.
         gemm = measure_machine(mesh.get_group(1), device, dtype, layer_shapes(*shape[:2], *shape[3:5]),
                                tokens_of(model, config)[0], link=False, gemm=True).gemm
     units, cl, described = cost_model(model, config, shape, per_node, device, True, Measured(tiers.intra, gemm), None)
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    share = tiers.share.bytes_per_s if tiers.share is not None else ASSUMED_SHARE[kind]
-    flow = tiers.flow.bytes_per_s if tiers.flow is not None else share
-    latency = tiers.share.latency_s if tiers.share is not None else ASSUMED_LATENCY_S
-    machines = nodes.Machines(copies, per_node, share, max(flow, share), latency)
-    measured = "measured" if tiers.share is not None else "assumed"
-    described += f"; between nodes {machines.describe()} ({measured})"
+    machines, between = _between(copies, per_node, tiers, device)
+    described += f"; between nodes {machines.describe()} ({'measured' if between['measured'] else 'assumed'})"
     grad_bytes = None
     if narrow_formats(config):  # (played as asked; the codec's compute is not charged here)
         nbytes = cl.param_bytes
@@ -76,30 +71,48 @@ def resolve_nodes(model: nn.Module, config: CommFuseConfig, mesh, device: torch.
     width = config.piece_shards if config.piece_shards != "auto" else 1
     if schedule == "fused" and config.piece_shards == "auto":
         width = plan.decide(units, played, "fused")[1]
-    collectives = config.fsdp2_collectives
-    if schedule == "fsdp2" and collectives == "auto":
-        if device.type != "cuda" or narrow_formats(config):
-            collectives = "rings"
-        else:
-            both: dict[str, float] = {}
-            plan.peer_step(units, replace(played, peer_nccl=True), both)
-            collectives = "rings" if both["fsdp2 on the rings"] <= (1 - plan.MARGIN) * both["fsdp2 on NCCL"] \
-                else "torch"
-    peer = steps.get(nodes.PEER)
-    against = (f"FSDP2's HSDP {peer:.3g} s" if peer is not None else "")
-    where = f"HSDP, a copy per node ({copies} copies)" if layout == "hsdp" else "one flat ring over every rank"
-    reason = (f"{where}, schedule={schedule!r}" + (f", piece_shards={width}" if schedule == "fused" else "")
-              + f": predicted {steps[chosen]:.3g} s a step"
-              + (f" against {against}" if against and chosen != nodes.PEER else "")
-              + ("" if len(steps) == 1 else "; also played: " + ", ".join(
-                  f"{k} {v:.3g} s" for k, v in steps.items() if k != chosen))
-              + (f" (the peer's unless another wins by {plan.MARGIN:.0%})" if len(steps) > 1 else ""))
-    choice = Choice(schedule, width, reason, {f"{k} (x{copies} nodes)": v for k, v in steps.items()}, described,
-                    collectives if schedule == "fsdp2" else "rings", Measured(tiers.intra, gemm), None,
-                    replicate=replicate)
+    collectives = _collectives(config, device, units, played) if schedule == "fsdp2" else "rings"
+    choice = Choice(schedule, width, _reason(chosen, steps, copies, width),
+                    {f"{k} (x{copies} nodes)": v for k, v in steps.items()}, described, collectives,
+                    Measured(tiers.intra, gemm), Plan(units, cl, described), replicate=replicate, between=between)
     resolved = config.replace(replicate=replicate, schedule=schedule, piece_shards=width,
                               fsdp2_collectives=collectives if schedule == "fsdp2" else config.fsdp2_collectives)
     return Resolved(resolved, choice)
+
+
+def _between(copies: int, per_node: int, tiers, device: torch.device) -> tuple[nodes.Machines, dict]:
+    """The tier between nodes as measured (assumed where a measurement found no line), and its figures."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    share = tiers.share.bytes_per_s if tiers.share is not None else ASSUMED_SHARE[kind]
+    flow = max(tiers.flow.bytes_per_s if tiers.flow is not None else share, share)
+    latency = tiers.share.latency_s if tiers.share is not None else ASSUMED_LATENCY_S
+    between = {"nodes": copies, "per_node": per_node, "share_gbps": share / 1e9, "flow_gbps": flow / 1e9,
+               "latency_us": latency * 1e6, "measured": tiers.share is not None}
+    return nodes.Machines(copies, per_node, share, flow, latency), between
+
+
+def _collectives(config: CommFuseConfig, device: torch.device, units, played) -> str:
+    """The fsdp2 schedule's collectives: as given; the rings on CPU and for narrow formats; on CUDA NCCL's unless the
+    plays predict the rings faster by ``MARGIN``."""
+    if config.fsdp2_collectives != "auto":
+        return config.fsdp2_collectives
+    if device.type != "cuda" or narrow_formats(config):
+        return "rings"
+    both: dict[str, float] = {}
+    plan.peer_step(units, replace(played, peer_nccl=True), both)
+    return "rings" if both["fsdp2 on the rings"] <= (1 - plan.MARGIN) * both["fsdp2 on NCCL"] else "torch"
+
+
+def _reason(chosen: str, steps: dict[str, float], copies: int, width: int) -> str:
+    layout, schedule = chosen.split("/")
+    peer = steps.get(nodes.PEER)
+    where = f"HSDP, a copy per node ({copies} copies)" if layout == "hsdp" else "one flat ring over every rank"
+    return (f"{where}, schedule={schedule!r}" + (f", piece_shards={width}" if schedule == "fused" else "")
+            + f": predicted {steps[chosen]:.3g} s a step"
+            + (f" against FSDP2's HSDP {peer:.3g} s" if peer is not None and chosen != nodes.PEER else "")
+            + ("" if len(steps) == 1 else "; also played: " + ", ".join(
+                f"{k} {v:.3g} s" for k, v in steps.items() if k != chosen))
+            + (f" (the peer's unless another wins by {plan.MARGIN:.0%})" if len(steps) > 1 else ""))
 
 
 def _resolved(config: CommFuseConfig, copies: int, choice: Choice) -> Resolved:

@@ -225,6 +225,8 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
     with open(path) as f:
         raw = json.load(f)
     on_compute = raw.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
+    if raw.get("nic_mbit"):  # nodes sharing their NICs (EmulatedNodes)
+        return calibrate_nodes(path, raw, on_compute)
     extra = _overhead(overhead_path, raw) if overhead_path else {}
     bench = _read_bench(raw)
     print(f"calibration against {path}: {bench.world} ranks, fp32, {bench.tokens} tokens per rank")
@@ -258,6 +260,69 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
                      host_on_compute=on_compute, min_fuse_numel=bench.min_fuse_numel)
         worst = max(worst, _print_rate(bench, rate, rows, cl, extra))
     print(f"worst error {worst:.1%}")
+    return 0
+
+
+# bench --nodes variants the planner plays: name -> (layout/schedule, narrow format of the worker's NARROW)
+NODE_VARIANTS = {"fsdp2_hsdp": ("hsdp/fsdp2", None), "hsdp_fused": ("hsdp/fused", None),
+                 **{f"{kind}_{fmt}": (play, fmt) for kind, play in (("fsdp2_hsdp", "hsdp/fsdp2"),
+                                                                    ("hsdp_fused", "hsdp/fused"))
+                    for fmt in ("bf16", "int8", "int8_int8")}}
+NODE_FORMATS = {"bf16": ("bf16", "bf16"), "int8": ("int8", "bf16"), "int8_int8": ("int8", "int8")}
+
+
+def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
+    """A ``commfuse-dp bench --nodes --nic-mbit`` file against the planner across nodes (``nodes.py``), each rate
+    played on the figures it ran on: the GEMM rate from compute alone, the NIC's share and one flow from the
+    shaping (``nic_mbit``, ``nics_per_node``, ``ranks_per_node``), and the link inside a node and both hops' fixed
+    costs as the ``defaults`` variant measured them at ``shard()`` (its ``chosen``'s ``played``). Prints each HSDP
+    variant's and the defaults' predicted step beside the measured one; the worst error of the defaults and the
+    peer (``fsdp2_hsdp``)."""
+    from .costs import CPU_HOST_FIT, peer_host_on_cpu
+    from .wire import bytes_per_element
+
+    bench = _read_bench(raw)
+    per_node, k = raw["ranks_per_node"], raw["nodes"]
+    nics = raw.get("nics_per_node", 1)
+    print(f"calibration against {path}: {k} nodes x {per_node} ranks, {nics} NIC(s) a node, fp32, {bench.tokens} "
+          f"tokens per rank")
+    print(f"{'NIC Mbit/s':>10} {'F GFLOP/s':>10} {'schedule':>22} {'played':>11} {'predicted s':>11} "
+          f"{'measured s':>10} {'error':>7}")
+    worst = 0.0
+    for rate, rows in sorted(bench.by_rate.items()):
+        played = (rows.get("defaults", {}).get("chosen") or {}).get("played")
+        if "compute_only" not in rows or not played or "between_nodes" not in played:
+            print(f"{rate:>10g}: no compute_only, or no defaults variant that recorded the tiers it measured "
+                  f"(`played`): not calibrated")
+            continue
+        f_rate = bench.flops / rows["compute_only"]["step_s"]
+        nic = rate * 1e6 / 8
+        machines = nodes.Machines(k, per_node, nic * min(nics, per_node) / per_node, nic,
+                                  played["between_nodes"]["latency_us"] * 1e-6, f"{nics} NIC(s) of {rate:g} Mbit/s")
+        cl = Cluster(per_node, played["link_gbps"] * 1e9, played["latency_us"] * 1e-6, f_rate, 4, 4,
+                     host_fit=CPU_HOST_FIT, host_on_compute=on_compute, direct_bytes=bench.direct_bytes,
+                     rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel)
+        cl = replace(cl, peer_host_s=peer_host_on_cpu(bench.units, cl))
+        chosen = rows["defaults"]["chosen"]
+        layout = "hsdp" if chosen.get("replicate", 1) > 1 else "flat"
+        plays = {"defaults": (f"{layout}/{chosen['schedule']}", None), **NODE_VARIANTS}
+        for name, (key, fmt) in plays.items():
+            if name not in rows:
+                continue
+            narrow, grad_bytes = cl, None
+            if fmt is not None:
+                gather, reduce = NODE_FORMATS[fmt]
+                narrow = plan.with_formats(cl, gather, reduce, 4, {})
+                grad_bytes = min(4, bytes_per_element(reduce, 4))
+            which, schedule = key.split("/")
+            predicted = nodes.layouts(bench.units, narrow, machines, grad_bytes, (which,), (schedule,))[key]
+            measured = rows[name]["step_s"]
+            error = predicted / measured - 1
+            if name in ("defaults", "fsdp2_hsdp"):
+                worst = max(worst, abs(error))
+            print(f"{rate:>10g} {f_rate / 1e9:>10.3g} {name:>22} {key:>11} {predicted:>11.3f} {measured:>10.3f} "
+                  f"{error:>+7.1%}")
+    print(f"worst error of the defaults and the peer (fsdp2_hsdp): {worst:.1%}; the codec's compute is not played")
     return 0
 
 

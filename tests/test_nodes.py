@@ -34,7 +34,7 @@ def _defaults_worker(rank, world_size, per_node, replicate):
     return choice.as_dict(), copies, engine.ring.size, cf.describe(model).choice
 
 
-@pytest.mark.parametrize("world_size,per_node", [(4, 2), (6, 2)], ids=["2x2", "3x2"])
+@pytest.mark.parametrize("world_size,per_node", [(4, 2), (6, 2), (8, 4)], ids=["2x2", "3x2", "2x4"])
 def test_defaults_on_a_multi_node_launch_choose_a_layout_and_stay_exact(world_size, per_node):
     nodes_ = world_size // per_node
     for choice, copies, ring, described in run_ranks(_defaults_worker, world_size, (per_node, "auto"), timeout=600):
@@ -131,3 +131,33 @@ def test_plan_sweeps_nodes_and_nics(tmp_path, capsys):
         plan_cli.NODE_SWEEP_NICS)
     assert all(r["exact"]["over_peer"] >= 1.0 - 1e-9 for r in records)  # the defaults: never slower than the peer
     assert "int8/int8:" in out
+
+
+def test_calibrate_reads_a_nodes_bench_file(tmp_path, capsys):
+    """``plan --calibrate`` on a ``bench --nodes --nic-mbit`` file plays each rate on the figures it ran on (the
+    defaults' recorded tiers, the NIC's shaping); a slower NIC predicts a slower peer."""
+    import json
+
+    played = {"ranks": 2, "link_gbps": 0.8, "latency_us": 2000.0, "tflops": 0.05, "element_bytes": 4, "tokens": 512,
+              "between_nodes": {"nodes": 2, "per_node": 2, "share_gbps": 0.03, "flow_gbps": 0.06, "latency_us": 1300.0,
+                                "measured": True}}
+    records = []
+    for rate, peer in ((1060.0, 1.24), (265.0, 2.55)):
+        chosen = {"schedule": "fused", "piece_shards": 1, "replicate": 2, "played": played}
+        records += [{"schedule": "compute_only", "rate_mbit": rate, "step_s": 1.02},
+                    {"schedule": "fsdp2_hsdp", "rate_mbit": rate, "step_s": peer},
+                    {"schedule": "hsdp_fused_int8_int8", "rate_mbit": rate, "step_s": peer / 2},
+                    {"schedule": "defaults", "rate_mbit": rate, "step_s": peer, "chosen": chosen}]
+    model = {"hidden": 512, "intermediate": 1408, "layers": 4, "heads": 8, "kv_heads": 8, "vocab": 4096, "seq": 256,
+             "batch": 2, "min_fuse_numel": 65536, "direct_kb": 1024, "embedding_rows": "direct",
+             "peer_units": "torchtitan"}
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps({"records": records, "world_size": 4, "nodes": 2, "ranks_per_node": 2,
+                                "nics_per_node": 1, "nic_mbit": [1060.0, 265.0], "compute": "emulated at 0.05 TFLOP/s",
+                                "model": model}))
+    assert plan_cli.main(["--calibrate", str(path)]) == 0
+    out = capsys.readouterr().out
+    peer = {float(line.split()[0]): float(line.split()[4]) for line in out.splitlines()
+            if " fsdp2_hsdp " in line and "hsdp/fsdp2" in line}
+    assert set(peer) == {1060.0, 265.0} and peer[265.0] > peer[1060.0] > 1.02
+    assert "hsdp_fused_int8_int8" in out and "worst error of the defaults and the peer" in out
