@@ -5,6 +5,7 @@ rank runs it once before sharding.
     python -m commfuse_dp.benchmarks.startup                        # Llama-3-8B and -70B at 1024 and 4096 ranks
     python -m commfuse_dp.benchmarks.startup --models llama3-8b --ranks 1024 --rounds 5 --json FILE
     python -m commfuse_dp.benchmarks.startup --full-at none          # without the full replay's comparison
+    python -m commfuse_dp.benchmarks.startup --per-node 8 --nic-gbps 12.5   # a launch over nodes of 8 ranks
 
 Each round starts cold (``replay.forget_traces``: no trace kept from an earlier round, as in a fresh process) and
 times ``choose`` alone (the model is built once, before the rounds); the table shows the median and the range over
@@ -14,6 +15,12 @@ widths are played (on the stand-in ring beyond 64 ranks, ``replay.py``'s [Note: 
 ``--full-at`` it also times, once, the choice that plays every piece width on the full ring
 (``plan.decide_by_playing_all`` with ``stand_in_ranks=None``), and says whether it chose the same. This is a
 measurement, not a test: it asserts nothing about speed.
+
+``--per-node N``: the launch is over nodes of N ranks, each node's ranks sharing ``--nic-gbps`` of NIC, and the
+choice timed is ``choose_nodes.plan_nodes`` (``shard()``'s ``replicate="auto"`` once the tiers are known: HSDP or
+one flat ring, each schedule played), with the tiers given as ``measure.measure_tiers`` would report them (the
+link inside a node at ``--link-gbps``, a rank's share of the NIC, one flow at the NIC's rate); the measurement of
+the tiers themselves (ring all-gathers on the node and replicate groups) is not in it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,27 @@ def time_choice(model: torch.nn.Module, config: CommFuseConfig, ranks: int, devi
             "widths_played": played, "reason": choice.reason, "choice": choice}
 
 
+def time_nodes_choice(model: torch.nn.Module, config: CommFuseConfig, ranks: int, per_node: int, nic_gbps: float,
+                      device: str, rounds: int) -> dict:
+    """``rounds`` cold runs of ``plan_nodes`` for ``ranks`` ranks in nodes of ``per_node``: their seconds and what it
+    chose."""
+    from commfuse_dp.choose_nodes import plan_nodes
+    from commfuse_dp.measure import Link, Tiers
+
+    hop = (4 << 10, 16 << 20)
+    tiers = Tiers(Link(config.link_gbps * 1e9, config.ring_latency_us * 1e-6, hop),
+                  Link(nic_gbps * 1e9 / per_node, 20e-6, hop), Link(nic_gbps * 1e9, 20e-6, hop))
+    seconds = []
+    for _ in range(rounds):
+        replay.forget_traces()
+        start = time.perf_counter()
+        resolved, choice = plan_nodes(model, config, ranks // per_node, per_node, torch.device(device), tiers)
+        seconds.append(time.perf_counter() - start)
+    return {"seconds": seconds, "median_s": statistics.median(seconds), "min_s": min(seconds),
+            "max_s": max(seconds), "schedule": choice.schedule, "piece_shards": choice.piece_shards,
+            "replicate": choice.replicate, "widths_played": 0, "reason": choice.reason, "choice": None}
+
+
 def time_full_replay(choice) -> dict:
     """The same choice with every piece width played on the full ring, timed once from cold."""
     units, cl = choice.plan.units, replace(choice.plan.cluster, stand_in_ranks=None)
@@ -93,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--models {','.join(unknown)}: known are {', '.join(SHAPES)}")
     config = CommFuseConfig(link_gbps=args.link_gbps, ring_latency_us=args.latency_us, tflops=args.tflops,
                             tokens_per_rank=args.tokens)
-    print(f"choose() from cold, {args.rounds} rounds each: {args.link_gbps:g} GB/s, {args.latency_us:g} us a hop, "
+    what = f"plan_nodes() (nodes of {args.per_node}, {args.nic_gbps:g} GB/s NIC)" if args.per_node else "choose()"
+    print(f"{what} from cold, {args.rounds} rounds each: {args.link_gbps:g} GB/s, {args.latency_us:g} us a hop, "
           f"{args.tflops:g} TFLOP/s, {args.tokens} tokens per rank; {_machine()}")
     print(f"{'model':>10} {'ranks':>5} {'device':>6} {'median s':>9} {'min - max s':>15} {'chosen':>16} "
           f"{'widths played':>13}")
@@ -102,13 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         model = meta_llama(name, args.tokens)
         for ranks in args.ranks:
             for device in args.devices:
-                r = time_choice(model, config, ranks, device, args.rounds)
-                chosen = f"{r['schedule']}" + (f", ps={r['piece_shards']}" if r["schedule"] == "fused" else "")
+                if args.per_node:
+                    r = time_nodes_choice(model, config, ranks, args.per_node, args.nic_gbps, device, args.rounds)
+                else:
+                    r = time_choice(model, config, ranks, device, args.rounds)
+                chosen = f"{r['schedule']}" + (f", ps={r['piece_shards']}" if r["schedule"] == "fused" else "") + (
+                    f", R={r['replicate']}" if r.get("replicate") else "")
                 print(f"{name:>10} {ranks:>5} {device:>6} {r['median_s']:>9.3f} "
                       f"{r['min_s']:>7.3f} - {r['max_s']:<5.3f} {chosen:>16} {r['widths_played']:>13}")
                 choice = r.pop("choice")
                 records.append({"model": name, "ranks": ranks, "device": device, **r})
-                if ranks in args.full_at:
+                if ranks in args.full_at and choice is not None:
                     f = time_full_replay(choice)
                     full.append({"model": name, "ranks": ranks, "device": device, **f})
     for f in full:
@@ -122,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as out:
             json.dump({"command": command, "machine": _machine(), "rounds": args.rounds,
                        "link_gbps": args.link_gbps, "latency_us": args.latency_us, "tflops": args.tflops,
-                       "tokens_per_rank": args.tokens, "choices": records, "full_replay": full}, out, indent=1)
+                       "tokens_per_rank": args.tokens, "per_node": args.per_node,
+                       "nic_gbps": args.nic_gbps if args.per_node else None, "choices": records, "full_replay": full},
+                      out, indent=1)
         print(f"wrote {args.json}")
     return 0 if all(f["agrees"] for f in full) else 1
 
@@ -148,6 +183,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--full-at", type=_ints, default=[1024],
                         help="ranks at which to time, once, the choice with every width played on the full ring "
                              "(default 1024; 'none': skip)")
+    parser.add_argument("--per-node", type=int, default=None,
+                        help="a launch over nodes of this many ranks: time the choice across nodes (default: one "
+                             "ring over all ranks)")
+    parser.add_argument("--nic-gbps", type=float, default=12.5,
+                        help="--per-node: a node's NIC, GB/s, shared by its ranks (default 12.5: 100 Gb Ethernet)")
     parser.add_argument("--json", default=None, help="write the results and the command to this file")
     return parser
 

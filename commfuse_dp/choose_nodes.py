@@ -24,7 +24,7 @@ import torch.nn as nn
 from . import nodes, plan
 from .choose import Choice, Plan, Resolved, cost_model, model_shape, narrow_formats, tokens_of
 from .config import CommFuseConfig
-from .measure import Measured, layer_shapes, measure_machine, measure_tiers
+from .measure import Measured, Tiers, layer_shapes, measure_machine, measure_tiers
 from .wire import bytes_per_element
 
 # Where a tier between nodes could not be measured (its larger hops took no longer than its small ones)
@@ -55,6 +55,16 @@ def resolve_nodes(model: nn.Module, config: CommFuseConfig, mesh, device: torch.
     if config.tflops is None:
         gemm = measure_machine(mesh.get_group(1), device, dtype, layer_shapes(*shape[:2], *shape[3:5]),
                                tokens_of(model, config)[0], link=False, gemm=True).gemm
+    return plan_nodes(model, config, copies, per_node, device, tiers, gemm)
+
+
+def plan_nodes(model: nn.Module, config: CommFuseConfig, copies: int, per_node: int, device: torch.device,
+               tiers: Tiers, gemm=None) -> Resolved:
+    """``resolve_nodes``'s decision once the tiers (and, unless given, the GEMM rate) are known: the planner's plays
+    across nodes, no communication (``benchmarks/startup.py`` times it)."""
+    layouts = ("hsdp", "flat") if config.replicate == "auto" else ("hsdp",)
+    fixed = config.schedule if config.schedule != "auto" else None
+    shape = model_shape(model)
     units, cl, described = cost_model(model, config, shape, per_node, device, True, Measured(tiers.intra, gemm), None)
     machines, between = _between(copies, per_node, tiers, device)
     described += f"; between nodes {machines.describe()} ({'measured' if between['measured'] else 'assumed'})"
@@ -110,7 +120,7 @@ def _reason(chosen: str, steps: dict[str, float], copies: int, width: int) -> st
     return (f"{where}, schedule={schedule!r}" + (f", piece_shards={width}" if schedule == "fused" else "")
             + f": predicted {steps[chosen]:.3g} s a step"
             + (f" against FSDP2's HSDP {peer:.3g} s" if peer is not None and chosen != nodes.PEER else "")
-            + ("" if len(steps) == 1 else "; also played: " + ", ".join(
+            + ("" if len(steps) == 1 else "; the others: " + ", ".join(
                 f"{k} {v:.3g} s" for k, v in steps.items() if k != chosen))
             + (f" (the peer's unless another wins by {plan.MARGIN:.0%})" if len(steps) > 1 else ""))
 

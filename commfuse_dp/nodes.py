@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import plan
+from . import costs, plan
 from .costs import Cluster, Unit
 
 
@@ -152,9 +152,25 @@ def layouts(units: list[Unit], intra: Cluster, machines: Machines, grad_bytes: f
         tail = exchange_tail(units, node, machines, grad_bytes) if name == "hsdp" else 0.0
         if "fsdp2" in schedules:
             out[f"{name}/fsdp2"] = plan.peer_step(units, cl) + tail
-        if "fused" in schedules:
+        if "fused" in schedules and _fused_plays(units, cl):  # (see ``unplayed_fused``)
             out[f"{name}/fused"] = _fused_best(units, cl) + tail
     return out
+
+
+def _fused_plays(units: list[Unit], cl: Cluster) -> bool:
+    """Whether the fused play is what ``shard()`` runs on ``cl``'s ranks: every decoder layer keeps fused groups
+    (below ``min_fuse_numel`` a layer's linears join the root's FSDP2 unit, gathered whole for the step, or keep a
+    unit of their own, which the play does not play: ``plan.unplayed``)."""
+    placed = costs.placed(units, cl, elastic=cl.lookahead_bytes != 0)
+    return all(u.groups for u in placed if u.layer) and not plan.unplayed(units, cl, "fused")
+
+
+def unplayed_fused(units: list[Unit], intra: Cluster, machines: Machines) -> list[str]:
+    """The layouts whose fused schedule ``layouts`` leaves out: where decoder layers' groups fall below
+    ``min_fuse_numel`` on that many ranks (``_fused_plays``), so that fusing would leave whole layers unfused."""
+    node = replace(intra, ranks=machines.per_node)
+    return [name for name, cl in (("hsdp", node), ("flat", flat_cluster(intra, machines)))
+            if not _fused_plays(units, cl)]
 
 
 def hpz_step(units: list[Unit], intra: Cluster, machines: Machines) -> float:
@@ -185,15 +201,43 @@ def predict(units: list[Unit], intra: Cluster, machines: Machines) -> dict[str, 
 PEER = "hsdp/fsdp2"  # FSDP2's HSDP as torchtitan builds it: what the defaults' choice is measured against
 
 
+NOT_PLAYED = " (not played, at least)"  # ``decide``'s key suffix of a candidate bounded out: its lower bound
+
+
 def decide(units: list[Unit], intra: Cluster, machines: Machines, which: tuple[str, ...] = LAYOUTS,
            schedules: tuple[str, ...] = SCHEDULES, grad_bytes: float | None = None) -> tuple[str, dict[str, float]]:
     """The layout and schedule ``CommFuseConfig()``'s defaults run on ``machines`` (``layout/schedule``, among
     ``which`` and ``schedules``), and the predicted steps: the peer's (``PEER``, or the first candidate where the
-    peer is not one) unless another is predicted faster by ``plan.MARGIN``, then the fastest."""
-    steps = layouts(units, intra, machines, grad_bytes, which, schedules)
-    base = PEER if PEER in steps else next(iter(steps))
-    best = min(steps, key=steps.get)
-    if best != base and steps[best] <= (1 - plan.MARGIN) * steps[base]:
+    peer is not one) unless another is predicted faster by ``plan.MARGIN``, then the fastest. The peer's schedule is
+    cheap to play and goes first; a fused candidate is played only where its lower bound (``plan.simulate``'s
+    ``floor`` at each piece width, plus HSDP's tail) leaves it a chance to be chosen; else its bound is reported
+    under ``layout/fused`` + ``NOT_PLAYED``. The choice is the one playing every candidate makes (``layouts``)."""
+    grad_bytes = intra.grad_bytes if grad_bytes is None else grad_bytes
+    node = replace(intra, ranks=machines.per_node)
+    clusters = {"hsdp": node, "flat": flat_cluster(intra, machines)}
+    tail = {"hsdp": exchange_tail(units, node, machines, grad_bytes) if "hsdp" in which else 0.0, "flat": 0.0}
+    steps: dict[str, float] = {}
+    if "fsdp2" in schedules:
+        for name in which:
+            steps[f"{name}/fsdp2"] = plan.peer_step(units, clusters[name]) + tail[name]
+    for name in which:
+        cl = clusters[name]
+        if "fused" not in schedules or not _fused_plays(units, cl):
+            continue
+        widths = [g for g in (2 ** i for i in range(11)) if g <= cl.ranks]
+        floor = min(plan.simulate(units, replace(cl, piece_shards=g), "fused", floor=True)["step_s"]
+                    for g in widths) * (1 - plan.FLOOR_SLACK) + tail[name]
+        limits = [min(steps.values())] if steps else []
+        if PEER in steps:
+            limits.append((1 - plan.MARGIN) * steps[PEER])
+        if limits and floor > min(limits):
+            steps[f"{name}/fused{NOT_PLAYED}"] = floor
+            continue
+        steps[f"{name}/fused"] = _fused_best(units, cl) + tail[name]
+    played = {k: v for k, v in steps.items() if not k.endswith(NOT_PLAYED)}
+    base = PEER if PEER in played else next(iter(played))
+    best = min(played, key=played.get)
+    if best != base and played[best] <= (1 - plan.MARGIN) * played[base]:
         return best, steps
     return base, steps
 
@@ -205,7 +249,8 @@ def formats(units: list[Unit], intra: Cluster, machines: Machines, dtype_bytes: 
     gradients between nodes."""
     from .wire import bytes_per_element
 
-    chosen, exact = decide(units, intra, machines)
+    chosen, _ = decide(units, intra, machines)
+    exact = layouts(units, intra, machines)
     out = {}
     for name in names:
         gather, reduce = plan.FORMAT_PLAYS[name]

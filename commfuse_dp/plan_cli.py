@@ -61,6 +61,10 @@ def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: d
         print(f"{layout:>7} {schedule:>8} {r['step_s']:>8.3f} {args.tokens / r['step_s']:>10.0f} "
               f"{flops / (r['step_s'] * args.peak_tflops * 1e12):>6.1%} {peer / r['step_s']:>6.3f}x "
               f"{r['shard_of']:>8}  {NODE_LAYOUTS[key]}")
+    for layout in nodes.unplayed_fused(units, intra, machines):
+        print(f"{layout:>7} {'fused':>8}  not played: on its {machines.per_node if layout == 'hsdp' else machines.ranks} "
+              f"ranks decoder layers' groups fall below --min-fuse-numel, so shard() would leave whole layers "
+              f"unfused; the defaults leave it out")
     print("x peer: the peer's step over this one (above 1: faster); shard of: the ranks one copy of the parameters "
           "and optimizer state is split over (its memory per rank: 1/that; hpZ keeps a second copy of the weights "
           f"split over a node's {machines.per_node} ranks besides)")

@@ -161,3 +161,31 @@ def test_calibrate_reads_a_nodes_bench_file(tmp_path, capsys):
             if " fsdp2_hsdp " in line and "hsdp/fsdp2" in line}
     assert set(peer) == {1060.0, 265.0} and peer[265.0] > peer[1060.0] > 1.02
     assert "hsdp_fused_int8_int8" in out and "worst error of the defaults and the peer" in out
+
+
+def test_the_choice_across_nodes_is_the_one_playing_everything_makes():
+    """``nodes.decide`` bounds the fused candidates and plays only those that could be chosen; on a grid of
+    clusters and both cost models it chooses what the full plays (``nodes.layouts``) make with the same rule, and
+    never a fused layout whose layers would not fuse."""
+    from commfuse_dp.costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT
+
+    models = {"cuda": Cluster(8, 450e9, 15e-6, 400e12, 2, 2, piece_fit=H200_PIECE_FIT, host_fit=H200_HOST_FIT,
+                              peer_nccl=True),
+              "cpu": Cluster(2, 0.8e9, 2e-3, 0.05e12, 4, 4, host_fit=CPU_HOST_FIT)}
+    checked = 0
+    for name in ("llama3-8b", "gpt2"):
+        units = units_for(*plan.KNOWN_MODELS[name], tokens=8192, seq=2048)
+        for kind, intra in models.items():
+            for k in (2, 4, 16, 64):
+                for gb, nics in ((1.5, 1), (12.5, 1), (50, 8)):
+                    machines = nodes.Machines.of_nics(k, intra.ranks, gb * 1e9, min(nics, intra.ranks))
+                    chosen, steps = nodes.decide(units, intra, machines)
+                    full = nodes.layouts(units, intra, machines)
+                    best = min(full, key=full.get)
+                    expected = best if best != nodes.PEER and full[best] <= 0.98 * full[nodes.PEER] else nodes.PEER
+                    assert chosen == expected, (name, kind, k, gb, nics, steps, full)
+                    for key, bound in steps.items():
+                        if key.endswith(nodes.NOT_PLAYED):
+                            assert bound <= full[key.removesuffix(nodes.NOT_PLAYED)] + 1e-9
+                    checked += 1
+    assert checked == 48
