@@ -1,14 +1,14 @@
-"""The planner past one machine: nodes whose ranks share their NICs (``commfuse-dp plan --nodes``, and what
-``CommFuseConfig()``'s defaults choose on a multi-node launch, ``choose.py``).
+"""The planner past one machine: nodes whose ranks share their NICs (``commfuse-dp plan --nodes``,
+``plan_nodes_cli.py``; and what ``CommFuseConfig()``'s defaults choose on a multi-node launch, ``choose_nodes.py``).
 
 A node is ``per_node`` ranks with fast links among them (the intra-node ``Cluster``: NVLink, or a PCIe switch) and
-``nics`` NICs of ``nic_bytes_per_s`` each, which all of its ranks share for traffic to other nodes. What one rank
-gets of them depends on how many of the node's ranks send at once:
+NICs that all of its ranks share for traffic to other nodes (``Machines``). What one rank gets of them depends on
+how many of the node's ranks send at once:
 - HSDP (one copy of the model per node, ``CommFuseConfig.replicate`` = nodes): every rank exchanges its own gradient
   shard with the ranks holding the same shard in the other nodes, all at once, so each gets ``nics x NIC /
   per_node`` (``Machines.share``: 1.56 GB/s a GPU for 8 GPUs on one 100 Gb NIC; 50 GB/s for one 400 Gb NIC a GPU);
 - a flat ring over every rank, in node order: only the last rank of a node sends to the next node, one flow on one
-  NIC, at that NIC's whole rate (``Machines.flat_bytes_per_s``), but that hop carries every collective's bytes.
+  NIC, at that NIC's whole rate (``Machines.flow_bytes_per_s``), but that hop carries every collective's bytes.
 
 The layouts played (``predict``), each under the peer's schedule (``fsdp2``: stock FSDP2 as torchtitan builds it, on
 NCCL's collectives or the rings, whichever the one-node plays predict faster) and the fused one:
@@ -20,6 +20,8 @@ NCCL's collectives or the rings, whichever the one-node plays predict faster) an
   backward's compute ends is the tail the step waits for.
 - ``flat``: sharded over every rank, every hop at the slower of the intra-node link and one NIC (its latency the
   larger of the two).
+``hpz_step`` plays ZeRO++'s hpZ besides (shown, not run by ``shard()``). ``decide`` picks among the layouts as
+``CommFuseConfig()`` does, playing a fused layout only where its lower bound leaves it a chance.
 A narrow ``reduce_format`` shrinks the gradients on both tiers (``wire.bytes_per_element``); the weights' format
 applies inside the shard group. The exchange's own encoding is not charged to the compute (it runs on the
 replicate ring's thread or stream).
