@@ -19,6 +19,10 @@ are cached per process group and device (the link) and per device, dtype and sha
   three stay about 1 GFLOP), after one untimed round.
   The device's work is waited for (``torch.cuda.synchronize``; an emulated accelerator's clock,
   ``ring.topology.device_ready``). About 0.05 s on a CPU core.
+- Across nodes (``measure_tiers``, a multi-node launch under ``replicate="auto"``): the link the same way on each
+  node's group, every node at once; on each replicate group (one local rank across the nodes), every group at once
+  and timed until the last is done, which is what a rank gets of its node's NICs while HSDP's exchange runs; and on
+  the first local rank's replicate group alone, one flow across, a flat ring's hop between nodes.
 """
 
 from __future__ import annotations
