@@ -48,7 +48,7 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
     would run different collectives). Collective over the world."""
     if chosen is not None:
         mine = (chosen.schedule, chosen.piece_shards, chosen.collectives, chosen.machine)
-        everyone = gather_objects(mine, config.timeout_s, _CHECK)
+        everyone = gather_objects(mine, config.timeout_s, CHECK_LABEL)
         if any(c[:3] != everyone[0][:3] for c in everyone):
             detail = "; ".join(f"rank {r}: {c[0]}, piece_shards {c[1]}, {c[2]} ({c[3]})"
                                for r, c in enumerate(everyone))
@@ -57,7 +57,7 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
         return
     params = parameter_list(model)
     mine = (list(ranks), config.to_dict(), _digest(params))
-    everyone = gather_objects(mine, config.timeout_s, _CHECK)
+    everyone = gather_objects(mine, config.timeout_s, CHECK_LABEL)
     groups = [g for g, _, _ in everyone]
     if any(g != groups[0] for g in groups):
         detail = "; ".join(f"rank {r}: {g}" for r, g in enumerate(groups))
@@ -71,15 +71,15 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
                          f"config on every rank (build it from the same YAML file, the same COMMFUSE_* environment "
                          f"or the same arguments everywhere)")
     if len({everyone[r][2] for r in members}) > 1:
-        lists = gather_objects(params, config.timeout_s, _CHECK)  # every rank saw the same digests: all gather again
+        lists = gather_objects(params, config.timeout_s, CHECK_LABEL)  # every rank saw the same digests: all gather again
         raise ValueError(f"shard: the ranks are sharding different models: "
                          f"{'; '.join(model_differences({r: lists[r] for r in members}))}. Build the same model on "
                          f"every rank (same architecture config, same checkpoint, same adapters and frozen "
                          f"parameters) before shard()")
 
 
-_CHECK = ("shard()'s check that every rank passed the same group, config and model (every rank of the world must "
-          "call shard() at the same point)")
+CHECK_LABEL = ("shard()'s check that every rank passed the same group, config and model (every rank of the world "
+               "must call shard() at the same point)")
 
 
 

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from .checks import gather_objects
+
 # (variable with a node's ranks, variable with the node's index), in the order they are trusted
 LAUNCHER_VARIABLES = (("LOCAL_WORLD_SIZE", "GROUP_RANK"), ("SLURM_NTASKS_PER_NODE", "SLURM_NODEID"),
                       ("OMPI_COMM_WORLD_LOCAL_SIZE", None))
@@ -53,14 +55,14 @@ def told(environ: Mapping[str, str] | None = None) -> tuple[int | None, int | No
     return None, None, "nothing (no launcher variable): all ranks taken as one node"
 
 
-def read(group: dist.ProcessGroup | None = None, environ: Mapping[str, str] | None = None) -> NodeLayout:
-    """The node layout of ``group`` (default: the world), the same on every rank, or the same ``ValueError`` on
-    every rank where the ranks were told layouts that disagree, nodes of unequal size, or nodes whose ranks are not
-    consecutive. Collective: every rank of the group calls it."""
-    world = dist.get_world_size(group)
+def read(timeout_s: float, label: str, environ: Mapping[str, str] | None = None) -> NodeLayout:
+    """The node layout of the world, the same on every rank, or the same ``ValueError`` on every rank where the
+    ranks were told layouts that disagree, nodes of unequal size, or nodes whose ranks are not consecutive.
+    Collective over the world, each hop bounded by ``timeout_s``: a rank that does not take part makes the others
+    raise ``RingCommError`` naming it, in ``label``."""
+    world = dist.get_world_size()
     mine = (*told(environ), socket.gethostname())
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = gather_objects(mine, timeout_s, label)
     sizes = {e[0] for e in everyone}
     source = everyone[0][2]
     if sizes == {None}:

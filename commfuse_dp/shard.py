@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from . import fsdp_units, lockstep, node_layout
-from .checks import check_not_sharded_elsewhere, check_ranks_agree
+from .checks import CHECK_LABEL, check_not_sharded_elsewhere, check_ranks_agree
 from .choose import Resolved, narrow_formats, resolve
 from .choose_nodes import resolve_nodes
 from .node_layout import NodeLayout
@@ -145,7 +145,7 @@ def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh 
     elif requested is not None:
         raise ValueError(f"shard: device= is for a model on the meta device (where its shards are allocated); this "
                          f"model is on {device} already. Move it with model.to(...) before shard() instead")
-    layout = node_layout.read() if mesh is None else NodeLayout(1, dist.get_world_size(), "the mesh given")
+    layout = node_layout.read(config.timeout_s, CHECK_LABEL) if mesh is None else NodeLayout(1, dist.get_world_size(), "the mesh given")
     mesh = _data_parallel_mesh(mesh, config, device, layout)
     if mesh.device_type != device.type:
         raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
