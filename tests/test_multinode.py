@@ -23,16 +23,19 @@ needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
                                  reason="the emulated machines need root and iproute2 (ip, tc)")
 
 
-def _two_machines(tmp_path, out) -> None:
+def _machines(tmp_path, out, n_machines: int = 2, per_machine: int = 2, hsdp: bool = True) -> None:
+    """The Trainer script on ``n_machines`` emulated machines of ``per_machine`` ranks. ``hsdp``: the accelerate
+    config asks for a copy per machine; otherwise it says nothing and ``CommFuseConfig()``'s defaults choose."""
     config = tmp_path / "accel.yaml"
-    config.write_text(yaml.safe_dump({**CPU_CONFIG, "num_processes": 4, "num_machines": 2,
-                                      "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
-                                                             "parallelism_config_dp_shard_size": 2},
+    parallelism = {"parallelism_config": {"parallelism_config_dp_replicate_size": n_machines,
+                                          "parallelism_config_dp_shard_size": per_machine}} if hsdp else {}
+    config.write_text(yaml.safe_dump({**CPU_CONFIG, "num_processes": n_machines * per_machine,
+                                      "num_machines": n_machines, **parallelism,
                                       "commfuse": {"min_fuse_numel": 0}}))
     port = free_port()
-    with EmulatedCluster(2, 10000) as machines:
+    with EmulatedCluster(n_machines, 10000) as machines:
         procs = []
-        for machine in range(2):
+        for machine in range(n_machines):
             log = open(tmp_path / f"machine{machine}.log", "w+")
             argv = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", str(config),
                     "--machine_rank", str(machine), "--main_process_ip", machines.address(0),
@@ -52,10 +55,10 @@ def _two_machines(tmp_path, out) -> None:
         assert not failed, "\n".join(failed)
 
 
-def _ddp(out) -> None:
+def _ddp(out, world_size: int = 4) -> None:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    proc = subprocess.run(launcher + ["--nproc_per_node", "4", "--master_addr", "127.0.0.1", "--master_port",
+    proc = subprocess.run(launcher + ["--nproc_per_node", str(world_size), "--master_addr", "127.0.0.1", "--master_port",
                                       str(free_port()), TRAINER_SCRIPT, str(out)],
                           cwd=ROOT, env={**_env(), "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
                           timeout=300)
@@ -65,7 +68,7 @@ def _ddp(out) -> None:
 @needs_netns
 def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
     ours, ddp = tmp_path / "hsdp.json", tmp_path / "ddp.json"
-    _two_machines(tmp_path, ours)
+    _machines(tmp_path, ours)
     _ddp(ddp)
     cf, plain = json.loads(ours.read_text()), json.loads(ddp.read_text())
     assert cf["world_size"] == plain["world_size"] == 4
@@ -78,6 +81,23 @@ def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
     # fused GEMMs run in pieces. After 4 AdamW steps at lr 1e-2 that is within 1e-5 with torch's AVX2 kernels and up
     # to 2.3e-5 with its AVX-512 ones (ATEN_CPU_CAPABILITY=avx2 vs the default on an AMD EPYC); a
     # gradient lost or counted twice would move an Adam step's update by about lr.
+    torch.testing.assert_close(torch.tensor(cf["logits"]), torch.tensor(plain["logits"]), rtol=1e-4, atol=1e-4)
+
+
+@needs_netns
+@pytest.mark.parametrize("n_machines,per_machine", [(3, 2), (2, 4)], ids=["3x2", "2x4"])
+def test_defaults_on_more_machines_match_ddp(tmp_path, n_machines, per_machine):
+    """Nothing asked but the launch: the defaults read the machines off torchrun and choose HSDP or one flat
+    sharding; the Trainer's losses and grad norms equal DDP's over as many ranks."""
+    world = n_machines * per_machine
+    ours, ddp = tmp_path / "defaults.json", tmp_path / "ddp.json"
+    _machines(tmp_path, ours, n_machines, per_machine, hsdp=False)
+    _ddp(ddp, world)
+    cf, plain = json.loads(ours.read_text()), json.loads(ddp.read_text())
+    assert cf["world_size"] == plain["world_size"] == world
+    assert cf["steps"] == plain["steps"] == [1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(cf["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(cf["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-4, atol=0)
     torch.testing.assert_close(torch.tensor(cf["logits"]), torch.tensor(plain["logits"]), rtol=1e-4, atol=1e-4)
 
 

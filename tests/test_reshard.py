@@ -39,9 +39,12 @@ SAVE_AT = 2
 RTOL = 1e-5
 
 
-def _model(schedule: str):
+def _model(layout: str):
+    """``layout``: a schedule, or ``"<schedule>/r<R>"`` for HSDP with R copies of the model (the ranks split into
+    R groups of consecutive ranks, as nodes hold them)."""
+    schedule, _, copies = layout.partition("/r")
     model = hf_models.build("llama", seed=0, tie_word_embeddings=True)
-    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, schedule=schedule))
+    cf.shard(model, cf.CommFuseConfig(min_fuse_numel=0, schedule=schedule, replicate=int(copies or 1)))
     return model
 
 
@@ -93,7 +96,7 @@ def uninterrupted(tmp_path_factory):
     """(schedule, world size) -> (losses, folder saved after step SAVE_AT)."""
     tmp = tmp_path_factory.mktemp("reshard")
     runs = {}
-    for schedule, world in [("fused", 2), ("fused", 3), ("fused", 4), ("slicing", 4)]:
+    for schedule, world in [("fused", 2), ("fused", 3), ("fused", 4), ("slicing", 4), ("fused/r2", 4)]:
         path = str(tmp / f"{schedule}-{world}")
         losses, shape, first = run_ranks(_train_worker, world, (schedule, path, None), timeout=240)[0]
         assert first == 1 and sorted(losses) == list(range(1, N_STEPS + 1))
@@ -137,3 +140,17 @@ def test_losses_continue_after_reshard(uninterrupted, schedule, saved_at, loaded
         print(f"{schedule} {saved_at}->{loaded_at}: max relative difference "
               f"{((got - expected).abs() / expected.abs()).max().item():.3g}")
         torch.testing.assert_close(got, expected, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("loaded_as", ["fused", "fused/r4"], ids=["1x4", "4x1"])
+def test_hsdp_checkpoint_resumes_as_one_copy_and_as_four(uninterrupted, loaded_as):
+    """Saved by HSDP at 2 copies x 2 shards (two nodes of two ranks), resumed on the same four ranks as one flat
+    sharding (one node of four) and as four copies of one shard each (four nodes of one): the same losses as the
+    uninterrupted 2 x 2 run and the uninterrupted flat one."""
+    before, path, _ = uninterrupted["fused/r2", 4]
+    resumed, _, first = run_ranks(_train_worker, 4, (loaded_as, None, path), timeout=240)[0]
+    assert first == SAVE_AT + 1
+    steps = list(range(SAVE_AT + 1, N_STEPS + 1))
+    got = torch.tensor([resumed[s] for s in steps])
+    for ref in (before, uninterrupted["fused", 4][0]):
+        torch.testing.assert_close(got, torch.tensor([ref[s] for s in steps]), rtol=RTOL, atol=0)
