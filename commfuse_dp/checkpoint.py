@@ -6,7 +6,8 @@ here gathers by hand:
 * **Sharded state, to resume** -- :func:`save_sharded` / :func:`load_sharded`: the models' and optimizers' DTensor
   shards of every rank, written by every rank in parallel into one DCP folder
   (``get_model_state_dict`` / ``get_optimizer_state_dict`` keyed by parameter names, so optimizer state belongs to a
-  name, not to a position). DCP reshards on load: the folder can be read back by another world size.
+  name, not to a position), and each rank's error-feedback residuals (``feedback.py``) under its rank. DCP reshards
+  on load: the folder can be read back by another world size (with error feedback on: by the same world size).
 * **A consolidated Hugging Face folder** -- :func:`save_pretrained`: every rank takes part in gathering the full
   parameters (``StateDictOptions(full_state_dict=True, cpu_offload=True)``: the full copy exists on rank 0 only, in
   CPU memory), and rank 0 writes it with the model's own ``save_pretrained`` (config, safetensors, tied weights
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from .feedback import Residuals, residuals_of
 from .hf_safetensors import _named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _write_safetensors
 
 __all__ = ["CheckpointError", "is_sharded", "is_complete", "mark_complete", "unmark_complete", "latest_complete",
@@ -209,15 +211,64 @@ def optimizer_model(optimizer: torch.optim.Optimizer, models: Iterable[torch.nn.
 
 
 def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]],
-           extra: dict[str, Any] | None) -> dict[str, Any]:
+           extra: dict[str, Any] | None, feedback: bool = True) -> dict[str, Any]:
+    """What a checkpoint holds; ``feedback``: with this rank's error-feedback residuals (to save)."""
     state: dict[str, Any] = {}
     for i, model in enumerate(models):
         state[f"model_{i}"] = get_model_state_dict(_unwrap(model))
+        residuals = _residuals(model)
+        if feedback and residuals is not None and residuals.enabled and residuals.state():
+            state[_FEEDBACK.format(i)] = {_feedback_rank(): residuals.state()}
     for i, (model, optimizer) in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer))
     if extra:
         state.update(extra)
     return state
+
+
+_FEEDBACK = "commfuse_feedback_{}"  # model i's residuals: {"rank<r>of<world>": {name: float32 tensor}}
+
+
+def _residuals(model: torch.nn.Module) -> Residuals | None:
+    return residuals_of(model) or residuals_of(_unwrap(model))
+
+
+def _feedback_rank() -> str:
+    # Each rank's own key: DCP writes plain tensors under distinct keys from every rank, and reads back each
+    # rank's own.
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return f"rank{_rank()}of{world}"
+
+
+def _feedback_targets(path: str, models: list[torch.nn.Module]) -> dict[str, Any]:
+    """Where ``load_sharded`` reads this rank's error-feedback residuals into (empty tensors shaped as saved), for
+    the models that keep them; ``ValueError`` on every rank (they all read the same metadata) when they were
+    saved at another world size."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    targets: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        residuals = _residuals(model)
+        if residuals is None or not residuals.enabled:
+            continue
+        prefix = _FEEDBACK.format(i) + "."
+        mine: dict[str, torch.Tensor] = {}
+        worlds = set()
+        for key, meta in saved.items():
+            if not key.startswith(prefix):
+                continue
+            owner, _, name = key[len(prefix):].partition(".")
+            worlds.add(owner.partition("of")[2])
+            if owner == _feedback_rank():
+                mine[name] = torch.empty(tuple(meta.size), dtype=torch.float32)
+        world = str(dist.get_world_size() if dist.is_initialized() else 1)
+        if worlds and worlds != {world}:
+            raise ValueError(
+                f"load_sharded: {path} holds error-feedback residuals saved at {', '.join(sorted(worlds))} ranks; "
+                f"this run has {world} ranks and CommFuseConfig(error_feedback=True). A residual is what one rank's "
+                f"encoding lost of its own gradient contributions and cannot move to another world size: resume "
+                f"at {', '.join(sorted(worlds))} ranks, or with error_feedback=False")
+        targets[_FEEDBACK.format(i)] = {_feedback_rank(): mine} if mine else {}
+    return targets
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -394,11 +445,15 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
         raise FileNotFoundError(_incomplete_message(path))
     verify(path)
     models, optimizers = list(models), list(optimizers)
-    state = _state(models, optimizers, extra)
+    state = _state(models, optimizers, extra, feedback=False)
+    feedback = _feedback_targets(path, models)
+    state.update((k, v) for k, v in feedback.items() if v)  # (DCP fills non-tensor entries into this very dict)
     dcp.load(state, checkpoint_id=path)
     for i, model in enumerate(models):
         set_model_state_dict(_unwrap(model), state[f"model_{i}"])
         mark_initialised(model)
+        if _FEEDBACK.format(i) in feedback:  # (none saved: they start again from zero, as at the first step)
+            _residuals(model).restore(feedback[_FEEDBACK.format(i)].get(_feedback_rank(), {}))
     for i, (model, optimizer) in enumerate(optimizers):
         set_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer), state[f"optimizer_{i}"])
     if extra:

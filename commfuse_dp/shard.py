@@ -47,6 +47,7 @@ from . import fsdp_units, lockstep, node_layout
 from .checks import CHECK_LABEL, check_not_sharded_elsewhere, check_ranks_agree
 from .choose import Resolved, narrow_formats, resolve
 from .choose_nodes import resolve_nodes
+from .feedback import Residuals
 from .node_layout import NodeLayout
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
@@ -102,11 +103,12 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         group = mesh.get_group(0)
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
+    residuals = model._commfuse_residuals = Residuals(config.error_feedback)  # error feedback's, which checkpoints carry (feedback.py)
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block,
-                            config.error_feedback)
+                            config.error_feedback, residuals)
     world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
-    engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas)
+    engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas, residuals)
     steps = step_state(engine)  # drives the schedule the config names
     fused = _fuse(model, config, engine, steps, units)
     if replicas is not None:  # HSDP: the order in which their gradients cross the copies (the same on every rank)

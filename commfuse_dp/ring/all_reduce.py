@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..feedback import Residuals
 from ..stats import StatsRecorder
 from ..wire import RowFormat
 from .collectives import ring_all_gather, ring_reduce_scatter
@@ -95,7 +96,7 @@ class RingReplicaGroup(dist.ProcessGroup):
 
     def __init__(self, group: dist.ProcessGroup, reduce_format: str = "exact", format_block: int = 2048,
                  error_feedback: bool = False, ring_kwargs: dict | None = None,
-                 recorder: StatsRecorder | None = None) -> None:
+                 recorder: StatsRecorder | None = None, residuals: Residuals | None = None) -> None:
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
         self.ring = get_ring(group, op="FSDP2's HSDP all-reduce")
@@ -103,7 +104,7 @@ class RingReplicaGroup(dist.ProcessGroup):
         self.ring_kwargs = dict(ring_kwargs or {})
         self.recorder = recorder
         self._expected: _Expected | None = None
-        self._residuals: dict[tuple[int, bool], torch.Tensor] = {}
+        self.residuals = residuals if residuals is not None else Residuals()
         self.exchanges = 0  # all-reduces served (tests; describe)
         self.deferred_exchanges = 0  # of which ran behind the backward (CPU)
 
@@ -185,15 +186,6 @@ class RingReplicaGroup(dist.ProcessGroup):
     def _residual(self, owner, narrow: bool, source: torch.Tensor) -> torch.Tensor | None:
         if not self.error_feedback or owner is None:
             return None
-        key = (id(owner), narrow)
-        shape = residual_shape(source.numel(), self.size())
-        residual = self._residuals.get(key)
-        if residual is None or residual.shape != shape:
-            residual = self._residuals[key] = torch.zeros(shape, dtype=torch.float32, device=source.device)
-        return residual
-
-    @property
-    def residual_bytes(self) -> int:
-        """Bytes of float32 error-feedback residuals kept (``describe``)."""
-        return sum(t.numel() * t.element_size() for t in self._residuals.values())
+        name = f"{owner.feedback_name}:copies:{'narrow' if narrow else 'exact'}"  # (the unit's place in the model)
+        return self.residuals.get(name, residual_shape(source.numel(), self.size()), source.device)
 

@@ -46,6 +46,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.utils._pytree import tree_leaves
 
 from ..config import CommFuseConfig
+from ..feedback import Residuals, residuals_of
 from ..stats import StatsRecorder
 from ..wire import RowFormat
 from .all_reduce import RingReplicaGroup
@@ -122,10 +123,13 @@ class RingReduceScatter(_RingComm, ReduceScatter):
     """
 
     def __init__(self, config: CommFuseConfig | None = None, recorder: StatsRecorder | None = None,
-                 label: str | None = None, deferred: DeferredReductions | None = None) -> None:
+                 label: str | None = None, deferred: DeferredReductions | None = None,
+                 residuals: Residuals | None = None, feedback_name: str = "unit") -> None:
         super().__init__(config, recorder, label)
         self.deferred = deferred
-        self.residual: torch.Tensor | None = None  # error feedback (``feedback``)
+        # error feedback (``feedback``): the model's residuals, this unit's under its place in the model
+        self.residuals = residuals if residuals is not None else Residuals()
+        self.feedback_name = feedback_name
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.AVG, async_op: bool = False) -> None:
@@ -158,10 +162,7 @@ class RingReduceScatter(_RingComm, ReduceScatter):
         reduce-scatter of the unit to the next (float32, a row per shard)."""
         if not self.config.error_feedback:
             return None
-        shape = (group.size(), output.numel())
-        if self.residual is None or self.residual.shape != shape:
-            self.residual = torch.zeros(shape, dtype=torch.float32, device=output.device)
-        return self.residual
+        return self.residuals.get(self.feedback_name, (group.size(), output.numel()), output.device)
 
 
 class DeferredReductions:
@@ -312,7 +313,11 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
             "dp_replicate_size * fsdp_size > 1; a DistributedConfig with only tp_size applies no FSDP2)")
     _check_units(units, from_shard)
     deferred = DeferredReductions() if overlap else None
-    gathering = _install_rings(units, config, recorder, from_shard, deferred)
+    residuals = residuals_of(model)  # (shard() made them already; again here: the same, kept)
+    if residuals is None:
+        residuals = model._commfuse_residuals = Residuals()
+    residuals.enabled = config.error_feedback
+    gathering = _install_rings(units, config, recorder, from_shard, deferred, residuals)
     _install_schedule(model, gathering, overlap, deferred)
     return model
 
@@ -350,9 +355,9 @@ def _check_units(units: list, from_shard: bool) -> None:
 
 
 def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder | None, from_shard: bool,
-                   deferred: DeferredReductions | None) -> list[nn.Module]:
+                   deferred: DeferredReductions | None, residuals: Residuals) -> list[nn.Module]:
     """A ``RingAllGather`` and a ``RingReduceScatter`` on each unit with parameters; returns those units, in module
-    order."""
+    order. ``residuals``: the model's error-feedback residuals (``feedback.py``)."""
     gathering = []  # the units with parameters, in module order
     replicas: dict[int, RingReplicaGroup] = {}  # per replicate process group
     for unit, module, state in units:
@@ -361,7 +366,8 @@ def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder 
             continue
         gathering.append(module)
         gather = RingAllGather(config, recorder, f"FSDP2 unit {unit} (all-gather)")
-        scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)", deferred)
+        scatter = RingReduceScatter(config, recorder, f"FSDP2 unit {unit} (reduce-scatter)", deferred, residuals,
+                                    f"unit:{len(gathering) - 1}")
         gather.param_group = scatter.param_group = groups[0]
         info = groups[0].mesh_info
         if isinstance(info, DDPMeshInfo):  # HSDP: the all-reduce across the replicas on their ring
@@ -369,7 +375,8 @@ def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder 
             real = current.group if isinstance(current, RingReplicaGroup) else current
             if id(real) not in replicas:
                 replicas[id(real)] = RingReplicaGroup(real, config.reduce_format, config.format_block,
-                                                      config.error_feedback, config.ring_kwargs, recorder)
+                                                      config.error_feedback, config.ring_kwargs, recorder,
+                                                      residuals)
             info.replicate_process_group = replicas[id(real)]
         if from_shard:
             gather.owner = scatter.owner = _SHARD_OWNER

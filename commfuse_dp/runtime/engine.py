@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import CommFuseConfig
+from ..feedback import Residuals
 from ..ring.topology import Ring
 from ..stats import StatsRecorder
 from .link import Link
@@ -44,13 +45,14 @@ class Engine:
     sums gradient shards across the copies (``runtime/replicas.py``)."""
 
     def __init__(self, ring: Ring, mesh: DeviceMesh, config: CommFuseConfig, world_ring: Ring | None = None,
-                 replicas=None) -> None:
+                 replicas=None, residuals: Residuals | None = None) -> None:
         if config.schedule == "auto" or config.piece_shards == "auto":  # (shard() resolves them: choose.py)
             config = config.replace(schedule="fused" if config.schedule == "auto" else config.schedule,
                                     piece_shards=1 if config.piece_shards == "auto" else config.piece_shards)
         self.ring, self.mesh, self.config = ring, mesh, config
         self.world_ring = world_ring or ring
         self.replicas = replicas
+        self.residuals = residuals if residuals is not None else Residuals()  # error feedback's (feedback.py)
         self.stats = StatsRecorder(config.stats)
         self.link = Link(ring, config.timeout_s, self.stats)
         self.requires_grad_sync = True

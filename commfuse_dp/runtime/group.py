@@ -62,8 +62,9 @@ class FusedGroupState:
         synced backward to the next (float32, a row per shard)."""
         if not self.engine.config.error_feedback:
             return None
-        if self.residual is None:
-            self.residual = torch.zeros(self.engine.ring.size, self.layout.numel, dtype=torch.float32, device=device)
+        if self.residual is None:  # (named by the group's place in the model: the same on every rank and run)
+            self.residual = self.engine.residuals.get(f"fused:{self.steps.states.index(self)}",
+                                                      (self.engine.ring.size, self.layout.numel), device)
         return self.residual
 
     def encode_own(self, params: list[torch.Tensor], fmt: RowFormat, out: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..feedback import Residuals
 from ..ring.all_reduce import residual_shape, ring_all_reduce
 from ..ring.topology import get_ring
 
@@ -42,14 +43,14 @@ class Replicas:
     replicate group, the copies of the model, while the backward goes on; ``exchange`` puts them in place."""
 
     def __init__(self, group: dist.ProcessGroup, ring_kwargs: dict[str, float], reduce_format: str = "exact",
-                 format_block: int = 2048, error_feedback: bool = False) -> None:
+                 format_block: int = 2048, error_feedback: bool = False, residuals: Residuals | None = None) -> None:
         self.group, self.ring_kwargs = group, ring_kwargs
         # narrow formats ([Note: the replica all-reduce]): the 2-D parameters' shards cross in ``reduce_format``,
         # summed in float32 by each part's owner, and the sums come back encoded once, the owner decoding its own
         # too, so every copy holds the same sum; with ``error_feedback`` what encoding lost of a contribution is
-        # added to the next step's (a float32 residual per exchange, keyed by the parameters it carries)
+        # added to the next step's (a float32 residual per exchange, named by the parameters it carries)
         self.reduce_format, self.format_block, self.error_feedback = reduce_format, format_block, error_feedback
-        self._residuals: dict[tuple, torch.Tensor] = {}
+        self.residuals = residuals if residuals is not None else Residuals()
         self.ring = get_ring(group, op="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -178,18 +179,11 @@ class Replicas:
         ``reduce_format``; ``key``: whose error-feedback residual it uses (none: no feedback)."""
         residual = None
         if narrow and self.error_feedback and key is not None and self.reduce_format != "exact":
-            shape = residual_shape(flat.numel(), self.size)
-            residual = self._residuals.get(key)
-            if residual is None or residual.shape != shape:
-                residual = self._residuals[key] = torch.zeros(shape, dtype=torch.float32, device=flat.device)
+            name = "copies:" + "-".join(str(self._index.get(pid, "x")) for pid in key)  # (registration order)
+            residual = self.residuals.get(name, residual_shape(flat.numel(), self.size), flat.device)
         return ring_all_reduce(flat, self.group, reduce_format=self.reduce_format, format_block=self.format_block,
                                narrow=narrow, async_op=async_op, tags=tags, residual=residual,
                                label=f"{what} across the model's copies (HSDP)", **self.ring_kwargs)
-
-    @property
-    def residual_bytes(self) -> int:
-        """Bytes of float32 error-feedback residuals kept (``describe``)."""
-        return sum(t.numel() * t.element_size() for t in self._residuals.values())
 
 
 def _key(entries: list) -> tuple:
