@@ -302,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if args.nodes < 1 or args.world_size % args.nodes:
         parser.error(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
+    for name in ("rounds", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
+    if args.warmup < 0 or args.timeout <= 0:
+        parser.error("--warmup must be at least 0 and --timeout above 0")
     if args.nodes == 1:
         stray = [flag for flag, given in (("--nic-mbit", args.nic_mbit is not None),
                                           ("--nics-per-node", args.nics_per_node != 1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 HELP = """\
@@ -23,6 +24,8 @@ examples:
 options:
   -h, --help     this help
   --version      the installed version
+
+A bad value or file is one line on stderr (exit status 2); COMMFUSE_TRACEBACK=1 shows where it was raised.
 """
 
 COMMANDS = {
@@ -55,7 +58,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    return importlib.import_module(COMMANDS[command][0]).main(rest)
+    run = importlib.import_module(COMMANDS[command][0]).main
+    try:
+        return run(rest)
+    except (ValueError, OSError) as err:  # bad input (a value, a file): one line, never a traceback
+        if os.environ.get("COMMFUSE_TRACEBACK"):
+            raise
+        print(f"commfuse-dp {command}: {_one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message, prefixed with what kind it is where the message alone does not say (a missing file)."""
+    text = " ".join(str(err).split())
+    if isinstance(err, FileNotFoundError) and err.filename is not None:
+        return f"no such file or folder: {err.filename}"
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"{err.filename}: {err.strerror or text}"
+    return text or type(err).__name__
 
 
 if __name__ == "__main__":

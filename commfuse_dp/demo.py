@@ -95,8 +95,9 @@ def _refused(recipe_args: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     extra = [a for a in args.recipe_args if a != "--"]
-    if args.nproc < 1:
-        print("commfuse-dp demo: --nproc must be at least 1", file=sys.stderr)
+    if args.nproc < 1 or args.max_steps < 1:
+        print(f"commfuse-dp demo: {'--nproc' if args.nproc < 1 else '--max_steps'} must be at least 1",
+              file=sys.stderr)
         return 2
     from commfuse_dp.recipes.common import RecipeError, check_output_dir
 

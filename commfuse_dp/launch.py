@@ -216,9 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commfuse-dp launch needs accelerate ({e}); pip install 'commfuse_dp[accelerate]'", file=sys.stderr)
         return 2
     parser = launch_command_parser()
-    if not argv or _wants_help(argv, parser):
+    if not argv:
+        print("commfuse-dp launch: give the script (or -m MODULE, a console script, a launcher) to run, e.g. "
+              "commfuse-dp launch --config_file accel.yaml train.py; commfuse-dp launch --help explains",
+              file=sys.stderr)
+        return 2
+    if _wants_help(argv, parser):
         print(help_text())
-        return 0 if argv else 2
+        return 0
     args = parser.parse_args(argv)  # accelerate's own options; a wrong one: its usage line, exit 2
 
     def run() -> int | None:

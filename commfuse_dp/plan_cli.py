@@ -19,7 +19,7 @@ from dataclasses import replace
 from . import costs, plan
 from .config import MIN_FUSE_NUMEL
 from .costs import Cluster, units_for
-from .plan_files import Bench, load_model, read_bench
+from .plan_files import Bench, load_model, read_bench, read_bench_file
 from .plan_nodes_cli import (NODE_SWEEP_NIC_GBIT, NODE_SWEEP_NICS, NODE_SWEEP_NODES, calibrate_nodes,
                              machines_checked, nodes_sweep, print_nodes)
 from .plan import (ALIASES, KNOWN_MODELS, decide, predict, recommend, simulate,
@@ -48,8 +48,7 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
     emulated accelerator the host runs ahead (the step is at least that long). A schedule it does not name plays
     with the planner's own model of a CPU host (what ``choose`` plans with on CPU): ``costs.CPU_HOST_FIT`` per fused
     group for fused, lockstep and slicing, ``costs.peer_host_on_cpu`` for the peer."""
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_bench_file(path)
     on_compute = raw.get("compute", "real") == "real"  # else "emulated at X TFLOP/s"
     if raw.get("nic_mbit"):  # nodes sharing their NICs (EmulatedNodes)
         return calibrate_nodes(path, raw, on_compute)
@@ -295,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     fit, host_fit = _fits(parser, args)
     if args.min_fuse_numel < 0:
         parser.error("--min-fuse-numel must be at least 0")
+    if args.overhead and not args.calibrate:
+        parser.error("--overhead is read with --calibrate FILE only (it corrects the calibration's host work)")
     if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
         return calibrate(args.calibrate, args.latency_us, args.overhead)
     if args.latency_us is None:

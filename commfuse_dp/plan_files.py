@@ -17,6 +17,11 @@ def load_model(spec: str) -> tuple:
     if spec in KNOWN_MODELS:
         return KNOWN_MODELS[spec]
     if os.path.isdir(spec):  # a model folder, as the recipes take: its config.json
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            print(f"commfuse-dp plan: --model {spec}: the folder holds no config.json (a Hugging Face model folder "
+                  f"has one); give the model's folder, its config.json or a known shape ({', '.join(KNOWN_MODELS)})",
+                  file=sys.stderr)
+            raise SystemExit(2)
         spec = os.path.join(spec, "config.json")
     try:
         with open(spec) as f:
@@ -54,6 +59,25 @@ class Bench(NamedTuple):
     zero3_bytes: float  # what the bench's comm_only moves per rank and step
     names: dict[str, str]  # the planner's schedule -> the bench's record of it
     by_rate: dict[float, dict[str, dict]]  # the bench's records per link rate (Mbit/s) and schedule
+
+
+BENCH_KEYS = ("model", "world_size", "records")  # what every `commfuse-dp bench --json` file holds
+
+
+def read_bench_file(path: str) -> dict:
+    """A ``commfuse-dp bench --json`` file's contents; ``ValueError`` saying so for a file that is not JSON or not
+    such a file (``OSError`` where it cannot be read)."""
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--calibrate {path}: not JSON ({err.msg}, line {err.lineno}); give the file that "
+                             f"`commfuse-dp bench --json FILE` wrote") from None
+    missing = [k for k in BENCH_KEYS if not isinstance(raw, dict) or k not in raw]
+    if missing:
+        raise ValueError(f"--calibrate {path}: not a `commfuse-dp bench --json` results file (it has no "
+                         f"{', '.join(missing)}); give the file that `commfuse-dp bench --json FILE` wrote")
+    return raw
 
 
 def read_bench(bench: dict) -> Bench:
