@@ -154,7 +154,7 @@ def test_help_explains_the_command(capsys):
     # the example in the help is a valid config: its commfuse block passes the same validation
     example = yaml.safe_load(launch._EXAMPLE)
     CommFuseConfig.from_dict(example.pop("commfuse"))
-    assert cli.main(["launch"]) == 2 and "usage: commfuse-dp launch" in capsys.readouterr().out
+    assert cli.main(["launch"]) == 2 and "commfuse-dp launch --help explains" in capsys.readouterr().err
     assert cli.main(["--help"]) == 0
     top = capsys.readouterr().out
     assert top.startswith("usage: commfuse-dp COMMAND") and "commfuse-dp demo" in top and "``" not in top, top
