@@ -153,6 +153,18 @@ def test_auto_resume_takes_the_newest_async_checkpoint_and_matches(tmp_path):
     assert not os.path.exists(tmp_path / "run-auto" / "checkpoint-6" / "model.safetensors")  # sharded state only
 
 
+def test_error_feedback_resumes_with_its_residuals(tmp_path):
+    """int8 gradients with error feedback: the resumed Trainer's grad norm at step 5 (which the residuals shift)
+    and its losses equal the uninterrupted run's, bit for bit."""
+    proc = _launch(tmp_path, "effull,efauto")
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    full, auto = (json.loads((tmp_path / f"{mode}.json").read_text()) for mode in ("effull", "efauto"))
+    assert auto["steps_run"] == [5, 6]
+    for step in map(str, auto["steps_run"]):
+        assert auto["losses"][step] == full["losses"][step], step
+        assert auto["grad_norms"][step] == full["grad_norms"][step], step
+
+
 def test_auto_resume_at_another_world_size_reshards(tmp_path):
     first = _launch(tmp_path, "grow")
     assert first.returncode == 0, f"{first.stdout[-4000:]}\n{first.stderr[-8000:]}"

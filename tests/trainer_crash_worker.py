@@ -18,6 +18,8 @@ grow:   a first Trainer with auto_resume and async_save (OUT_DIR/run-grow) stops
 grown:  launched at another world size on OUT_DIR/run-grow: a Trainer with auto_resume resumes from checkpoint-4
         by itself (DCP reshards); grown.json holds the largest difference between the state it resumed with and
         grow-state.pt, and the steps it ran.
+effull, efauto: asyncfull and auto with int8 gradients and error feedback (CommFuseConfig(reduce_format="int8",
+        error_feedback=True)): the residuals must come back with the checkpoint (run-effull, run-efauto).
 Several modes run one after another in the same processes, each with a Trainer of its own.
 """
 
@@ -52,10 +54,12 @@ def run(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     run_dir = os.path.join(out_dir, {"full": "run-full", "asyncfull": "run-asyncfull", "auto": "run-auto",
-                                     "grow": "run-grow", "grown": "run-grow"}.get(mode, "run-crash"))
+                                     "grow": "run-grow", "grown": "run-grow", "effull": "run-effull",
+                                     "efauto": "run-efauto"}.get(mode, "run-crash"))
+    feedback = {"reduce_format": "int8", "error_feedback": True} if mode in ("effull", "efauto") else {}
     config = CommFuseConfig(schedule="fused", min_fuse_numel=0,
-                            async_save=mode in ("asyncfull", "auto", "grow", "grown"),
-                            auto_resume=mode in ("auto", "grow", "grown"))
+                            async_save=mode in ("asyncfull", "auto", "grow", "grown", "effull", "efauto"),
+                            auto_resume=mode in ("auto", "grow", "grown", "efauto"), **feedback)
 
     class CrashingTrainer(CommFuseTrainer):
         def _save_rng_state(self, output_dir):
@@ -95,7 +99,7 @@ def run(out_dir: str, mode: str) -> None:
                                train_dataset=hf_models.Synthetic(24, seed=1),
                                callbacks=[CommFuseCallback(config), StepsRun(stop_at), ResumedState()])
 
-    trainer = trainer_of(4 if mode in ("auto", "grow") else None)
+    trainer = trainer_of(4 if mode in ("auto", "grow", "efauto") else None)
     result = {}
     if mode == "grow":
         trainer.train()
@@ -111,7 +115,7 @@ def run(out_dir: str, mode: str) -> None:
             result["keys"] = sorted(saved) == sorted(resumed) and len(saved) > 0
             result["max_abs_diff"] = max(float((saved[k].float() - resumed[k].float()).abs().max()) for k in saved)
             result["world_size"] = int(os.environ["WORLD_SIZE"])
-    elif mode == "auto":
+    elif mode in ("auto", "efauto"):
         trainer.train()
         result["first_checkpoints"] = sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint-"))
         steps_run.clear()
