@@ -36,11 +36,16 @@ import torch.nn as nn
 
 from .config import CommFuseConfig
 from .measure import Measured, layer_shapes, measure_machine
-from .plan import MARGIN, UNPLAYED, decide, peer_step
+from .plan import MARGIN, UNPLAYED, decide, peer_step, with_formats
 from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, Unit, peer_host_on_cpu, placed, units_for
 
 __all__ = ["MARGIN", "Choice", "Resolved", "choose", "decide", "resolve"]
 
+# a narrow format's codec, seconds per element and pass, where it was not measured (``choose`` without a group):
+# on CUDA the figure the planner's GPU sweeps take; on a CPU (False) the median of 3 ``wire.measure_codec`` runs of
+# a 256 Ki-element fp32 row on a 2-core AMD EPYC
+ASSUMED_CODEC_S = {True: dict.fromkeys(("bf16", "fp8", "int8"), 0.002e-9),
+                   False: {"bf16": 0.16e-9, "int8": 0.58e-9, "fp8": 1.66e-9}}
 DEFAULT_BATCH = 8  # sequences per micro-batch where nothing says: the Trainer's per_device_train_batch_size
 DEFAULT_TOKENS_CAP = 8192
 
@@ -204,9 +209,6 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
         return Choice(fixed, pieces, f"schedule={fixed!r} as given")
     if ranks == 1:
         return Choice(fixed or "fused", pieces, "one rank: nothing moves", collectives=collectives or "rings")
-    if fixed is None and narrow_formats(config):
-        return Choice("fused", pieces, f"gather_format={config.gather_format!r}, reduce_format="
-                                       f"{config.reduce_format!r}: narrow formats run on the fused schedule")
     if config.replicate not in (1, "auto") and fixed is None:  # ("auto" here: one node, one copy)
         return Choice("fused", pieces, "HSDP (replicate > 1): the fused rings inside each copy, gradients across them")
     shape = model_shape(model)
@@ -217,6 +219,16 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
                                                 "fused, not planned")
     plan = cost_model(model, config, shape, ranks, device, one_node, measured, collectives)
     units, cl, described = plan
+    formats = ""
+    if narrow_formats(config):  # their bytes and their codec played, both schedules on the rings (only they carry them)
+        codec, c_from = ((measured.codec, "measured") if measured is not None and measured.codec else
+                         (ASSUMED_CODEC_S[device.type == "cuda"], "assumed"))
+        cl = replace(with_formats(cl, config.gather_format, config.reduce_format, cl.param_bytes, codec),
+                     peer_nccl=False)
+        formats = (f" with gather_format={config.gather_format!r}, reduce_format={config.reduce_format!r} "
+                   f"({cl.codec_s_per_elem * 1e9:.3g} ns an element and pass, {c_from})")
+        described += formats
+        plan = Plan(units, cl, described)
     if fixed == "fsdp2":
         predicted: dict[str, float] = {}
         predicted["fsdp2"] = peer_step(units, cl, predicted)
@@ -233,10 +245,11 @@ def choose(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.d
                   f"{predicted['fsdp2']:.3g} s: {1 - fused_s / predicted['fsdp2']:.0%} faster")
     elif schedule == "fused":
         reason = (f"fused predicted {fused_s:.3g} s a step, the peer (fsdp2) {predicted['fsdp2']:.3g} s: "
-                  f"{1 - fused_s / predicted['fsdp2']:.0%} faster")
+                  f"{1 - fused_s / predicted['fsdp2']:.0%} faster" + formats)
     else:
         reason = (f"the peer (fsdp2) predicted {predicted['fsdp2']:.3g} s a step, {_fused_at_best(predicted)}: "
-                  f"fusing does not win by {MARGIN:.0%} here" + (_on(predicted) if collectives is None else ""))
+                  f"fusing does not win by {MARGIN:.0%} here" + (_on(predicted) if collectives is None else "")
+                  + formats)
     return Choice(schedule, width, reason, predicted, described,
                   _collectives_chosen(collectives, predicted) if schedule == "fsdp2" else "rings", measured, plan)
 
@@ -313,12 +326,15 @@ def resolve(model: nn.Module, config: CommFuseConfig, ranks: int, device: torch.
     measured = None
     if group is not None:
         link, gemm = needs_machine(config, ranks, model, device)
-        if link or gemm:
+        formats = (config.gather_format, config.reduce_format) if (
+            config.schedule == "auto" and narrow_formats(config) and (link or gemm or ranks > 1)
+            and model_shape(model) is not None and config.replicate in (1, "auto")) else ()
+        if link or gemm or formats:
             shape = model_shape(model)
             dtype = config.param_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()),
                                                torch.float32)
             measured = measure_machine(group, device, dtype, layer_shapes(*shape[:2], *shape[3:5]),
-                                       tokens_of(model, config)[0], link, gemm)
+                                       tokens_of(model, config)[0], link, gemm, formats)
     choice = choose(model, config, ranks, device, one_node, measured)
     collectives = choice.collectives if choice.schedule == "fsdp2" else config.fsdp2_collectives
     return Resolved(config.replace(schedule=choice.schedule, piece_shards=choice.piece_shards,

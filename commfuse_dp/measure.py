@@ -70,27 +70,39 @@ class Measured:
 
     link: Link | None = None
     gemm: Gemm | None = None
+    # seconds per element and pass of each narrow format asked for (the mean of encoding and decoding,
+    # ``wire.measure_codec``); None where none was asked for
+    codec: dict[str, float] | None = None
 
 
 _LINKS: dict[tuple, Link | None] = {}
 _GEMMS: dict[tuple, Gemm] = {}
+_CODECS: dict[tuple, dict[str, float]] = {}
 
 
 def measure_machine(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                    shapes: list[tuple[int, int]] | None, tokens: int, link: bool, gemm: bool) -> Measured:
-    """The link (``link``) and the GEMM rate on ``shapes`` ((in, out) of a layer's linears, ``gemm``), measured on
-    ``group`` and ``device`` or taken from the cache. Collective over the world: every rank calls it alike."""
+                    shapes: list[tuple[int, int]] | None, tokens: int, link: bool, gemm: bool,
+                    formats: tuple[str, ...] = ()) -> Measured:
+    """The link (``link``), the GEMM rate on ``shapes`` ((in, out) of a layer's linears, ``gemm``) and the codec of
+    each narrow format in ``formats``, measured on ``group`` and ``device`` or taken from the cache. Collective over
+    the world: every rank calls it alike."""
     ring = get_ring(group, op="shard")
     device = torch.device(device)
     key = (tuple(dist.get_process_group_ranks(group)), ring.backend, str(device))
     gemm_key = (str(device), dtype, tuple(shapes or ()), tokens)
-    wanted = [link and key not in _LINKS, gemm and shapes is not None and gemm_key not in _GEMMS]
+    formats = tuple(sorted({f for f in formats if f != "exact"}))
+    codec_key = (str(device), dtype, formats)
+    wanted = [link and key not in _LINKS, gemm and shapes is not None and gemm_key not in _GEMMS,
+              bool(formats) and codec_key not in _CODECS]
     wanted = [bool(w) for w in _any(device, [float(w) for w in wanted])]  # measure where any rank must
     if wanted[0]:
         _LINKS[key] = _measure_link(group, device, ring.size)
     if wanted[1]:
         _GEMMS[gemm_key] = _measure_gemm(device, dtype, shapes, tokens)
-    return Measured(_LINKS.get(key) if link else None, _GEMMS.get(gemm_key) if gemm and shapes else None)
+    if wanted[2]:
+        _CODECS[codec_key] = _measure_codec(device, dtype, formats)
+    return Measured(_LINKS.get(key) if link else None, _GEMMS.get(gemm_key) if gemm and shapes else None,
+                    _CODECS.get(codec_key) if formats else None)
 
 
 @dataclass(frozen=True)
@@ -204,6 +216,15 @@ def _measure_gemm(device: torch.device, dtype: torch.dtype,
         seconds = min(run(), run())
     flops = sum(6.0 * rows * i * o for i, o in shapes)
     return Gemm(flops / _agreed(device, [seconds])[0], rows)
+
+
+def _measure_codec(device: torch.device, dtype: torch.dtype, formats: tuple[str, ...]) -> dict[str, float]:
+    """Seconds per element and pass of each format (the mean of encoding and decoding a 256 Ki-element row), the
+    median rank's."""
+    from .wire import measure_codec
+
+    mine = [sum(measure_codec(f, device, dtype, numel=1 << 18)) / 2 for f in formats]
+    return dict(zip(formats, _agreed(device, mine)))
 
 
 def _sync(device: torch.device) -> None:

@@ -97,3 +97,23 @@ def test_shard_runs_the_choice_and_describe_says_why():
     schedule, chosen, text = run_ranks(_describe_worker, 2, timeout=120)[0]
     assert schedule == chosen != "auto"
     assert f"chosen: schedule '{chosen}'" in text and "predicted step s" in text, text
+
+
+@pytest.mark.parametrize("ranks,one_node,link", [(8, True, None), (64, False, 1.56)])
+def test_a_narrow_format_is_played_not_assumed_to_fuse(ranks, one_node, link):
+    """schedule="auto" with int8 gradients plays both schedules with the format (its bytes and its codec, both on
+    the rings, the only collectives that carry it) and keeps the rule it has without one: fused only where predicted
+    faster than the peer by MARGIN."""
+    config = cf.CommFuseConfig(tokens_per_rank=8192, reduce_format="int8", error_feedback=True, link_gbps=link)
+    c = choose(_meta(**LLAMA3_8B), config, ranks, torch.device("cuda"), one_node)
+    exact = choose(_meta(**LLAMA3_8B), config.replace(reduce_format="exact", error_feedback=False,
+                                                      fsdp2_collectives="rings"), ranks, torch.device("cuda"),
+                   one_node)
+    fused = min(v for k, v in c.predicted_s.items() if k.startswith("fused"))  # (unplayed: a lower bound)
+    assert (c.schedule == "fused") == (fused <= (1 - MARGIN) * c.predicted_s["fsdp2"]), c
+    assert "reduce_format='int8'" in c.reason and "ns an element and pass, assumed" in c.machine, c
+    assert c.collectives == "rings"
+    # the format's bytes and codec played: on NVLink the codec costs more than the bytes save, where the link is
+    # the limit the bytes win
+    slower = c.predicted_s["fsdp2"] > exact.predicted_s["fsdp2"]
+    assert slower == one_node, (c.predicted_s, exact.predicted_s)
