@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 
+from ..cli_names import spelled
 from .cluster import EmulatedCluster, EmulatedNodes
 from .bench_model import MODEL_DEFAULTS
 from .probes import MMAP_ENV
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="AdamW's implementation in every variant: fused (default; the Trainer's adamw_torch_fused) "
                              "or foreach (torch's default when constructed plainly), which costs a sharded rank more "
                              "host time per step (DTensor dispatch)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "bench"))
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
     if args.variants is None:

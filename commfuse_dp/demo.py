@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from .cli_names import spelled
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -93,7 +95,8 @@ def _refused(recipe_args: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "demo"))
     extra = [a for a in args.recipe_args if a != "--"]
     if args.nproc < 1 or args.max_steps < 1:
         print(f"commfuse-dp demo: {'--nproc' if args.nproc < 1 else '--max_steps'} must be at least 1",

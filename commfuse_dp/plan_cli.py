@@ -19,6 +19,7 @@ from dataclasses import replace
 from . import costs, plan
 from .config import MIN_FUSE_NUMEL
 from .costs import Cluster, units_for
+from .cli_names import spelled
 from .plan_files import Bench, load_model, read_bench, read_bench_file
 from .plan_nodes_cli import (NODE_SWEEP_NIC_GBIT, NODE_SWEEP_NICS, NODE_SWEEP_NODES, calibrate_nodes,
                              machines_checked, nodes_sweep, print_nodes)
@@ -290,7 +291,7 @@ def formats_sweep(model_name: str, latency_us: float, tflops: float, dtype_bytes
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "plan"))
     fit, host_fit = _fits(parser, args)
     if args.min_fuse_numel < 0:
         parser.error("--min-fuse-numel must be at least 0")

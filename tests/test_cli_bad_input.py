@@ -75,7 +75,7 @@ def _run(command, args, capsys) -> tuple[int | None, str, str]:
     return status, capsys.readouterr().err, escaped
 
 
-def test_bad_input_is_one_line_never_a_traceback(tmp_path, capsys, monkeypatch):
+def test_bad_input_is_one_line_never_a_traceback(tmp_path, capsys, monkeypatch, request):
     for name in [k for k in os.environ if k.startswith(("COMMFUSE_", "ACCELERATE_"))]:
         monkeypatch.delenv(name)
     failures, rows = [], []
@@ -87,6 +87,7 @@ def test_bad_input_is_one_line_never_a_traceback(tmp_path, capsys, monkeypatch):
         rows.append(f"BAD INPUT | commfuse-dp {command} {' '.join(args)} | exit {status} | {first}")
         if status != 2 or escaped or "Traceback" in err or not first:
             failures.append(f"commfuse-dp {command} {' '.join(args)}: exit {status}\n{escaped or err[-2000:]}")
-    with capsys.disabled():
-        print("\n" + "\n".join(rows))
+    if request.config.getoption("capture") == "no":  # (-s: the list of inputs and the first line of each)
+        with capsys.disabled():
+            print("\n" + "\n".join(rows))
     assert not failures, "\n\n".join(failures)
