@@ -8,7 +8,9 @@ step 3; a consolidated save_pretrained at the end. ddp: the same loop with a pla
 resume: a fresh CommFuseAccelerator run that load_state()s the step-3 checkpoint, skips the batches already
 consumed and runs steps 4..6. async / asyncresume: commfuse / resume with CommFuseConfig(async_save=True): the
 sharded part of the state is written in the background while steps 4..6 change every weight, and read back by
-asyncresume (OUT_DIR/state-after-3-async). The modes run one after another in the same processes, each with an
+asyncresume (OUT_DIR/state-after-3-async). ef / efresume: commfuse / resume with int8 gradients and error
+feedback (CommFuseConfig(reduce_format="int8", error_feedback=True)): the residuals travel with the state
+(OUT_DIR/state-after-3-ef). The modes run one after another in the same processes, each with an
 Accelerator of its own. Rank 0 writes OUT_DIR/MODE.json.
 """
 
@@ -45,8 +47,9 @@ def run(out_dir: str, mode: str, kind: str):
     if mode == "ddp":
         acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
     else:
+        feedback = {"reduce_format": "int8", "error_feedback": True} if mode.startswith("ef") else {}
         acc = CommFuseAccelerator(commfuse=CommFuseConfig(schedule="fused", min_fuse_numel=0,
-                                                          async_save=mode.startswith("async")),
+                                                          async_save=mode.startswith("async"), **feedback),
                                   gradient_accumulation_steps=ACCUM)
     model = hf_models.build(kind, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -55,10 +58,11 @@ def run(out_dir: str, mode: str, kind: str):
     # number of batches consumed.
     loader = torch.utils.data.DataLoader(hf_models.Synthetic(48, seed=1), batch_size=2)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    ckpt_dir = os.path.join(out_dir, "state-after-3-async" if mode.startswith("async") else "state-after-3")
+    ckpt_dir = os.path.join(out_dir, "state-after-3-async" if mode.startswith("async") else
+                            "state-after-3-ef" if mode.startswith("ef") else "state-after-3")
     first_step = 0
     batches = loader
-    if mode in ("resume", "asyncresume"):
+    if mode in ("resume", "asyncresume", "efresume"):
         acc.load_state(ckpt_dir)
         first_step = SAVE_AFTER
         batches = acc.skip_first_batches(loader, SAVE_AFTER * ACCUM)
@@ -78,7 +82,7 @@ def run(out_dir: str, mode: str, kind: str):
             mean = acc.gather_for_metrics(torch.stack(window).mean().reshape(1)).mean()
             losses.append(float(mean))
             window = []
-            if mode in ("commfuse", "async") and step == SAVE_AFTER:
+            if mode in ("commfuse", "async", "ef") and step == SAVE_AFTER:
                 acc.save_state(ckpt_dir)
     result = {"losses": losses, "grad_norms": norms, "lr": scheduler.get_last_lr()[0],
               "world_size": acc.num_processes, "accelerator": type(acc).__name__,

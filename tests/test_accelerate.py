@@ -102,6 +102,15 @@ def test_async_save_state_resumes_to_the_state_of_its_call(runs):
     assert ck.is_complete(runs["dir"] / "state-after-3-async" / "commfuse")
 
 
+def test_error_feedback_resumes_from_save_state_with_its_residuals(tmp_path):
+    """int8 gradients with error feedback: save_state after step 3 carries each rank's residuals, and the resumed
+    run repeats steps 4..6 exactly (the grad norms move with the residuals)."""
+    runs = _launch(tmp_path, ("ef", "efresume"))
+    full, resumed = runs["ef"], runs["efresume"]
+    assert resumed["losses"] == full["losses"][3:]
+    assert resumed["grad_norms"] == full["grad_norms"][3:]
+
+
 def test_sharded_checkpoint_holds_every_ranks_optimizer_shard(runs):
     import torch.distributed.checkpoint as dcp
 
