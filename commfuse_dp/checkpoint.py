@@ -21,6 +21,7 @@ Every function here is collective: call it on every rank of the model's process 
 from __future__ import annotations
 
 import errno
+import logging
 import hashlib
 import json
 import os
@@ -52,6 +53,7 @@ __all__ = ["CheckpointError", "is_sharded", "is_complete", "mark_complete", "unm
            "optimizer_model", "unwrap_optimizer"]
 
 _COMPLETE = "commfuse_complete"
+logger = logging.getLogger(__name__)
 
 
 def is_sharded(model: Any) -> bool:
@@ -219,6 +221,8 @@ def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module
         residuals = _residuals(model)
         if feedback and residuals is not None and residuals.enabled and residuals.state():
             state[_FEEDBACK.format(i)] = {_feedback_rank(): residuals.state()}
+        if feedback and _chose(model) is not None:  # (the same on every rank: shard() checks that they agree)
+            state[_CHOICE.format(i)] = _chose(model)
     for i, (model, optimizer) in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(_unwrap(model), unwrap_optimizer(optimizer))
     if extra:
@@ -227,6 +231,27 @@ def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module
 
 
 _FEEDBACK = "commfuse_feedback_{}"  # model i's residuals: {"rank<r>of<world>": {name: float32 tensor}}
+_CHOICE = "commfuse_choice_{}"  # what model i's "auto" settings ran as, in words
+
+
+def _chose(model: torch.nn.Module) -> str | None:
+    """What ``shard()``'s ``"auto"`` settings became for ``model``: schedule, piece width, copies, collectives."""
+    choice = getattr(model, "_commfuse_choice", None) or getattr(_unwrap(model), "_commfuse_choice", None)
+    if choice is None:
+        return None
+    copies = choice.replicate if choice.replicate is not None else "as given"
+    return (f"schedule={choice.schedule!r}, piece_shards={choice.piece_shards}, replicate={copies}, "
+            f"collectives={choice.collectives!r}")
+
+
+def _check_choice(path: str, i: int, model: torch.nn.Module, saved: str) -> None:
+    """Warn (every rank alike) where this run's ``"auto"`` settings chose otherwise than the saved run's: training
+    goes on, but no longer bit for bit as the uninterrupted run (another schedule sums in another order)."""
+    now = _chose(model)
+    if now is not None and saved and now != saved:
+        logger.warning("load_sharded: %s was saved by a run whose \"auto\" settings ran %s; this run's chose %s "
+                       "(they measured the machine again). Training continues, but not bit for bit as the saved "
+                       "run would have: give those values in the CommFuseConfig to resume exactly", path, saved, now)
 
 
 def _residuals(model: torch.nn.Module) -> Residuals | None:
@@ -446,12 +471,18 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
     verify(path)
     models, optimizers = list(models), list(optimizers)
     state = _state(models, optimizers, extra, feedback=False)
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for i in range(len(models)):
+        if _CHOICE.format(i) in saved_keys:
+            state[_CHOICE.format(i)] = ""
     feedback = _feedback_targets(path, models)
     state.update((k, v) for k, v in feedback.items() if v)  # (DCP fills non-tensor entries into this very dict)
     dcp.load(state, checkpoint_id=path)
     for i, model in enumerate(models):
         set_model_state_dict(_unwrap(model), state[f"model_{i}"])
         mark_initialised(model)
+        if _CHOICE.format(i) in state:
+            _check_choice(path, i, model, state[_CHOICE.format(i)])
         if _FEEDBACK.format(i) in feedback:  # (none saved: they start again from zero, as at the first step)
             _residuals(model).restore(feedback[_FEEDBACK.format(i)].get(_feedback_rank(), {}))
     for i, (model, optimizer) in enumerate(optimizers):

@@ -141,3 +141,28 @@ def test_residuals_at_another_world_size_are_refused_on_every_rank(tmp_path):
     assert len(set(errors)) == 1
     # without error feedback the same folder reshards as any other
     assert run_ranks(_other_world_worker, 3, ({"reduce_format": "int8"}, str(tmp_path)), timeout=300) == [None] * 3
+
+
+def _other_schedule_worker(rank, world_size, folder):
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("commfuse_dp.checkpoint").addHandler(handler)
+    model, opt = _setup({"schedule": "fsdp2"})
+    ck.load_sharded(f"{folder}/sync", [model], [(model, opt)], extra={"step": -1})
+    return seen
+
+
+def test_a_resume_that_chose_another_schedule_says_so():
+    """The checkpoint records what the "auto" settings ran as; a run that resumes it on another schedule (here
+    given, as a machine measured again could choose) warns on every rank that it is no longer bit for bit."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        run_ranks(_worker, 2, ({"schedule": "fused"}, folder, "full"), timeout=300)
+        seen = run_ranks(_other_schedule_worker, 2, (folder,), timeout=300)
+    for messages in seen:
+        assert len(messages) == 1 and "ran schedule='fused'" in messages[0], messages
+        assert "this run's chose schedule='fsdp2'" in messages[0] and "not bit for bit" in messages[0], messages
