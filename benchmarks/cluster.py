@@ -60,6 +60,7 @@ Both:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -83,6 +84,28 @@ def _quiet(*cmd: str) -> None:
         subprocess.run(cmd, capture_output=True, timeout=COMMAND_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pass
+
+
+# what the clusters below name: cf<the creating process's id mod 100000> and a suffix
+_OURS = re.compile(r"^cf(\d+)(?:br|nb|r\d+|v\d+|n\d+(?:k\d+)?)$")
+
+
+def remove_stale() -> list[str]:
+    """Namespaces and links left by an emulated cluster whose process ended without its teardown (killed by
+    SIGKILL): removed; returns their names. One whose tag matches a live process is left alone."""
+    live = {int(p) % 100000 for p in os.listdir("/proc") if p.isdigit()}
+    found = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    for kind, names in (("link", [line.split(":")[1].strip().split("@")[0] for line in links.stdout.splitlines()
+                                  if line.count(":") >= 2]),
+                        ("netns", [line.split()[0] for line in netns.stdout.splitlines() if line.strip()])):
+        for name in names:
+            match = _OURS.match(name)
+            if match and int(match.group(1)) not in live:
+                _quiet("ip", kind, "del", name)
+                found.append(name)
+    return found
 
 
 def _check_rate(name: str, mbit: float) -> None:
@@ -109,6 +132,7 @@ class _Namespaces:
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        remove_stale()  # (a cluster killed before its teardown: its namespaces, veths and bridge)
         try:
             self._build()
         except BaseException:

@@ -308,3 +308,25 @@ def test_bench_says_what_a_nic_leaves_each_rank():
                                        "at once (2 NICs, 2 ranks on each), 800 alone")
     assert bench._node_fields(800, args) == {"nodes": 2, "nic_mbit": 800, "nics_per_node": 2, "ranks_per_node": 4,
                                              "inter_mbit_per_rank": 400, "inter_rate_mbit": 400, "intra_mbit": None}
+
+
+@needs_netns
+def test_a_killed_cluster_s_leftovers_are_removed_by_the_next():
+    """A cluster whose process was killed before its teardown leaves its namespaces and bridge; the next cluster
+    removes them (their tag names a process that has ended) and leaves a live process's alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag = dead.pid % 100000
+    live = {int(p) % 100000 for p in os.listdir("/proc") if p.isdigit()}
+    assert tag not in live, "the ended process's id came back at once; rerun"
+    subprocess.run(["ip", "netns", "add", f"cf{tag}n0"], check=True)
+    subprocess.run(["ip", "link", "add", f"cf{tag}nb", "type", "bridge"], check=True)
+    try:
+        with EmulatedNodes(2, 1, NIC_MBIT) as cluster:
+            names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert f"cf{tag}n0" not in names and cluster.namespaces[0] in names
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert f"cf{tag}nb" not in links
+    finally:
+        subprocess.run(["ip", "netns", "del", f"cf{tag}n0"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"cf{tag}nb"], capture_output=True)
