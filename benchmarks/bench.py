@@ -1,17 +1,18 @@
 """``commfuse-dp bench``: every schedule on the same model and batch, on the emulated cluster, at several link rates.
 
     commfuse-dp bench --quick --json bench.json        # about 4 minutes here: 2 ranks, 3 rates, all variants
-    commfuse-dp bench --rates 1000,2000,4000 --world-size 2 --out-dir bench-out
-    commfuse-dp bench --compute emulated --tflops 0.02 --world-size 8   # 8 ranks on 2 cores (benchmarks/emulated.py)
-    # 2 nodes x 2 ranks, HSDP: each node one NIC that its 2 ranks share, at 1600, 800 and 400 Mbit/s
-    commfuse-dp bench --nodes 2 --world-size 4 --compute emulated --nic-mbit 1600,800,400
+    commfuse-dp bench --link-gbps 0.125,0.25,0.5 --num-processes 2 --out-dir bench-out
+    commfuse-dp bench --compute emulated --tflops 0.02 --num-processes 8   # 8 ranks on 2 cores (benchmarks/emulated.py)
+    # 2 nodes x 2 ranks, HSDP: each node one NIC that its 2 ranks share, at 0.2, 0.1 and 0.05 GB/s
+    commfuse-dp bench --num-machines 2 --num-processes 4 --compute emulated --nic-gbps 0.2,0.1,0.05
 
 1. Calibration: compute alone at a reference rate, and communication alone at that rate and twice it, give the
    *balanced* rate, where the ZeRO-3 bytes of a step take as long as its compute (communication time fitted as
    a fixed part plus a part that scales as 1/rate).
 2. The sweep: the balanced rate, twice it and half of it (communication from half to twice the compute), or
-   ``--rates``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
-3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit, step_s, exposed_s,
+   ``--link-gbps``. At each rate one set of ranks runs all variants interleaved (``worker.py``).
+3. Output: a table on the terminal, a JSON file (``records``: schedule, world_size, rate_mbit (the
+   rate ``tc`` shaped, Mbit/s: GB/s x 8000), step_s, exposed_s,
    tokens_per_s, peak_mem_mb, ratio_to_limit, ratio_to_floor; ``paired``: fused's step over each other
    variant's, round by round, with the lowest and highest round), a PNG of the sweep, and a timeline of one fused,
    one fsdp2_overlap and one slicing step at the balanced rate (PNG and a Chrome/Perfetto trace).
@@ -29,13 +30,13 @@ of a flat shard (compute alone's covers a flat one): compare HSDP's step minus i
 alone, communication alone) (``x limit``); the gather floor (``x floor``, ``gather_floor``) adds that a step's forward
 cannot end before its all-gathers do, nor its backward begin before. Needs root (network namespaces); every run is bounded by ``--timeout``.
 
-Several nodes (``--nodes N``), machines as they are built (``--nic-mbit R``; ``benchmarks/cluster.py``,
+Several nodes (``--num-machines N``), machines as they are built (``--nic-gbps R``; ``benchmarks/cluster.py``,
 ``EmulatedNodes``): one network namespace per node, the node's M = world / N ranks talk over its loopback (unshaped,
-or one cap for all of them with ``--intra-mbit``), and share its ``--nics-per-node`` K NICs of R Mbit/s each way
-for traffic to other nodes: local rank l on NIC l % K. R is the figure swept (the ``rate Mbit/s`` column); when all
+or one cap for all of them with ``--intra-gbps``), and share its ``--nics-per-node`` K NICs of R GB/s each way
+for traffic to other nodes: local rank l on NIC l % K. R is the figure swept (the ``rate GB/s`` column); when all
 of a node's ranks send at once each gets R / (M / K) (``inter_mbit_per_rank``, given to the worker as its
 ``--link-mbit``). E.g. 8 GPUs on one 100 GbE NIC: M / K = 8, 1.56 GB/s a GPU; cloud H100 nodes, one 400 Gb NIC a GPU:
-M / K = 1. ``--inter-fraction F`` with ``--rates`` is the older emulation: one namespace per rank, every rank its own
+M / K = 1. ``--inter-fraction F`` with ``--link-gbps`` is the older emulation: one namespace per rank, every rank its own
 link to other nodes at F times its link inside the node.
 """
 
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from ..cli_names import spelled
+from ..cli_names import gbps_to_mbit, show_gbps, spelled
 from .cluster import EmulatedCluster, EmulatedNodes
 from .bench_model import MODEL_DEFAULTS
 from .probes import MMAP_ENV
@@ -121,7 +122,7 @@ def run_rate(cluster: EmulatedCluster | EmulatedNodes, rate: float, variants: li
             for r, log in enumerate(logs):
                 log.seek(0)
                 tails.append(f"--- rank {r} (exit {procs[r].returncode}):\n" + log.read()[-3000:])
-            raise RuntimeError(f"benchmark at {rate:g} Mbit/s produced no result (timeout {args.timeout}s or a rank "
+            raise RuntimeError(f"benchmark at {show_gbps(rate)} GB/s produced no result (timeout {args.timeout}s or a rank "
                                f"failed):\n" + "\n".join(tails))
         with open(out) as f:
             return json.load(f)
@@ -199,14 +200,14 @@ def print_paired(paired: dict, of: str = "fused") -> None:
         return
     print(f"\n{of}'s step over each schedule's, round by round (median [lowest - highest] over the rounds):")
     for rate, ratios in sorted(paired.items(), key=lambda kv: -float(kv[0])):
-        print(f"{float(rate):>11g}  " + "  ".join(f"{name} {r['median']:.3f} [{r['min']:.3f} - {r['max']:.3f}]"
+        print(f"{show_gbps(float(rate)):>11}  " + "  ".join(f"{name} {r['median']:.3f} [{r['min']:.3f} - {r['max']:.3f}]"
                                                   for name, r in ratios.items()))
 
 
 def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
     if records:
         print(f"\ncompute: {records[0]['compute']}")
-    print(f"\n{'rate Mbit/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
+    print(f"\n{'rate GB/s':>11} {'schedule':>16} {'step s':>7} {'exposed s':>9} {'waited s':>8} {'tokens/s':>9} "
           f"{'peak MiB':>9} {'x limit':>7} {'x floor':>7} {'opt s':>6} {'cpu s':>6} {'faults k':>8}")
     for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
         mark = "  <- balanced" if rate == balanced else ""
@@ -224,7 +225,7 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
             note = CPU_NOTES.get(r["schedule"], "").format(chosen=said)
             if r["schedule"] == "defaults" and r.get("nodes", 1) > 1 and r.get("nic_mbit") is not None:
                 note = f"CommFuseConfig() told the tokens, both tiers measured at shard(): it chose {said}"
-            print(f"{rate:>11g} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
+            print(f"{show_gbps(rate):>11} {r['schedule']:>16} {r['step_s']:>7.3f} {exposed:>9} {waited:>8} {r['tokens_per_s']:>9.0f} "
                   f"{mem:>9} {ratio:>7} {floor:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
     print(f"\nnote: {SHAPING_NOTE.format(burst=burst_kb)}")
@@ -233,33 +234,36 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commfuse-dp bench", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2: one core each here)")
-    parser.add_argument("--rates", help="comma-separated link rates in Mbit/s (default: calibrated sweep)")
-    parser.add_argument("--reference-rate", type=float, default=1000.0, help="calibration rate, Mbit/s")
+    parser.add_argument("--num-processes", dest="world_size", metavar="N", type=int, default=2,
+                        help="ranks in all, as accelerate launch's --num_processes (default 2: one core each here)")
+    parser.add_argument("--link-gbps", dest="rates", metavar="R1,R2,...",
+                        help="comma-separated link rates, GB/s each way (default: calibrated sweep)")
+    parser.add_argument("--reference-gbps", dest="reference_rate", metavar="R", type=float, default=0.125,
+                        help="calibration rate, GB/s (default %(default)s)")
     parser.add_argument("--variants", default=None,
                         help=f"subset of {','.join(VARIANTS)} (also: {','.join(EXTRA_VARIANTS)}); default: the first "
-                             f"list, or with --nodes {','.join(NODE_VARIANTS)}")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="emulated nodes (default 1): --world-size ranks split into this many nodes of consecutive "
-                             "ranks, for the HSDP variants. Give --nic-mbit (a namespace per node, its ranks sharing "
+                             f"list, or with --num-machines {','.join(NODE_VARIANTS)}")
+    parser.add_argument("--num-machines", dest="nodes", metavar="K", type=int, default=1,
+                        help="emulated nodes (default 1): --num-processes ranks split into this many nodes of consecutive "
+                             "ranks, for the HSDP variants. Give --nic-gbps (a namespace per node, its ranks sharing "
                              "its NICs) or --inter-fraction (a namespace per rank, each its own link between nodes)")
-    parser.add_argument("--nic-mbit",
-                        help="--nodes: each NIC's rate, Mbit/s each way, comma-separated: the sweep (instead of "
-                             "--rates). All of a node's ranks share its NICs for traffic to other nodes: when all "
+    parser.add_argument("--nic-gbps", dest="nic_mbit", metavar="R1,R2,...|balanced",
+                        help="--num-machines: each NIC's rate, GB/s each way, comma-separated: the sweep (instead of "
+                             "--link-gbps). All of a node's ranks share its NICs for traffic to other nodes: when all "
                              "send at once each gets NIC x NICs per node / ranks per node (printed); inside a node "
                              "they talk over its loopback. 'balanced': calibrated, the NIC rate at which HSDP's "
                              "exchange of a step's gradients across the nodes (fp32, 2 (K-1)/K of the model through "
                              "each node's NICs) takes as long as compute alone, then twice it and half it")
     parser.add_argument("--nics-per-node", type=int, default=1,
-                        help="--nic-mbit: NICs (rails) K a node has, each at --nic-mbit; local rank l uses NIC "
+                        help="--nic-gbps: NICs (rails) K a node has, each at --nic-gbps; local rank l uses NIC "
                              "l %% K, its gloo bound to it (default 1: one NIC for the whole node; as many as its "
                              "ranks: a NIC each)")
-    parser.add_argument("--intra-mbit", type=float, default=None,
-                        help="--nic-mbit: cap on all traffic among a node's ranks together, Mbit/s (a PCIe-only "
+    parser.add_argument("--intra-gbps", dest="intra_mbit", metavar="C", type=float, default=None,
+                        help="--nic-gbps: cap on all traffic among a node's ranks together, GB/s (a PCIe-only "
                              "node, its ranks sharing the switch); default: unshaped loopback")
     parser.add_argument("--inter-fraction", type=float, default=None,
-                        help="--nodes with --rates, the older emulation: every rank its own link to other nodes at "
-                             "this fraction of --rates, its rate inside the node (e.g. 0.25)")
+                        help="--num-machines with --link-gbps, the older emulation: every rank its own link to other nodes at "
+                             "this fraction of --link-gbps, its rate inside the node (e.g. 0.25)")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps per variant (about 4 minutes)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants per rate")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
@@ -302,49 +306,55 @@ def main(argv: list[str] | None = None) -> int:
         args.variants = ",".join(NODE_VARIANTS if args.nodes > 1 else VARIANTS)
     variants = [v for v in args.variants.split(",") if v]
     if args.nodes < 1 or args.world_size % args.nodes:
-        parser.error(f"--nodes {args.nodes} must divide --world-size {args.world_size}")
+        parser.error(f"--num-machines {args.nodes} must divide --num-processes {args.world_size}")
     for name in ("rounds", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: must be at least 1")
     if args.warmup < 0 or args.timeout <= 0:
         parser.error("--warmup must be at least 0 and --timeout above 0")
     if args.nodes == 1:
-        stray = [flag for flag, given in (("--nic-mbit", args.nic_mbit is not None),
+        stray = [flag for flag, given in (("--nic-gbps", args.nic_mbit is not None),
                                           ("--nics-per-node", args.nics_per_node != 1),
-                                          ("--intra-mbit", args.intra_mbit is not None)) if given]
+                                          ("--intra-gbps", args.intra_mbit is not None)) if given]
         if stray:
-            parser.error(f"{', '.join(stray)}: only with --nodes 2 or more (they describe the links between "
-                         f"nodes); add --nodes N or leave {'it' if len(stray) == 1 else 'them'} out")
+            parser.error(f"{', '.join(stray)}: only with --num-machines 2 or more (they describe the links between "
+                         f"nodes); add --num-machines N or leave {'it' if len(stray) == 1 else 'them'} out")
     elif args.nic_mbit is not None and args.inter_fraction is not None:
-        parser.error("--nodes: give --nic-mbit (a node's ranks share its NICs) or --inter-fraction (a link per rank "
-                     "between nodes, with --rates), not both")
+        parser.error("--num-machines: give --nic-gbps (a node's ranks share its NICs) or --inter-fraction (a link per rank "
+                     "between nodes, with --link-gbps), not both")
     elif args.nic_mbit is None and args.inter_fraction is None:
-        parser.error("--nodes needs --nic-mbit R1,R2,... (each node's NIC rate, Mbit/s: the sweep), or the older "
-                     "--inter-fraction F with --rates")
+        parser.error("--num-machines needs --nic-gbps R1,R2,... (each node's NIC rate, GB/s: the sweep), or the older "
+                     "--inter-fraction F with --link-gbps")
     elif args.nic_mbit is not None:
         ranks_per_node = args.world_size // args.nodes
         if args.rates:
-            parser.error("--nic-mbit is the sweep of --nodes; drop --rates (inside a node the ranks talk over its "
-                         "loopback: --intra-mbit caps it)")
+            parser.error("--nic-gbps is the sweep of --num-machines; drop --link-gbps (inside a node the ranks talk over its "
+                         "loopback: --intra-gbps caps it)")
         if args.nics_per_node < 1 or ranks_per_node % args.nics_per_node:
             parser.error(f"--nics-per-node {args.nics_per_node} must divide the {ranks_per_node} ranks of a node "
-                         f"(--world-size {args.world_size} / --nodes {args.nodes}), so that every NIC carries as many")
+                         f"(--num-processes {args.world_size} / --num-machines {args.nodes}), so that every NIC carries as many")
         if args.intra_mbit is not None and not args.intra_mbit > 0:
-            parser.error(f"--intra-mbit {args.intra_mbit:g}: a rate must be above 0 Mbit/s (leave it out: unshaped)")
+            parser.error(f"--intra-gbps {args.intra_mbit:g}: a rate must be above 0 GB/s (leave it out: unshaped)")
         if args.nic_mbit.strip().lower() != "balanced":
-            args.rates = ",".join(str(r) for r in _rates(parser, "--nic-mbit", args.nic_mbit))
+            args.rates = ",".join(str(r) for r in _rates(parser, "--nic-gbps", args.nic_mbit))
     else:
         if args.nics_per_node != 1 or args.intra_mbit is not None:
-            parser.error("--nics-per-node and --intra-mbit go with --nic-mbit, not --inter-fraction")
+            parser.error("--nics-per-node and --intra-gbps go with --nic-gbps, not --inter-fraction")
         if not 0 < args.inter_fraction <= 1:
             parser.error(f"--inter-fraction {args.inter_fraction:g} must be in (0, 1]")
         if not args.rates:
-            parser.error("--nodes with --inter-fraction needs --rates (intra-node Mbit/s): the calibration measures "
+            parser.error("--num-machines with --inter-fraction needs --link-gbps (intra-node GB/s): the calibration measures "
                          "flat rings only")
-    if args.rates:
-        _rates(parser, "--nic-mbit" if args.nic_mbit is not None else "--rates", args.rates)
+    if args.rates:  # from here on the rates are what tc shapes, Mbit/s (the records keep them so: rate_mbit)
+        args.rates = ",".join(f"{gbps_to_mbit(r):g}" for r in _rates(
+            parser, "--nic-gbps" if args.nic_mbit is not None else "--link-gbps", args.rates))
+    if not args.reference_rate > 0:
+        parser.error(f"--reference-gbps {args.reference_rate:g}: a rate must be above 0 GB/s")
+    args.reference_rate = gbps_to_mbit(args.reference_rate)
+    if args.intra_mbit is not None:
+        args.intra_mbit = gbps_to_mbit(args.intra_mbit)
     if args.nodes == 1 and any(v.startswith("hsdp") or v == "fsdp2_hsdp" for v in variants):
-        parser.error("the hsdp_* and fsdp2_hsdp variants need --nodes 2 or more")
+        parser.error("the hsdp_* and fsdp2_hsdp variants need --num-machines 2 or more")
     unknown = sorted(set(variants) - set(VARIANTS) - set(EXTRA_VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS + EXTRA_VARIANTS)}")
@@ -370,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.rates:
             rates = [float(r) for r in args.rates.split(",")]
             balanced = rates[len(rates) // 2]
-        elif args.nic_mbit is not None:  # --nic-mbit balanced: HSDP's exchange against compute alone
-            print(f"calibrating compute alone (NICs at {args.reference_rate:g} Mbit/s) ...", flush=True)
+        elif args.nic_mbit is not None:  # --nic-gbps balanced: HSDP's exchange against compute alone
+            print(f"calibrating compute alone (NICs at {show_gbps(args.reference_rate)} GB/s) ...", flush=True)
             calib_args = argparse.Namespace(**{**vars(args), "rounds": 1, "steps": 3, "warmup": 2})
             compute = run_rate(cluster, args.reference_rate, ["compute_only"], calib_args)["variants"][
                 "compute_only"]["step_s"]
@@ -379,10 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             rates = [2 * balanced, balanced, balanced / 2]
             args.rates = ",".join(f"{r:g}" for r in rates)
             print(f"compute {compute:.3f}s per step; HSDP's exchange moves {exchange_bytes(args) / 1e6:.1f} MB "
-                  f"through each node's NICs a step -> balanced NIC rate {balanced:g} Mbit/s; sweep "
-                  f"{', '.join(f'{r:g}' for r in rates)}", flush=True)
+                  f"through each node's NICs a step -> balanced NIC rate {show_gbps(balanced)} GB/s; sweep "
+                  f"{', '.join(show_gbps(r) for r in rates)}", flush=True)
         else:
-            print(f"calibrating at {args.reference_rate:g} Mbit/s ...", flush=True)
+            print(f"calibrating at {show_gbps(args.reference_rate)} GB/s ...", flush=True)
             calib_args = argparse.Namespace(**{**vars(args), "rounds": 1, "steps": 3, "warmup": 2})
             reference = args.reference_rate
             calib = run_rate(cluster, reference, ["compute_only", "comm_only"], calib_args)["variants"]
@@ -390,18 +400,18 @@ def main(argv: list[str] | None = None) -> int:
             comm2 = run_rate(cluster, 2 * reference, ["comm_only"], calib_args)["variants"]["comm_only"]["step_s"]
             balanced = balanced_rate(reference, compute, comm, comm2)
             rates = [2 * balanced, balanced, balanced / 2]
-            print(f"compute {compute:.3f}s, communication {comm:.3f}s at {reference:g} and {comm2:.3f}s at "
-                  f"{2 * reference:g} Mbit/s per step -> balanced rate {balanced:g} Mbit/s; sweep "
-                  f"{', '.join(f'{r:g}' for r in rates)}", flush=True)
+            print(f"compute {compute:.3f}s, communication {comm:.3f}s at {show_gbps(reference)} and {comm2:.3f}s at "
+                  f"{show_gbps(2 * reference)} GB/s per step -> balanced rate {show_gbps(balanced)} GB/s; sweep "
+                  f"{', '.join(show_gbps(r) for r in rates)}", flush=True)
         timeline_path = os.path.join(args.out_dir, "timeline.json")
         for rate in rates:
             at_balance = rate == balanced
             if args.nic_mbit is not None:
-                print(f"NIC {rate:g} Mbit/s: {_share(rate, args)}", flush=True)
-            print(f"running {len(variants)} variants at {rate:g} Mbit/s ...", flush=True)
+                print(f"NIC {show_gbps(rate)} GB/s: {_share(rate, args)}", flush=True)
+            print(f"running {len(variants)} variants at {show_gbps(rate)} GB/s ...", flush=True)
             result = run_rate(cluster, rate, variants, args, timeline=timeline_path if at_balance else None)
             if at_balance:
-                print(f"measuring peak memory at {rate:g} Mbit/s ...", flush=True)
+                print(f"measuring peak memory at {show_gbps(rate)} GB/s ...", flush=True)
                 peaks = run_rate(cluster, rate, variants, args, memory=True)["variants"]
                 for name, v in result["variants"].items():
                     v["peak_mem_mb"] = peaks[name]["peak_mem_mb"]
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks, {_nics(args.nics_per_node)} each: the "
               f"rates are each NIC's; inside a node: {_intra(args.intra_mbit)}")
         for rate in sorted({r["rate_mbit"] for r in records}, reverse=True):
-            print(f"{rate:>11g}  {_share(rate, args)}")
+            print(f"{show_gbps(rate):>11}  {_share(rate, args)}")
     elif args.nodes > 1:
         print(f"{args.nodes} nodes of {args.world_size // args.nodes} ranks: the rates are inside a node; between "
               f"nodes each rank's link runs at {args.inter_fraction:g} of it")
@@ -460,13 +470,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rates(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
-    """``text``'s comma-separated rates, Mbit/s; a rate that is no number or not above 0 is the user's error."""
+    """``text``'s comma-separated rates, GB/s; a rate that is no number or not above 0 is the user's error."""
     try:
         rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
-        parser.error(f"{flag} {text}: give rates in Mbit/s separated by commas, e.g. 1600,800,400")
+        parser.error(f"{flag} {text}: give rates in GB/s separated by commas, e.g. 0.2,0.1,0.05")
     if not rates or any(not r > 0 for r in rates):
-        parser.error(f"{flag} {text}: every rate must be above 0 Mbit/s")
+        parser.error(f"{flag} {text}: every rate must be above 0 GB/s")
     return rates
 
 
@@ -475,7 +485,7 @@ def _nics(k: int) -> str:
 
 
 def _intra(intra_mbit: float | None) -> str:
-    return "loopback, unshaped" if intra_mbit is None else f"loopback capped at {intra_mbit:g} Mbit/s for all its ranks"
+    return "loopback, unshaped" if intra_mbit is None else f"loopback capped at {show_gbps(intra_mbit)} GB/s for all its ranks"
 
 
 def _share(nic_mbit: float, args) -> str:
@@ -483,12 +493,12 @@ def _share(nic_mbit: float, args) -> str:
     ranks, k = args.world_size // args.nodes, args.nics_per_node
     per_nic = ranks // k
     on = f" ({k} NICs, {per_nic} rank{'s' if per_nic > 1 else ''} on each)" if k > 1 else ""
-    return (f"each of a node's {ranks} ranks: {nic_mbit:g}/{per_nic} = {nic_mbit / per_nic:g} Mbit/s to other nodes "
-            f"when all send at once{on}, {nic_mbit:g} alone")
+    return (f"each of a node's {ranks} ranks: {show_gbps(nic_mbit)}/{per_nic} = {show_gbps(nic_mbit / per_nic)} GB/s to "
+            f"other nodes when all send at once{on}, {show_gbps(nic_mbit)} alone")
 
 
 def _node_fields(rate: float, args) -> dict:
-    """What a record says of the nodes at ``rate`` (with --nic-mbit: each NIC's)."""
+    """What a record says of the nodes at ``rate`` (with --nic-gbps: each NIC's)."""
     if args.nic_mbit is None:
         return {"nodes": args.nodes, "inter_rate_mbit": rate * args.inter_fraction if args.nodes > 1 else None}
     ranks = args.world_size // args.nodes
@@ -533,7 +543,7 @@ def _write_timeline(timelines: dict, out_dir: str, rate: float, world: int) -> N
 
     from .plots import timeline_png
 
-    timeline_png(timelines, os.path.join(out_dir, "timeline.png"), f"{world} ranks at {rate:g} Mbit/s")
+    timeline_png(timelines, os.path.join(out_dir, "timeline.png"), f"{world} ranks at {show_gbps(rate)} GB/s")
     ranks = max(len(v) for v in timelines.values())
     merged = [[dict(e, op=f"{name}:{e['op']}") for name, v in timelines.items() for e in (v[r] if r < len(v) else [])]
               for r in range(ranks)]

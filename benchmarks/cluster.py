@@ -9,7 +9,7 @@
     with EmulatedCluster(world_size=2, rate_mbit=500) as cluster:
         cluster.set_rate(1000)                       # re-shape every link in place
 
-``EmulatedNodes`` (``commfuse-dp bench --nodes N --nic-mbit R``): one namespace per node.
+``EmulatedNodes`` (``commfuse-dp bench --num-machines N --nic-gbps R``): one namespace per node.
 
 - Node j is namespace ``cf<id>n<j>``. Its ranks ``[j·M, (j+1)·M)`` (M = ``ranks_per_node``, local rank l = r - j·M)
   all run in it and reach each other over its loopback: an address of the node's own stays on ``lo``, however many
@@ -42,7 +42,7 @@
   bridge ``cf<id>br``. Each rank's egress is shaped to R (both directions of its link: the ring sends to ``next`` and
   receives from ``prev`` at once). ``GLOO_SOCKET_IFNAME=eth0`` makes gloo use the shaped link. Several processes
   started in one namespace share its link (its egress) and talk over its loopback.
-- ``nodes=K`` (``commfuse-dp bench --nodes K --inter-fraction F``): ranks ``[k·n, (k+1)·n)`` form node k (n = world /
+- ``nodes=K`` (``commfuse-dp bench --num-machines K --inter-fraction F``): ranks ``[k·n, (k+1)·n)`` form node k (n = world /
   K), and each rank's egress has two link classes (``tc htb``, classified by destination address): to ranks of its
   own node at R, to ranks of other nodes at ``R · inter_fraction``. Each rank has its own inter-node link (one NIC
   per rank) and the two classes do not share a cap.

@@ -30,7 +30,7 @@ def sweep_png(records: list[dict], path: str, title: str) -> None:
     for schedule in schedules:
         rows = sorted((r for r in records if r["schedule"] == schedule), key=lambda r: r["rate_mbit"])
         style = ":" if schedule in ("compute_only", "comm_only", "concurrent") else "-"
-        ax.plot([r["rate_mbit"] for r in rows], [r["step_s"] for r in rows], style, marker="o",
+        ax.plot([r["rate_mbit"] / 8000 for r in rows], [r["step_s"] for r in rows], style, marker="o",
                 color=COLORS.get(schedule), label=schedule)
     limit = {}
     for r in records:
@@ -38,10 +38,10 @@ def sweep_png(records: list[dict], path: str, title: str) -> None:
             limit[r["rate_mbit"]] = max(limit.get(r["rate_mbit"], 0.0), r["step_s"])
     if limit:
         rates = sorted(limit)
-        ax.plot(rates, [limit[x] for x in rates], "--", color="black", linewidth=1,
+        ax.plot([x / 8000 for x in rates], [limit[x] for x in rates], "--", color="black", linewidth=1,
                 label="overlap limit max(compute, comm)")
     ax.set_xscale("log")
-    ax.set_xlabel("link rate per rank (Mbit/s)")
+    ax.set_xlabel("link rate per rank (GB/s)")
     ax.set_ylabel("median step time (s)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)

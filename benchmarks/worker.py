@@ -69,7 +69,7 @@ from .probes import MMAP_ENV, CollectorClock, peak_step_bytes, resident_bytes
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
 VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsdp2", "deepspeed_zero3", "ddp",
             "compute_only", "comm_only")
-# for before/after measurements and the multi-node bench (--nodes); not in the default set
+# for A/B measurements and the multi-node bench (--num-machines); not in the default set
 EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
                   "fused_ring", "fused_bf16", "fused_fp8", "fused_int8", "fused_int8_int8", "fsdp2_bf16", "fsdp2_int8",
                   "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp",
@@ -79,7 +79,7 @@ NARROW = {"bf16": dict(gather_format="bf16", reduce_format="bf16"),
           "fp8": dict(gather_format="fp8", reduce_format="bf16"),
           "int8": dict(gather_format="int8", reduce_format="bf16"),
           "int8_int8": dict(gather_format="int8", reduce_format="int8", error_feedback=True)}
-NODE_VARIANTS = ("defaults", "hsdp_fused", "fsdp2_hsdp", "compute_only")  # bench --nodes's default
+NODE_VARIANTS = ("defaults", "hsdp_fused", "fsdp2_hsdp", "compute_only")  # bench --num-machines's default
 TIMELINE_VARIANTS = ("fused", "fsdp2_overlap", "slicing", "hsdp_fused")  # --timeline records one step of each present
 
 

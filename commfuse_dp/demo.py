@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", default="runs/demo", help="where the model, figures and logs go "
                         "(default: %(default)s; must be empty or new unless --overwrite_output_dir)")
     parser.add_argument("--overwrite_output_dir", action="store_true", help="write into a non-empty --output_dir")
-    parser.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start (default: %(default)s)")
+    parser.add_argument("--num_processes", type=int, default=2, help="processes (ranks) to start (default: %(default)s)")
     parser.add_argument("--max_steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
     parser.add_argument("recipe_args", nargs=argparse.REMAINDER,
                         help="after --: more arguments for the recipe (see `python -m commfuse_dp.recipes."
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "demo"))
     extra = [a for a in args.recipe_args if a != "--"]
-    if args.nproc < 1 or args.max_steps < 1:
-        print(f"commfuse-dp demo: {'--nproc' if args.nproc < 1 else '--max_steps'} must be at least 1",
+    if args.num_processes < 1 or args.max_steps < 1:
+        print(f"commfuse-dp demo: {'--num_processes' if args.num_processes < 1 else '--max_steps'} must be at least 1",
               file=sys.stderr)
         return 2
     from commfuse_dp.recipes.common import RecipeError, check_output_dir
@@ -118,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commfuse-dp demo: the recipe's arguments: {refused} (python -m commfuse_dp.recipes.finetune_clm "
               f"--help lists them)", file=sys.stderr)
         return 2
-    recipe = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+    recipe = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.num_processes),
               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
               "-m", "commfuse_dp.recipes.finetune_clm", *recipe_args]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_processes)))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     print(f"commfuse-dp demo: {shlex.join([os.path.basename(sys.executable), *recipe[1:]])}", flush=True)
     began = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The planner past one machine: nodes whose ranks share their NICs (``commfuse-dp plan --nodes``,
+"""The planner past one machine: nodes whose ranks share their NICs (``commfuse-dp plan --num-machines``,
 ``plan_nodes_cli.py``; and what ``CommFuseConfig()``'s defaults choose on a multi-node launch, ``choose_nodes.py``).
 
 A node is ``per_node`` ranks with fast links among them (the intra-node ``Cluster``: NVLink, or a PCIe switch) and
@@ -69,7 +69,7 @@ class Machines:
         if nics < 1 or (per_node >= nics and per_node % nics):
             raise ValueError(f"Machines: {nics} NICs per node must be >= 1 and divide the node's {per_node} ranks "
                              f"(each NIC serves as many ranks)")
-        words = f"{nics} x {nic_bytes_per_s * 8 / 1e9:g} Gb/s NIC{'s' if nics > 1 else ''} per node"
+        words = f"{nics} x {nic_bytes_per_s / 1e9:g} GB/s NIC{'s' if nics > 1 else ''} per node"
         return cls(nodes, per_node, nic_bytes_per_s * min(nics, per_node) / per_node, nic_bytes_per_s, latency_s,
                    words)
 

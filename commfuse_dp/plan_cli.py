@@ -1,11 +1,11 @@
 """``commfuse-dp plan``: the command line of the planner (``plan.py``): predictions for one cluster, the sweep over
 ranks, links and tokens, and calibration against a ``commfuse-dp bench`` file.
 
-    commfuse-dp plan --model llama-7b --ranks 8 --link-gbps 50 --tflops 400 --tokens 8192
-    commfuse-dp plan --model path/to/config.json --ranks 16 --link-gbps 25 --latency-us 20 --tflops 300
+    commfuse-dp plan --model llama-7b --num-processes 8 --link-gbps 50 --tflops 400 --tokens-per-rank 8192
+    commfuse-dp plan --model path/to/config.json --num-processes 16 --link-gbps 25 --ring-latency-us 20 --tflops 300
     commfuse-dp plan --calibrate bench.json          # predictions against the emulated cluster's measurements
     commfuse-dp plan --model llama3-8b --sweep      # the defaults over the peer: ranks, links, tokens per rank
-    commfuse-dp plan --model llama3-8b --ranks 64 --link-gbps 25 --formats --codec-ns 0.002   # narrow formats
+    commfuse-dp plan --model llama3-8b --num-processes 64 --link-gbps 25 --formats --codec-ns 0.002   # narrow formats
     commfuse-dp plan --model llama3-8b --sweep --formats --codec-ns 0.002   # their gain at 16-256 ranks
 """
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 from . import costs, plan
 from .config import MIN_FUSE_NUMEL
 from .costs import Cluster, units_for
-from .cli_names import spelled
+from .cli_names import show_gbps, spelled
 from .plan_files import Bench, load_model, read_bench, read_bench_file
 from .plan_nodes_cli import (NODE_SWEEP_NIC_GBIT, NODE_SWEEP_NICS, NODE_SWEEP_NODES, calibrate_nodes,
                              machines_checked, nodes_sweep, print_nodes)
@@ -70,7 +70,7 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
     print(f"CPU taken from compute by communication: {cpu_per_byte * 1e9:.2f} s per GB moved"
           f"{'' if per_byte else ' (no concurrent run where compute bounds: none assumed)'}")
     _print_host_work(bench, on_compute, extra, overhead_path)
-    print(f"{'rate Mbit/s':>11} {'F GFLOP/s':>10} {'B MB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
+    print(f"{'rate GB/s':>11} {'F GFLOP/s':>10} {'B GB/s':>8} {'schedule':>9} {'predicted s':>11} {'measured s':>10} "
           f"{'error':>7}")
     worst = 0.0
     for rate, rows in sorted(bench.by_rate.items()):
@@ -90,11 +90,11 @@ def calibrate(path: str, latency_us: float | None = None, overhead_path: str | N
 
 
 def _hop_latency(bench: Bench, latency_us: float | None, fitted: bool, fixed: float) -> float:
-    """The fixed cost of a hop in microseconds (``--latency-us``, else fitted, else the default), said."""
+    """The fixed cost of a hop in microseconds (``--ring-latency-us``, else fitted, else the default), said."""
     if latency_us is None and not fitted:
         latency_us = 15.0
         print(f"fixed cost of a hop: {latency_us:g} us, the default (the file's communication alone does not "
-              f"shrink over two or more link rates, so none could be fitted; --latency-us sets it)")
+              f"shrink over two or more link rates, so none could be fitted; --ring-latency-us sets it)")
     elif latency_us is None:
         hops = simulate(bench.units, Cluster(bench.world, 1e30, 1.0, 1e30, 4, 4, direct_bytes=bench.direct_bytes,
                                              rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel),
@@ -103,7 +103,7 @@ def _hop_latency(bench: Bench, latency_us: float | None, fitted: bool, fixed: fl
         print(f"fixed cost of a hop: {latency_us:.0f} us, fitted (communication alone is {fixed * 1e3:.0f} ms "
               f"a step longer than its bytes over the rate, over {hops:.0f} hops)")
     else:
-        print(f"fixed cost of a hop: {latency_us:g} us (--latency-us)")
+        print(f"fixed cost of a hop: {latency_us:g} us (--ring-latency-us)")
     return latency_us
 
 
@@ -134,7 +134,7 @@ def _print_rate(bench: Bench, rate: float, rows: dict[str, dict], cl: Cluster, e
         measured = rows[measured_name]["step_s"]
         error = predicted / measured - 1
         worst = max(worst, abs(error))
-        print(f"{rate:>11g} {cl.flops_per_s / 1e9:>10.1f} {cl.bytes_per_s / 1e6:>8.1f} {schedule:>9} "
+        print(f"{show_gbps(rate):>11} {cl.flops_per_s / 1e9:>10.1f} {cl.bytes_per_s / 1e9:>8.4f} {schedule:>9} "
               f"{predicted:>11.3f} {measured:>10.3f} {error:>+7.1%}")
     return worst
 
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--codec-ns {args.codec_ns!r}: give 'measure' or a number of ns (e.g. 0.002)")
     if args.sweep == "nodes":
         if args.ranks_per_node < 1:
-            parser.error("--ranks-per-node must be at least 1")
+            parser.error("--nproc-per-node must be at least 1")
         if codec is None:
             try:
                 codec, said = codec_costs(args.codec_ns, args.dtype_bytes)
@@ -357,33 +357,34 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and the cluster planned for."""
     parser.add_argument("--model", default="llama-7b", help=f"known shape ({', '.join(KNOWN_MODELS)}) or an HF "
                                                             f"config.json path (default %(default)s)")
-    parser.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default %(default)s)")
+    parser.add_argument("--num-processes", dest="ranks", metavar="N", type=int, default=8,
+                        help="data-parallel ranks in all, as accelerate launch's --num_processes (default %(default)s)")
     parser.add_argument("--link-gbps", type=float, default=50.0, help="per-rank link, GB/s (bytes; default %(default)s)")
-    parser.add_argument("--latency-us", type=float, default=None,
+    parser.add_argument("--ring-latency-us", dest="latency_us", metavar="US", type=float, default=None,
                         help="fixed cost of one hop, one exchange with the ring's neighbours (a ring over N ranks "
                              "takes N-1), microseconds (default 15; with --calibrate, fitted from the bench's "
                              "comm_only rows over its link rates)")
     parser.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per rank (default %(default)s)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the hardware's peak TFLOP/s per rank, for MFU (default 989: an H100 SXM, dense bf16)")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step (default %(default)s)")
+    parser.add_argument("--tokens-per-rank", dest="tokens", metavar="T", type=int, default=8192, help="tokens per rank per step (default %(default)s)")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length (default %(default)s)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter / gradient element (default %(default)s)")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="nodes the --ranks are split into, alike (HSDP and one flat ring played; default 1); "
+    parser.add_argument("--num-machines", dest="nodes", metavar="K", type=int, default=1,
+                        help="nodes the --num-processes are split into, alike (HSDP and one flat ring played; default 1); "
                              "--link-gbps is then each rank's link inside a node")
     parser.add_argument("--nic-gbps", type=float, default=12.5,
-                        help="--nodes: one NIC's rate between nodes, GB/s (bytes; default 12.5: 100 Gb Ethernet; 50 "
+                        help="--num-machines: one NIC's rate between nodes, GB/s (bytes; default 12.5: 100 Gb Ethernet; 50 "
                              "for 400 Gb InfiniBand), shared by the node's ranks (docs/performance.md, 'Past one "
                              "machine', says which figure to give)")
     parser.add_argument("--nics-per-node", type=int, default=1,
-                        help="--nodes: NICs per node, each serving as many of its ranks (default 1; 8 on a node "
+                        help="--num-machines: NICs per node, each serving as many of its ranks (default 1; 8 on a node "
                              "with a NIC per GPU)")
     parser.add_argument("--inter-gbps", type=float, default=None,
-                        help="--nodes: each rank's own link between nodes, GB/s (as a NIC per rank of that rate; "
+                        help="--num-machines: each rank's own link between nodes, GB/s (as a NIC per rank of that rate; "
                              "instead of --nic-gbps and --nics-per-node)")
     parser.add_argument("--inter-latency-us", type=float, default=20.0,
-                        help="--nodes: the fixed cost of one hop between nodes, microseconds (default 20)")
+                        help="--num-machines: the fixed cost of one hop between nodes, microseconds (default 20)")
     parser.add_argument("--piece-fit", default="h200",
                         help="what a GEMM cut into N pieces of w output rows costs (the fused and slicing schedules "
                              "compute so): 'h200' (default: 1 + 0.645 (256/w)^0.89, measured on an H200 in bf16 at "
@@ -418,18 +419,18 @@ def _mode_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{SWEEP_LINKS_GBPS[0]:g}-{SWEEP_LINKS_GBPS[-1]:g} GB/s and {SWEEP_TOKENS[0]}-"
                              f"{SWEEP_TOKENS[-1]} tokens per rank, for --model (--seq caps at the tokens). 'nodes': "
                              f"the map past one machine, {NODE_SWEEP_NODES[0]}-{NODE_SWEEP_NODES[-1]} nodes of "
-                             f"--ranks-per-node ranks on --link-gbps, NICs of {NODE_SWEEP_NIC_GBIT[0]}-"
-                             f"{NODE_SWEEP_NIC_GBIT[-1]} Gb/s, {NODE_SWEEP_NICS[0]}-{NODE_SWEEP_NICS[-1]} a node: "
+                             f"--nproc-per-node ranks on --link-gbps, NICs of {NODE_SWEEP_NIC_GBIT[0] / 8:g}-"
+                             f"{NODE_SWEEP_NIC_GBIT[-1] / 8:g} GB/s, {NODE_SWEEP_NICS[0]}-{NODE_SWEEP_NICS[-1]} a node: "
                              f"what the defaults run, each narrow format's best, and their step over FSDP2's HSDP "
                              f"(--codec-ns for the formats; --json writes the records)")
-    parser.add_argument("--ranks-per-node", type=int, default=8,
+    parser.add_argument("--nproc-per-node", dest="ranks_per_node", metavar="N", type=int, default=8,
                         help="--sweep nodes: ranks (GPUs) in each node (default %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="--sweep nodes: write its records to this JSON file")
     parser.add_argument("--formats", action="store_true",
                         help="add a row per narrow format on the wire (gather_format / reduce_format: bf16, fp8, "
                              "int8 gathers; bf16 or int8 gradients); with --sweep: the formats' gain over the exact "
                              f"defaults at {FORMAT_SWEEP_RANKS[0]}-{FORMAT_SWEEP_RANKS[-1]} ranks and "
-                             f"{FORMAT_SWEEP_LINKS_GBPS[0]:g}-{FORMAT_SWEEP_LINKS_GBPS[-1]:g} GB/s links, --tokens per "
+                             f"{FORMAT_SWEEP_LINKS_GBPS[0]:g}-{FORMAT_SWEEP_LINKS_GBPS[-1]:g} GB/s links, --tokens-per-rank per "
                              f"rank")
     parser.add_argument("--codec-ns", default="measure",
                         help="--formats: compute ns per element and pass to encode or decode a narrow format; "

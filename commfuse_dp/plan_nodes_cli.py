@@ -1,6 +1,6 @@
-"""``commfuse-dp plan --nodes``: the planner past one machine on the command line (``nodes.py``): one cluster of
+"""``commfuse-dp plan --num-machines``: the planner past one machine on the command line (``nodes.py``): one cluster of
 nodes that share their NICs, the map over nodes and NICs (``--sweep nodes``), and calibration against a
-``commfuse-dp bench --nodes --nic-mbit`` file. ``plan_cli.py`` parses the options and calls these."""
+``commfuse-dp bench --num-machines --nic-gbps`` file. ``plan_cli.py`` parses the options and calls these."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from dataclasses import replace
 from . import nodes, plan
 from .costs import Cluster, units_for
 from .nodes import Machines
+from .cli_names import show_gbps
 from .plan_files import load_model, read_bench
 
 
 def machines_of(args) -> Machines:
-    """The tier between nodes that ``--nodes``, ``--nic-gbps`` / ``--inter-gbps``, ``--nics-per-node`` and
+    """The tier between nodes that ``--num-machines``, ``--nic-gbps`` / ``--inter-gbps``, ``--nics-per-node`` and
     ``--inter-latency-us`` describe (``nodes.Machines``)."""
     per_node = args.ranks // args.nodes
     if args.inter_gbps is not None:  # each rank its own link: a NIC per rank
@@ -82,7 +83,7 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
                 codec: dict[str, float], said: str, latency_s: float, json_path: str | None = None,
                 command: str = "") -> list[dict]:
     """The map for users: over ``NODE_SWEEP_NODES`` nodes of ``per_node`` ranks with ``NODE_SWEEP_NICS`` NICs of
-    ``NODE_SWEEP_NIC_GBIT`` Gb/s each, what the exact defaults run and how their step compares with FSDP2's HSDP,
+    ``NODE_SWEEP_NIC_GBIT`` Gb/s (line rate: / 8 for GB/s) each, what the exact defaults run and how their step compares with FSDP2's HSDP,
     and the best narrow format's (``nodes.formats``)."""
     model = load_model(model_name)
     units = units_for(*model, tokens=tokens, seq=min(seq, tokens))
@@ -91,7 +92,7 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
           f"{intra.flops_per_s / 1e12:g} TFLOP/s, {dtype_bytes}-byte values; the peer is FSDP2's HSDP; each cell: "
           f"FSDP2 HSDP's step over the setting's (above 1: faster) and, for exact, the layout/schedule the defaults "
           f"run; hpZ: the peer's step over hpZ's, exact; codec {said}")
-    print(f"{'nodes':>5} {'NIC Gb':>6} {'NICs':>4} {'GB/s/rank':>9} {'peer s':>7} " +
+    print(f"{'nodes':>5} {'NIC GB/s':>8} {'NICs':>4} {'GB/s/rank':>9} {'peer s':>7} " +
           " ".join(f"{n:>20}" for n in names) + f" {'hpZ':>7}")
     records = []
     for k in NODE_SWEEP_NODES:
@@ -112,7 +113,7 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
                                 machines.share / 1e9, "peer_s": peer, "defaults": chosen, "hpz_over_peer": hpz,
                                 **{n: {"best": rows[n]["best"], "step_s": rows[n]["step_s"],
                                        "over_peer": peer / rows[n]["step_s"]} for n in names}})
-                print(f"{k:>5} {gbit:>6} {nics:>4} {machines.share / 1e9:>9.3g} {peer:>7.3f} " + " ".join(
+                print(f"{k:>5} {gbit / 8:>8g} {nics:>4} {machines.share / 1e9:>9.3g} {peer:>7.3f} " + " ".join(
                     f"{c:>20}" for c in cells) + f" {hpz:>6.3f}x")
     for n in names:
         gains = sorted(r[n]["over_peer"] for r in records)
@@ -129,9 +130,9 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
 
 
 def machines_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Machines:
-    """``--nodes`` and the NICs read and checked; a wrong one is a usage error (one line)."""
+    """``--num-machines`` and the NICs read and checked; a wrong one is a usage error (one line)."""
     if args.nodes < 1 or args.ranks % args.nodes:
-        parser.error(f"--nodes {args.nodes} must divide --ranks {args.ranks}: every node holds as many ranks")
+        parser.error(f"--num-machines {args.nodes} must divide --num-processes {args.ranks}: every node holds as many ranks")
     for name in ("nic_gbps", "inter_gbps"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -144,7 +145,7 @@ def machines_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     return machines_of(args)
 
 
-# bench --nodes variants the planner plays: name -> (layout/schedule, narrow format of the worker's NARROW)
+# bench --num-machines variants the planner plays: name -> (layout/schedule, narrow format of the worker's NARROW)
 NODE_VARIANTS = {"fsdp2_hsdp": ("hsdp/fsdp2", None), "hsdp_fused": ("hsdp/fused", None),
                  **{f"{kind}_{fmt}": (play, fmt) for kind, play in (("fsdp2_hsdp", "hsdp/fsdp2"),
                                                                     ("hsdp_fused", "hsdp/fused"))
@@ -153,7 +154,7 @@ NODE_FORMATS = {"bf16": ("bf16", "bf16"), "int8": ("int8", "bf16"), "int8_int8":
 
 
 def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
-    """A ``commfuse-dp bench --nodes --nic-mbit`` file against the planner across nodes (``nodes.py``), each rate
+    """A ``commfuse-dp bench --num-machines --nic-gbps`` file against the planner across nodes (``nodes.py``), each rate
     played on the figures it ran on: the GEMM rate from compute alone, the NIC's share and one flow from the
     shaping (``nic_mbit``, ``nics_per_node``, ``ranks_per_node``), and the link inside a node and both hops' fixed
     costs as the ``defaults`` variant measured them at ``shard()`` (its ``chosen``'s ``played``). Prints each HSDP
@@ -167,19 +168,19 @@ def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
     nics = raw.get("nics_per_node", 1)
     print(f"calibration against {path}: {k} nodes x {per_node} ranks, {nics} NIC(s) a node, fp32, {bench.tokens} "
           f"tokens per rank")
-    print(f"{'NIC Mbit/s':>10} {'F GFLOP/s':>10} {'schedule':>22} {'played':>11} {'predicted s':>11} "
+    print(f"{'NIC GB/s':>10} {'F GFLOP/s':>10} {'schedule':>22} {'played':>11} {'predicted s':>11} "
           f"{'measured s':>10} {'error':>7}")
     worst = 0.0
     for rate, rows in sorted(bench.by_rate.items()):
         played = (rows.get("defaults", {}).get("chosen") or {}).get("played")
         if "compute_only" not in rows or not played or "between_nodes" not in played:
-            print(f"{rate:>10g}: no compute_only, or no defaults variant that recorded the tiers it measured "
+            print(f"{show_gbps(rate):>10}: no compute_only, or no defaults variant that recorded the tiers it measured "
                   f"(`played`): not calibrated")
             continue
         f_rate = bench.flops / rows["compute_only"]["step_s"]
         nic = rate * 1e6 / 8
         machines = nodes.Machines(k, per_node, nic * min(nics, per_node) / per_node, nic,
-                                  played["between_nodes"]["latency_us"] * 1e-6, f"{nics} NIC(s) of {rate:g} Mbit/s")
+                                  played["between_nodes"]["latency_us"] * 1e-6, f"{nics} NIC(s) of {show_gbps(rate)} GB/s")
         cl = Cluster(per_node, played["link_gbps"] * 1e9, played["latency_us"] * 1e-6, f_rate, 4, 4,
                      host_fit=CPU_HOST_FIT, host_on_compute=on_compute, direct_bytes=bench.direct_bytes,
                      rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel)
@@ -201,7 +202,7 @@ def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
             error = predicted / measured - 1
             if name in ("defaults", "fsdp2_hsdp"):
                 worst = max(worst, abs(error))
-            print(f"{rate:>10g} {f_rate / 1e9:>10.3g} {name:>22} {key:>11} {predicted:>11.3f} {measured:>10.3f} "
+            print(f"{show_gbps(rate):>10} {f_rate / 1e9:>10.3g} {name:>22} {key:>11} {predicted:>11.3f} {measured:>10.3f} "
                   f"{error:>+7.1%}")
     print(f"worst error of the defaults and the peer (fsdp2_hsdp): {worst:.1%}; the codec's compute is not played")
     return 0

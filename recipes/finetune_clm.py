@@ -10,7 +10,7 @@
     python recipes/finetune_clm.py --output_dir runs/clm-1proc
     # Your model and data: a local Hugging Face causal-LM folder (a hub name works only if it is in the local cache)
     # and a .txt file, a folder of .txt / .jsonl files, or JSON lines with a "text" field
-    torchrun --nproc_per_node 2 recipes/finetune_clm.py --model path/to/model --data corpus/ --output_dir runs/mine
+    torchrun --nproc_per_node 2 recipes/finetune_clm.py --model_name_or_path path/to/model --dataset_name corpus/ --output_dir runs/mine
     # GPUs: the same with torchrun (NCCL), or `accelerate launch --num_processes N recipes/finetune_clm.py ...`
     # A run that carries on after a lost rank: a checkpoint every 50 steps, written in the background, and a
     # restarted worker group resumes from the newest complete one
@@ -46,9 +46,11 @@ EOS = "<|endoftext|>"
 
 @dataclass
 class ClmArguments:
-    model: str | None = field(default=None, metadata={
+    model_name_or_path: str | None = field(default=None, metadata={
+        "aliases": ["--model"],  # (deprecated)
         "help": "a local Hugging Face causal-LM folder; default: a small Llama-style decoder built from a config"})
-    data: str | None = field(default=None, metadata={
+    dataset_name: str | None = field(default=None, metadata={
+        "aliases": ["--data"],  # (deprecated)
         "help": "a .txt file, a .jsonl file (one JSON object per line, text in --text_field), or a folder of them; "
                 "default: the Python reference manual shipped with Python (pydoc_data)"})
     text_field: str = field(default="text", metadata={"help": "the text field of JSON-lines data"})
@@ -73,18 +75,18 @@ class ClmArguments:
 
 def read_corpus(args: ClmArguments) -> tuple[list[str], str]:
     """The documents, and a description of where they came from. Raises RecipeError for unusable data."""
-    if args.data is None:
+    if args.dataset_name is None:
         from pydoc_data.topics import topics
 
         return [topics[k] for k in sorted(topics)], "the Python reference manual (pydoc_data, shipped with Python)"
-    path = args.data
+    path = args.dataset_name
     if not os.path.exists(path):
-        raise common.RecipeError(f"--data {path} does not exist")
+        raise common.RecipeError(f"--dataset_name {path} does not exist")
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True)
                        + glob.glob(os.path.join(path, "**", "*.jsonl"), recursive=True))
         if not files:
-            raise common.RecipeError(f"--data {path} is a folder with no .txt or .jsonl files")
+            raise common.RecipeError(f"--dataset_name {path} is a folder with no .txt or .jsonl files")
     else:
         files = [path]
     docs = []
@@ -98,18 +100,18 @@ def read_corpus(args: ClmArguments) -> tuple[list[str], str]:
                         try:
                             record = json.loads(line)
                         except json.JSONDecodeError as exc:
-                            raise common.RecipeError(f"--data {name} line {number} is not JSON ({exc.msg})") from None
+                            raise common.RecipeError(f"--dataset_name {name} line {number} is not JSON ({exc.msg})") from None
                         if not isinstance(record, dict) or not isinstance(record.get(args.text_field), str):
-                            raise common.RecipeError(f"--data {name} line {number} has no text field "
+                            raise common.RecipeError(f"--dataset_name {name} line {number} has no text field "
                                                      f"{args.text_field!r} (set --text_field)")
                         docs.append(record[args.text_field])
                 else:
                     docs.append(f.read())
         except (OSError, UnicodeDecodeError) as exc:
-            raise common.RecipeError(f"--data {name} cannot be read: {exc}") from None
+            raise common.RecipeError(f"--dataset_name {name} cannot be read: {exc}") from None
     docs = [d for d in docs if d.strip()]
     if not docs:
-        raise common.RecipeError(f"--data {path} holds no text (an empty corpus)")
+        raise common.RecipeError(f"--dataset_name {path} holds no text (an empty corpus)")
     return docs, f"{len(docs)} document(s) from {path}"
 
 
@@ -131,7 +133,7 @@ def embedded_tokenizer(docs: list[str], vocab_size: int):
 def load_model_and_tokenizer(args: ClmArguments, docs: list[str]):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    if args.model is None:
+    if args.model_name_or_path is None:
         tokenizer = embedded_tokenizer(docs, args.vocab_size)
         heads = max(args.hidden_size // 64, 2)
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
@@ -143,28 +145,28 @@ def load_model_and_tokenizer(args: ClmArguments, docs: list[str]):
         torch.manual_seed(0)
         return LlamaForCausalLM(config), tokenizer, "a Llama-style decoder built from a config (embedded default)"
     try:
-        AutoConfig.from_pretrained(args.model, local_files_only=True)
+        AutoConfig.from_pretrained(args.model_name_or_path, local_files_only=True)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if not os.path.exists(args.model):
-            raise common.RecipeError(f"--model {args.model}: no such folder, and not loadable from the Hugging Face "
+        if not os.path.exists(args.model_name_or_path):
+            raise common.RecipeError(f"--model_name_or_path {args.model_name_or_path}: no such folder, and not loadable from the Hugging Face "
                                      f"cache ({first}); nothing is downloaded: pass a local model folder") from None
-        raise common.RecipeError(f"--model {args.model} is not a Hugging Face model folder ({first})") from None
+        raise common.RecipeError(f"--model_name_or_path {args.model_name_or_path} is not a Hugging Face model folder ({first})") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise common.RecipeError(f"--model {args.model} has no usable tokenizer ({str(exc).splitlines()[0]})") \
+        raise common.RecipeError(f"--model_name_or_path {args.model_name_or_path} has no usable tokenizer ({str(exc).splitlines()[0]})") \
             from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise common.RecipeError(f"--model {args.model} is not a causal-LM model ({str(exc).splitlines()[0]})") \
+        raise common.RecipeError(f"--model_name_or_path {args.model_name_or_path} is not a causal-LM model ({str(exc).splitlines()[0]})") \
             from None
     if tokenizer.eos_token is None:
         tokenizer.eos_token = EOS
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, args.model
+    return model, tokenizer, args.model_name_or_path
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -223,6 +225,7 @@ def parser():
 def parse(argv: list[str] | None):
     if not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")   # several CPU ranks under torchrun (DESIGN: accelerate)
+    common.warn_renamed(argv)
     return parser().parse_args_into_dataclasses(args=argv)
 
 

@@ -11,7 +11,7 @@
     python recipes/train_accelerate.py --output_dir runs/accel-1proc
     # Installed (no checkout): -m commfuse_dp.recipes.train_accelerate instead of the path
 
-Same embedded default and data options as finetune_clm.py (``--model``, ``--data``, ...). The loop uses
+Same embedded default and data options as finetune_clm.py (``--model_name_or_path``, ``--dataset_name``, ...). The loop uses
 ``accelerator.accumulate``, ``backward``, ``clip_grad_norm_``, ``gather_for_metrics``, a tqdm bar on rank 0,
 ``save_state`` every ``--save_steps`` (``--resume_from`` a saved state folder continues from it; ``--auto_resume``
 the newest complete one in ``--output_dir``, if any, so that a job ``commfuse-dp launch --max_restarts N`` restarts
@@ -72,6 +72,7 @@ def _accelerator(args: LoopArguments, cfg):
 def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
+    common.warn_renamed(argv)
     (args,) = HfArgumentParser(LoopArguments, description=__doc__.split("\n\n")[0]).parse_args_into_dataclasses(
         args=argv)
     rank, world = common.world()

@@ -79,20 +79,20 @@ def test_planner_recommendations_grow_with_latency():
 
 
 def test_plan_command(tmp_path, capsys):
-    assert plan_cli.main(["--model", "gpt2", "--ranks", "4", "--link-gbps", "10"]) == 0
+    assert plan_cli.main(["--model", "gpt2", "--num-processes", "4", "--link-gbps", "10"]) == 0
     out = capsys.readouterr().out
     assert "no_overlap" in out and "fused" in out and "recommended: CommFuseConfig(" in out
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                                   "num_attention_heads": 4, "vocab_size": 100}))
-    assert plan_cli.main(["--model", str(config), "--ranks", "2"]) == 0
+    assert plan_cli.main(["--model", str(config), "--num-processes", "2"]) == 0
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
         plan_cli.main(["--model", "llama-3-8b"])  # a bad argument: exit 2, as argparse's, with the likely name
     assert exited.value.code == 2
     assert "neither a known shape" in (err := capsys.readouterr().err) and "did you mean 'llama3-8b'?" in err, err
     with pytest.raises(SystemExit):
-        plan_cli.main(["--ranks", "0"])
+        plan_cli.main(["--num-processes", "0"])
     with pytest.raises(SystemExit):
         plan_cli.main(["--tflops", "500", "--peak-tflops", "400"])  # achievable above the peak
     assert "above --peak-tflops" in capsys.readouterr().err
@@ -103,7 +103,7 @@ def test_plan_shows_fused_with_the_recommended_piece_shards(capsys):
     ``fused, ps=B`` row shows what it gives (a new user's trial saw fused behind ``unit_slicing`` at the default and
     no word that the recommended config below it is ahead), equal to the ``fused`` row of ``--piece-shards B``."""
     def rows(*argv):
-        assert plan_cli.main(["--model", "llama3-8b", "--ranks", "8", *argv]) == 0
+        assert plan_cli.main(["--model", "llama3-8b", "--num-processes", "8", *argv]) == 0
         out = capsys.readouterr().out
         table = {line[:12].strip(): float(line[12:].split()[0]) for line in out.splitlines()[2:]
                  if line[:12].strip() and line[12:].strip()[:1].isdigit()}
@@ -252,7 +252,7 @@ needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
 @needs_netns
 def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "commfuse_dp.cli", "bench", "--rates", "4000", "--rounds", "1", "--steps", "1",
+    cmd = [sys.executable, "-m", "commfuse_dp.cli", "bench", "--link-gbps", "0.5", "--rounds", "1", "--steps", "1",
            "--warmup", "1", "--variants", "fused,slicing,ddp,compute_only,comm_only", "--hidden", "64",
            "--intermediate", "128", "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "1",
            "--min-fuse-numel", "0",
@@ -373,7 +373,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
                          "2ranks-real-lockstep.json")
 
     def table(*extra):
-        assert plan_cli.main(["--calibrate", bench, "--latency-us", "300", *extra]) == 0
+        assert plan_cli.main(["--calibrate", bench, "--ring-latency-us", "300", *extra]) == 0
         rows = [line.split() for line in capsys.readouterr().out.splitlines()]
         return {(row[0], row[3]): float(row[4]) for row in rows if len(row) == 7 and row[0][0].isdigit()}
 
@@ -425,7 +425,7 @@ def test_plan_models_the_host():
     for schedule in ("fused", "slicing", "lockstep"):
         assert wide[schedule]["step_s"] == wide[schedule]["host_s"] > wide["fsdp2"]["step_s"]
         assert wider[schedule]["step_s"] > wide[schedule]["step_s"]
-    out = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--model", "llama3-8b", "--ranks", "64",
+    out = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--model", "llama3-8b", "--num-processes", "64",
                           "--host-fit", "h200"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "host s" in out.stdout, out.stderr
     bad = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--host-fit", "fast"], capture_output=True,
@@ -504,15 +504,15 @@ def test_plan_says_what_it_does_not_play(capsys):
     """Where a decoder layer's linears are all below min_fuse_numel but add up to an FSDP2 unit of their own while
     the lm_head is fused (Llama-3-8B at 2048 ranks), the elastic play does not model that unit: the planner says so
     rather than predict it as if played (slicing and lockstep play such units: gathered per layer, blocking)."""
-    assert plan_cli.main(["--model", "llama3-8b", "--ranks", "2048", "--piece-fit", "none"]) == 0
+    assert plan_cli.main(["--model", "llama3-8b", "--num-processes", "2048", "--piece-fit", "none"]) == 0
     out = capsys.readouterr().out
     assert "not played: under fused, 32 decoder layers" in out and "under slicing" not in out
-    assert plan_cli.main(["--model", "llama3-8b", "--ranks", "1024", "--piece-fit", "none"]) == 0
+    assert plan_cli.main(["--model", "llama3-8b", "--num-processes", "1024", "--piece-fit", "none"]) == 0
     assert "not played" not in capsys.readouterr().out
 
 
 def test_calibrate_fits_the_fixed_cost_of_a_hop(tmp_path, capsys):
-    """Without ``--latency-us``, ``plan --calibrate`` fits what does not shrink with the link's rate from the bench's
+    """Without ``--ring-latency-us``, ``plan --calibrate`` fits what does not shrink with the link's rate from the bench's
     ``comm_only`` rows (a line ``A / rate + C``), spreads ``C`` over the planner's hops, and takes each rate's
     bandwidth from the rest; where nothing can be fitted (one rate, or communication alone that does not shrink as
     the rate grows) it plays with the default and says so. Against this version's stored runs the fitted

@@ -77,7 +77,7 @@ def test_explicit_settings_win():
 def test_plan_recommends_what_the_defaults_run(ranks, gbps, tokens):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        plan_cli.main(["--model", "llama3-8b", "--ranks", str(ranks), "--link-gbps", str(gbps), "--tokens", str(tokens),
+        plan_cli.main(["--model", "llama3-8b", "--num-processes", str(ranks), "--link-gbps", str(gbps), "--tokens-per-rank", str(tokens),
                    "--seq", str(tokens)])
     line = next(l for l in out.getvalue().splitlines() if l.startswith("CommFuseConfig()'s defaults"))
     schedule = re.search(r"schedule='(\w+)'", line).group(1)

@@ -115,7 +115,7 @@ def test_top_level_options_are_documented(capsys):
 def test_the_check_finds_what_is_missing():
     # the parsers are found and are not empty, and a flag absent from the docs is reported
     flags = _subcommand_flags()
-    assert {"--quick", "--rounds"} <= set(flags["bench"]) and {"--against", "--nodes"} <= set(flags["plan"])
+    assert {"--quick", "--rounds"} <= set(flags["bench"]) and {"--against", "--num-machines"} <= set(flags["plan"])
     assert "--config_file" in flags["launch"] and "--max_steps" in flags["demo"]
     sections = [("## `commfuse-dp plan`", "`--ranks N`, and `--nodes-x` is another flag"), ("## Other", "--nodes")]
     assert undocumented("plan", ["--ranks", "--nodes"], sections) == ["--nodes"]

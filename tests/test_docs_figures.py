@@ -18,13 +18,13 @@ CELL = re.compile(r"^([0-9.]+) \[([0-9.]+)-([0-9.]+)\](?: \((flat|HSDP), (fused|
 
 
 def _tables(text: str):
-    """(results file, header cells, rows of cells) of each table whose header starts with "NIC Mbit/s"."""
+    """(results file, header cells, rows of cells) of each table whose header starts with "NIC GB/s"."""
     lines = text.splitlines()
     named = None
     for i, line in enumerate(lines):
         for match in FILE.finditer(line):
             named = match.group(1)
-        if line.startswith("| NIC Mbit/s"):
+        if line.startswith("| NIC GB/s"):
             header = [c.strip() for c in line.strip("|").split("|")]
             rows = []
             for row in lines[i + 2:]:
@@ -32,6 +32,14 @@ def _tables(text: str):
                     break
                 rows.append([c.strip() for c in row.strip("|").split("|")])
             yield named, header, rows
+
+
+def _rate(data: dict, quoted: str, named: str) -> float:
+    """The file's rate (Mbit/s, as tc shaped it) that the doc quotes in GB/s (4 significant digits)."""
+    rates = {r["rate_mbit"] for r in data["records"]}
+    matches = [r for r in rates if f"{r / 8000:.4g}" == quoted]
+    assert len(matches) == 1, (named, quoted, sorted(r / 8000 for r in rates))
+    return matches[0]
 
 
 def test_multi_node_tables_equal_their_results_files():
@@ -42,9 +50,11 @@ def test_multi_node_tables_equal_their_results_files():
         assert named, f"no results file named before the table {header}"
         data = json.load(open(os.path.join(ROOT, "benchmarks", "results", named)))
         for cells in rows:
-            rate = float(cells[0].split()[0])
+            rate = _rate(data, cells[0].split()[0], named)
             key = f"{rate:g}"
             records = {r["schedule"]: r for r in data["records"] if r["rate_mbit"] == rate}
+            share = f"({records['fsdp2_hsdp']['inter_mbit_per_rank'] / 8000:.4g})"
+            assert cells[0].split()[1] == share, (named, key, "a rank's share of the NIC")
             assert cells[1] == f"{records['fsdp2_hsdp']['step_s']:.3f}", (named, key, "peer's step")
             for column, cell in zip(header[2:], cells[2:]):
                 variant = column.split(" ")[0]

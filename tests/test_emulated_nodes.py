@@ -3,7 +3,7 @@ unshaped, get a NIC each with as many NICs as ranks, reach every rank of a flat 
 behind. Throughput is measured with plain TCP sockets started as ranks (``cluster.popen``): a sender binds to the
 address of the NIC that ``GLOO_SOCKET_IFNAME`` names, as gloo does, and times a few MB up to the receiver's
 acknowledgement. The bounds are loose (0.6-1.3x the rate a sender should get); each would fail by about 2x if a rank
-had a link of its own, or if a NIC were shared where it is not. Last, what ``commfuse-dp bench --nodes`` refuses and
+had a link of its own, or if a NIC were shared where it is not. Last, what ``commfuse-dp bench --num-machines`` refuses and
 what it says a NIC leaves each rank."""
 
 import json
@@ -129,8 +129,8 @@ def test_a_node_s_ranks_share_its_nic():
     assert [r["source"] for r in both] == ["198.18.0.1", "198.18.0.1"]  # one NIC, both ranks on it
     single, pair = _mbit(alone), _mbit(both)
     slower = min(_mbit([r]) for r in both)
-    print(f"NIC {NIC_MBIT} Mbit/s: one sender {single:.1f} Mbit/s; two at once {pair:.1f} together, the slower "
-          f"{slower:.1f}")
+    print(f"NIC {NIC_MBIT / 8000:g} GB/s: one sender {single / 8000:.4g} GB/s; two at once {pair / 8000:.4g} together, "
+          f"the slower {slower / 8000:.4g}")
     # One sender alone has the whole NIC; two at once share it: together still about the NIC's rate (with a link
     # each they would reach twice it), so each gets about half.
     assert 0.6 * NIC_MBIT <= single <= 1.3 * NIC_MBIT, (single, alone)
@@ -144,7 +144,7 @@ def test_ranks_of_one_node_talk_unshaped():
         before = _tx_bytes(cluster, 0)
         inside = _transfer(cluster, [(0, 1)], 32 * MB)
         after = _tx_bytes(cluster, 0)
-    print(f"NIC {NIC_MBIT} Mbit/s: between two ranks of one node {_mbit(inside):.0f} Mbit/s")
+    print(f"NIC {NIC_MBIT / 8000:g} GB/s: between two ranks of one node {_mbit(inside) / 8000:.2f} GB/s")
     assert _mbit(inside) > 10 * NIC_MBIT, inside
     assert after["lo"] - before["lo"] >= 32 * MB and after["eth0"] - before["eth0"] < MB  # on the loopback
 
@@ -153,8 +153,8 @@ def test_ranks_of_one_node_talk_unshaped():
 def test_intra_mbit_caps_the_node_s_loopback_for_all_its_ranks():
     with EmulatedNodes(2, 2, NIC_MBIT, intra_mbit=3 * NIC_MBIT) as cluster:
         both_ways = _transfer(cluster, [(0, 1), (1, 0)], 3 * MB)
-    print(f"intra cap {3 * NIC_MBIT} Mbit/s: two ranks of a node sending to each other, {_mbit(both_ways):.1f} "
-          f"Mbit/s together")
+    print(f"intra cap {3 * NIC_MBIT / 8000:g} GB/s: two ranks of a node sending to each other, "
+          f"{_mbit(both_ways) / 8000:.4g} GB/s together")
     assert 0.6 * 3 * NIC_MBIT <= _mbit(both_ways) <= 1.3 * 3 * NIC_MBIT, both_ways  # one cap for both directions
 
 
@@ -168,7 +168,8 @@ def test_a_nic_per_rank_gives_each_the_whole_rate():
         after = _tx_bytes(cluster, 0)
     assert [(r["GLOO_SOCKET_IFNAME"], r["source"]) for r in both] == [("eth0", "198.18.0.1"), ("eth1", "198.18.1.1")]
     rates = [_mbit([r]) for r in both]
-    print(f"2 NICs of {NIC_MBIT} Mbit/s: two local ranks at once, {rates[0]:.1f} and {rates[1]:.1f} Mbit/s")
+    print(f"2 NICs of {NIC_MBIT / 8000:g} GB/s: two local ranks at once, {rates[0] / 8000:.4g} and "
+          f"{rates[1] / 8000:.4g} GB/s")
     for rate in rates:
         assert 0.6 * NIC_MBIT <= rate <= 1.3 * NIC_MBIT, both
     assert _mbit(both) > 1.4 * NIC_MBIT, both  # one NIC for both would cap them at about NIC_MBIT
@@ -278,16 +279,16 @@ def test_bad_shapes_are_refused(kwargs, error):
 
 
 @pytest.mark.parametrize("argv,error", [
-    ("--nodes 2 --world-size 4", "--nodes needs --nic-mbit"),
-    ("--nodes 2 --world-size 4 --nic-mbit 800 --inter-fraction 0.25", "not both"),
-    ("--nodes 2 --world-size 4 --nic-mbit 800,0", "every rate must be above 0"),
-    ("--nodes 2 --world-size 4 --nic-mbit -100", "every rate must be above 0"),
-    ("--nodes 3 --world-size 4 --nic-mbit 800", "--nodes 3 must divide --world-size 4"),
-    ("--nodes 2 --world-size 6 --nic-mbit 800 --nics-per-node 2", "--nics-per-node 2 must divide the 3 ranks"),
-    ("--nodes 2 --world-size 4 --nic-mbit 800 --rates 100", "drop --rates"),
-    ("--nodes 2 --world-size 4 --nic-mbit 800 --intra-mbit 0", "--intra-mbit 0"),
-    ("--nic-mbit 800", "only with --nodes 2 or more"),
-    ("--nodes 2 --world-size 4 --inter-fraction 0.25", "needs --rates"),
+    ("--num-machines 2 --num-processes 4", "--num-machines needs --nic-gbps"),
+    ("--num-machines 2 --num-processes 4 --nic-gbps 0.1 --inter-fraction 0.25", "not both"),
+    ("--num-machines 2 --num-processes 4 --nic-gbps 0.1,0", "every rate must be above 0"),
+    ("--num-machines 2 --num-processes 4 --nic-gbps -0.0125", "every rate must be above 0"),
+    ("--num-machines 3 --num-processes 4 --nic-gbps 0.1", "--num-machines 3 must divide --num-processes 4"),
+    ("--num-machines 2 --num-processes 6 --nic-gbps 0.1 --nics-per-node 2", "--nics-per-node 2 must divide the 3 ranks"),
+    ("--num-machines 2 --num-processes 4 --nic-gbps 0.1 --link-gbps 0.0125", "drop --link-gbps"),
+    ("--num-machines 2 --num-processes 4 --nic-gbps 0.1 --intra-gbps 0", "--intra-gbps 0"),
+    ("--nic-gbps 0.1", "only with --num-machines 2 or more"),
+    ("--num-machines 2 --num-processes 4 --inter-fraction 0.25", "needs --link-gbps"),
 ])
 def test_bench_refuses_bad_node_figures_in_one_line(capsys, argv, error):
     from commfuse_dp.benchmarks import bench
@@ -304,8 +305,8 @@ def test_bench_says_what_a_nic_leaves_each_rank():
     from commfuse_dp.benchmarks import bench
 
     args = argparse.Namespace(world_size=8, nodes=2, nics_per_node=2, nic_mbit="800", intra_mbit=None)
-    assert bench._share(800, args) == ("each of a node's 4 ranks: 800/2 = 400 Mbit/s to other nodes when all send "
-                                       "at once (2 NICs, 2 ranks on each), 800 alone")
+    assert bench._share(800, args) == ("each of a node's 4 ranks: 0.1/2 = 0.05 GB/s to other nodes when all send "
+                                       "at once (2 NICs, 2 ranks on each), 0.1 alone")  # (800 Mbit/s as tc shapes it)
     assert bench._node_fields(800, args) == {"nodes": 2, "nic_mbit": 800, "nics_per_node": 2, "ranks_per_node": 4,
                                              "inter_mbit_per_rank": 400, "inter_rate_mbit": 400, "intra_mbit": None}
 

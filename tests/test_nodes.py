@@ -1,6 +1,6 @@
 """Past one machine: the launch's nodes read off the launcher and checked on every rank (``node_layout.py``), the
 defaults choosing HSDP or one flat ring from the two tiers measured at ``shard()`` (``choose_nodes.py``) and staying
-exact, and the planner's model of nodes that share their NICs (``nodes.py``, ``commfuse-dp plan --nodes``)."""
+exact, and the planner's model of nodes that share their NICs (``nodes.py``, ``commfuse-dp plan --num-machines``)."""
 
 from __future__ import annotations
 
@@ -104,16 +104,16 @@ def test_the_exchange_between_nodes_is_the_limit_of_a_slow_nic():
 
 
 def test_plan_nodes_prints_the_rate_per_rank_and_the_defaults(capsys):
-    assert plan_cli.main(["--model", "llama3-8b", "--ranks", "16", "--nodes", "2", "--link-gbps", "450",
-                          "--nic-gbps", "12.5", "--tokens", "8192", "--seq", "8192", "--formats", "--codec-ns",
+    assert plan_cli.main(["--model", "llama3-8b", "--num-processes", "16", "--num-machines", "2", "--link-gbps", "450",
+                          "--nic-gbps", "12.5", "--tokens-per-rank", "8192", "--seq", "8192", "--formats", "--codec-ns",
                           "0.002"]) == 0
     out = capsys.readouterr().out
     assert "1.56 GB/s a rank when all of a node's ranks cross at once" in out
     assert "CommFuseConfig()'s defaults on this cluster: replicate=2 (HSDP)" in out
     assert "int8/int8" in out and "   hsdp    fsdp2" in out and "   flat    fused" in out
-    for argv, match in ((["--nodes", "3", "--ranks", "16"], "must divide"),
-                        (["--nodes", "2", "--ranks", "16", "--nic-gbps", "0"], "must be > 0"),
-                        (["--nodes", "2", "--ranks", "16", "--nics-per-node", "3"], "divide the 8 ranks")):
+    for argv, match in ((["--num-machines", "3", "--num-processes", "16"], "must divide"),
+                        (["--num-machines", "2", "--num-processes", "16", "--nic-gbps", "0"], "must be > 0"),
+                        (["--num-machines", "2", "--num-processes", "16", "--nics-per-node", "3"], "divide the 8 ranks")):
         with pytest.raises(SystemExit):
             plan_cli.main(argv)
         assert match in capsys.readouterr().err
@@ -134,7 +134,7 @@ def test_plan_sweeps_nodes_and_nics(tmp_path, capsys):
 
 
 def test_calibrate_reads_a_nodes_bench_file(tmp_path, capsys):
-    """``plan --calibrate`` on a ``bench --nodes --nic-mbit`` file plays each rate on the figures it ran on (the
+    """``plan --calibrate`` on a ``bench --num-machines --nic-gbps`` file plays each rate on the figures it ran on (the
     defaults' recorded tiers, the NIC's shaping); a slower NIC predicts a slower peer."""
     import json
 
@@ -157,7 +157,7 @@ def test_calibrate_reads_a_nodes_bench_file(tmp_path, capsys):
                                 "model": model}))
     assert plan_cli.main(["--calibrate", str(path)]) == 0
     out = capsys.readouterr().out
-    peer = {float(line.split()[0]): float(line.split()[4]) for line in out.splitlines()
+    peer = {round(float(line.split()[0]) * 8000): float(line.split()[4]) for line in out.splitlines()
             if " fsdp2_hsdp " in line and "hsdp/fsdp2" in line}
     assert set(peer) == {1060.0, 265.0} and peer[265.0] > peer[1060.0] > 1.02
     assert "hsdp_fused_int8_int8" in out and "worst error of the defaults and the peer" in out

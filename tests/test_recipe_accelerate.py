@@ -89,10 +89,10 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
     args = ["--output_dir", str(out), "--hidden_size", "64", "--num_layers", "2", "--vocab_size", "512",
             "--block_size", "32"]
     if case == "missing":
-        args += ["--data", str(tmp_path / "nope.txt")]
+        args += ["--dataset_name", str(tmp_path / "nope.txt")]
     elif case == "empty":
         (tmp_path / "empty.txt").write_text("  \n\n")
-        args += ["--data", str(tmp_path / "empty.txt")]
+        args += ["--dataset_name", str(tmp_path / "empty.txt")]
     elif case == "outdir":
         out.mkdir()
         (out / "keep.txt").write_text("mine")

@@ -52,7 +52,7 @@ def run(tmp_path_factory):
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                      RECIPE, "--use_cpu", "--data", str(data), "--eval_fraction", "0.25",
+                      RECIPE, "--use_cpu", "--dataset_name", str(data), "--eval_fraction", "0.25",
                       "--max_length", str(MAX_LENGTH), "--per_device_train_batch_size", "4",
                       "--per_device_eval_batch_size", "4", "--max_steps", str(STEPS), "--logging_steps", "1",
                       "--eval_strategy", "no", "--disable_tqdm", "true", "--output_dir", str(out)]
@@ -158,23 +158,23 @@ def _refused(recipe, capsys, argv, out):
 
 
 def test_missing_data(recipe, capsys, tmp_path):
-    line = _refused(recipe, capsys, ["--data", str(tmp_path / "nope.jsonl")], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(tmp_path / "nope.jsonl")], tmp_path / "out")
     assert "no such file" in line and not (tmp_path / "out").exists()
 
 
 def test_data_that_is_a_folder_or_not_json(recipe, capsys, tmp_path):
-    line = _refused(recipe, capsys, ["--data", str(tmp_path)], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(tmp_path)], tmp_path / "out")
     assert "is not a file" in line
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine", "label": "a"}\nnot json at all\n')
-    line = _refused(recipe, capsys, ["--data", str(bad)], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(bad)], tmp_path / "out")
     assert "line 2 is not JSON" in line and not (tmp_path / "out").exists()
 
 
 def test_empty_data(recipe, capsys, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    line = _refused(recipe, capsys, ["--data", str(empty)], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(empty)], tmp_path / "out")
     assert "no samples" in line and not (tmp_path / "out").exists()
 
 
@@ -182,21 +182,21 @@ def test_model_that_is_not_a_model(recipe, capsys, tmp_path, small):
     folder = tmp_path / "not-a-model"
     folder.mkdir()
     (folder / "notes.txt").write_text("hello")
-    line = _refused(recipe, capsys, ["--data", str(small), "--model", str(folder)], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(small), "--model_name_or_path", str(folder)], tmp_path / "out")
     assert "no config.json" in line
     (folder / "config.json").write_text('{"model_type": "no-such-architecture"}')
     (folder / "model.safetensors").write_bytes(b"")
-    line = _refused(recipe, capsys, ["--data", str(small), "--model", str(folder)], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(small), "--model_name_or_path", str(folder)], tmp_path / "out")
     assert "config.json does not load" in line
     (folder / "config.json").write_text('{"model_type": "clip_vision_model"}')
-    line = _refused(recipe, capsys, ["--data", str(small), "--model", str(folder)], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(small), "--model_name_or_path", str(folder)], tmp_path / "out")
     assert "no sequence classification class" in line
-    line = _refused(recipe, capsys, ["--data", str(small), "--model", "bert-base-uncased"], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(small), "--model_name_or_path", "bert-base-uncased"], tmp_path / "out")
     assert "is not a folder" in line and not (tmp_path / "out").exists()
 
 
 def test_batch_too_large_for_the_data(recipe, capsys, tmp_path, small):
-    line = _refused(recipe, capsys, ["--data", str(small), "--per_device_train_batch_size", "64"], tmp_path / "out")
+    line = _refused(recipe, capsys, ["--dataset_name", str(small), "--per_device_train_batch_size", "64"], tmp_path / "out")
     assert "the train split has 40 samples" in line and "1 ranks x batch size 64" in line   # 48 - 0.2 held out
     assert not (tmp_path / "out").exists()
 
@@ -205,7 +205,7 @@ def test_non_empty_output_dir(recipe, capsys, tmp_path, small):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    line = _refused(recipe, capsys, ["--data", str(small)], out)
+    line = _refused(recipe, capsys, ["--dataset_name", str(small)], out)
     assert "--overwrite_output_dir" in line
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
@@ -219,7 +219,7 @@ def test_two_ranks_without_a_batch_each_stop_with_one_line(tmp_path, small):
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     cmd = launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                      RECIPE, "--use_cpu", "--data", str(small), "--per_device_train_batch_size", "24",
+                      RECIPE, "--use_cpu", "--dataset_name", str(small), "--per_device_train_batch_size", "24",
                       "--output_dir", str(tmp_path / "out")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

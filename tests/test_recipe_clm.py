@@ -79,22 +79,22 @@ def _bad(tmp_path, monkeypatch, capsys, *args):
 def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, case, word):
     args = []
     if case == "missing":
-        args = ["--data", str(tmp_path / "nope.txt")]
+        args = ["--dataset_name", str(tmp_path / "nope.txt")]
     elif case == "empty":
         (tmp_path / "empty.txt").write_text("  \n\n")
-        args = ["--data", str(tmp_path / "empty.txt")]
+        args = ["--dataset_name", str(tmp_path / "empty.txt")]
     elif case == "notjson":
         (tmp_path / "d.jsonl").write_text('{"text": "fine"}\nnot json\n')
-        args = ["--data", str(tmp_path / "d.jsonl")]
+        args = ["--dataset_name", str(tmp_path / "d.jsonl")]
     elif case == "model":
         (tmp_path / "notamodel").mkdir()
         (tmp_path / "notamodel" / "weights.bin").write_text("x")
-        args = ["--model", str(tmp_path / "notamodel")]
+        args = ["--model_name_or_path", str(tmp_path / "notamodel")]
     elif case == "nomodel":
-        args = ["--model", str(tmp_path / "no" / "such" / "model")]
+        args = ["--model_name_or_path", str(tmp_path / "no" / "such" / "model")]
     elif case == "batch":
         (tmp_path / "small.txt").write_text("a few words of text " * 40)
-        args = ["--data", str(tmp_path / "small.txt"), "--per_device_train_batch_size", "64"]
+        args = ["--dataset_name", str(tmp_path / "small.txt"), "--per_device_train_batch_size", "64"]
     elif case == "zerobatch":
         args = ["--per_device_train_batch_size", "0"]
     elif case == "outdir":

@@ -283,7 +283,7 @@ def test_planner_plays_the_formats():
 def test_plan_command_prints_a_row_per_format(capsys):
     from commfuse_dp.plan_cli import main
 
-    assert main(["--model", "llama3-8b", "--ranks", "16", "--link-gbps", "12.5", "--formats", "--codec-ns",
+    assert main(["--model", "llama3-8b", "--num-processes", "16", "--link-gbps", "12.5", "--formats", "--codec-ns",
                  "0.002"]) == 0
     out = capsys.readouterr().out
     for name in ("exact", "bf16", "fp8", "int8", "int8/int8"):
