@@ -1,11 +1,17 @@
-"""The figures docs/performance.md quotes equal the results files they name, where a table can be read back.
+"""The figures the docs quote equal the results files they name, where they can be read back.
 
-Checked today: every table of the multi-node runs ("HSDP against FSDP2's HSDP"): for each row, the peer's step
-(seconds, 3 decimals) against the file's ``fsdp2_hsdp`` record at that NIC rate, each setting's ratio and its
-spread (``median [lowest-highest]``, 3 decimals) against the file's ``paired_peer`` entry, and the layout and
-schedule the defaults chose (``(flat, fused)``, ``(HSDP, fsdp2)``) against their record's ``chosen``. A table is
-tied to the results file named last before it. A figure changed in the doc or a file rerun without the doc
-makes it fail."""
+- performance.md's multi-node tables ("NIC GB/s"): for each row, the peer's step (seconds, 3 decimals) against the
+  file's ``fsdp2_hsdp`` record at that NIC rate, a rank's share of the NIC, each setting's ratio and its spread
+  (``median [lowest-highest]``, 3 decimals) against the file's ``paired_peer`` entry, and the layout and schedule
+  the defaults chose (``(flat, fused)``, ``(HSDP, fsdp2)``) against their record's ``chosen``. A table is tied to
+  the results file named last before it.
+- performance.md's one-machine tables ("GB/s", "ranks, GB/s"): step seconds, and every ratio recomputed round by
+  round from the file's records (``bench.paired_ratios``).
+- every "balanced rate" performance.md quotes, against the file its paragraph names.
+- README's and docs/cli.md's ``commfuse-dp plan`` outputs, against what the command prints.
+
+Every rate in the docs is in GB/s (4 significant digits); the files keep what ``tc`` shaped, Mbit/s. A figure
+changed in a doc, or a file rerun without the doc, makes a test fail."""
 
 import json
 import os
@@ -69,3 +75,127 @@ def test_multi_node_tables_equal_their_results_files():
                     assert match.group(4, 5) == (layout, chosen["schedule"]), (named, key, chosen)
                 checked += 1
     assert checked >= 40, checked
+
+
+RANGE = re.compile(r"^([0-9.]+) \[([0-9.]+) - ([0-9.]+)\]$")
+NAMES = {"no hints": "defaults_nohints", "fused (exact)": "fused"}  # a column's words -> the bench's variant
+RESULTS = re.compile(r"(\d+ranks-[\w-]+\.json)")
+
+
+def _one_machine_tables(text: str):
+    """(files named in the paragraph before, header cells, rows of cells) of each table whose first header cell is
+    "GB/s" or "ranks, GB/s" (the bench on one machine)."""
+    lines = text.splitlines()
+    since = 0
+    for i, line in enumerate(lines):
+        if line.startswith("| GB/s |") or line.startswith("| ranks, GB/s |"):
+            named = RESULTS.findall("\n".join(lines[since:i]))
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append([c.strip() for c in row.strip("|").split("|")])
+            since = i + 2 + len(rows)
+            yield named, header, rows
+
+
+def _spread(ratio: dict) -> tuple[str, str, str]:
+    return tuple(f"{ratio[k]:.3f}" for k in ("median", "min", "max"))
+
+
+def test_one_machine_tables_equal_their_results_files():
+    """Every table of the bench on one machine: a variant's step seconds (3 decimals) against its record at the row's
+    rate; a ratio column "X / Y" against X's step over Y's paired by round (``bench.paired_ratios``: median [lowest -
+    highest]); in the narrow-format tables (no "X / Y" column) each variant's cell is the peer's (``fsdp2_overlap``)
+    step over the variant's, paired the same way. The row's rate is the file's (GB/s, 4 significant digits), and a
+    "ranks, GB/s" row names the file of that many ranks among those named before the table."""
+    from commfuse_dp.benchmarks.bench import paired_ratios
+
+    tables = list(_one_machine_tables(open(DOC).read()))
+    assert len(tables) >= 5, "the one-machine tables were not found"
+    checked = 0
+    for named, header, rows in tables:
+        assert named, f"no results file named before the table {header}"
+        files = {name: json.load(open(os.path.join(ROOT, "benchmarks", "results", name))) for name in named}
+        narrow = not any(" / " in column for column in header)
+        for cells in rows:
+            label = cells[0]
+            if header[0].startswith("ranks"):
+                ranks, label = label.split(", ", 1)
+                name = next(n for n, d in files.items() if d["world_size"] == int(ranks))
+            else:
+                name = named[-1]
+            data = files[name]
+            rate = _rate(data, label.split()[0], name)
+            records = {r["schedule"]: r for r in data["records"] if r["rate_mbit"] == rate}
+            key = f"{rate:g}"
+            for column, cell in zip(header[1:], cells[1:]):
+                cell = cell.replace("**", "")
+                if not cell:
+                    continue
+                where = (name, label, column, cell)
+                if " / " in column:
+                    of, over = (NAMES.get(w, w) for w in column.split(" / "))
+                    match = RANGE.match(cell)
+                    assert match, where
+                    paired = paired_ratios(data["records"], data["rounds"], of=of)[key][f"{of}/{over}"]
+                    assert match.groups() == _spread(paired), (where, _spread(paired))
+                elif narrow:
+                    variant = NAMES.get(column, column)
+                    match = RANGE.match(cell)
+                    assert match, where
+                    paired = paired_ratios(data["records"], data["rounds"], of="fsdp2_overlap")[key][
+                        f"fsdp2_overlap/{variant}"]
+                    assert match.groups() == _spread(paired), (where, _spread(paired))
+                else:
+                    variant = NAMES.get(column, column)
+                    assert cell == f"{records[variant]['step_s']:.3f}", (where, records[variant]["step_s"])
+                checked += 1
+    assert checked >= 150, checked
+
+
+PLAN_BLOCK = re.compile(r"```\n\$ (commfuse-dp plan [^\n]*)\n(.*?)```", re.S)
+
+
+def test_the_plan_outputs_shown_are_what_plan_prints(capsys):
+    """README's and docs/cli.md's ``$ commfuse-dp plan ...`` blocks: every line shown (``...`` marks lines left
+    out) is what the command prints today, in the same order. The planner is deterministic for these commands."""
+    import shlex
+
+    from commfuse_dp import cli
+
+    blocks = 0
+    for doc in (os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "cli.md")):
+        for command, shown in PLAN_BLOCK.findall(open(doc).read()):
+            assert cli.main(shlex.split(command)[1:]) == 0, command
+            printed = capsys.readouterr().out.splitlines()
+            at = 0
+            for line in shown.splitlines():
+                if line.strip() in ("", "..."):
+                    continue
+                assert line in printed[at:], (doc, command, line)
+                at = printed.index(line, at) + 1
+            blocks += 1
+    assert blocks >= 2, blocks
+
+
+BALANCED = re.compile(r"balanced (?:rate |at )([0-9.]+)\s+GB/s")
+
+
+def test_the_balanced_rates_quoted_are_their_files():
+    """Each "balanced rate R GB/s" / "balanced at R GB/s" in a paragraph of performance.md is the balanced rate
+    (``balanced_rate_mbit``) of a results file that paragraph names."""
+    quoted = 0
+    for paragraph in open(DOC).read().split("\n\n"):
+        rates = BALANCED.findall(paragraph)
+        if not rates:
+            continue
+        named = set(RESULTS.findall(paragraph)) | set(FILE.findall(paragraph))
+        assert named, ("a balanced rate with no results file named", paragraph[:200])
+        balanced = {f"{json.load(open(os.path.join(ROOT, 'benchmarks', 'results', n)))['balanced_rate_mbit'] / 8000:.4g}"
+                    for n in named}
+        for rate in rates:
+            assert rate in balanced, (rate, sorted(named), balanced)
+            quoted += 1
+    assert quoted >= 6, quoted
