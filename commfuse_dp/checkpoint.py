@@ -230,7 +230,7 @@ def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module
     return state
 
 
-_FEEDBACK = "commfuse_feedback_{}"  # model i's residuals: {"rank<r>of<world>": {name: float32 tensor}}
+_FEEDBACK = "commfuse_feedback_{}"  # model i's residuals: {"rank<r>of<world>": {name: tensor in feedback_dtype}}
 _CHOICE = "commfuse_choice_{}"  # what model i's "auto" settings ran as, in words
 
 
@@ -266,9 +266,10 @@ def _feedback_rank() -> str:
 
 
 def _feedback_targets(path: str, models: list[torch.nn.Module]) -> dict[str, Any]:
-    """Where ``load_sharded`` reads this rank's error-feedback residuals into (empty tensors shaped as saved), for
-    the models that keep them; ``ValueError`` on every rank (they all read the same metadata) when they were
-    saved at another world size."""
+    """Where ``load_sharded`` reads this rank's error-feedback residuals into (empty tensors shaped as saved, in
+    the dtype they were saved in: ``Residuals.restore`` converts them where this run's ``feedback_dtype`` is
+    another), for the models that keep them; ``ValueError`` on every rank (they all read the same metadata) when
+    they were saved at another world size."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     targets: dict[str, Any] = {}
     for i, model in enumerate(models):
@@ -284,7 +285,7 @@ def _feedback_targets(path: str, models: list[torch.nn.Module]) -> dict[str, Any
             owner, _, name = key[len(prefix):].partition(".")
             worlds.add(owner.partition("of")[2])
             if owner == _feedback_rank():
-                mine[name] = torch.empty(tuple(meta.size), dtype=torch.float32)
+                mine[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         world = str(dist.get_world_size() if dist.is_initialized() else 1)
         if worlds and worlds != {world}:
             raise ValueError(

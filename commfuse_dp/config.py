@@ -103,8 +103,15 @@ class CommFuseConfig:
 
     error_feedback: bool = False
     """With a lossy ``reduce_format``: keep what encoding lost of each contribution and add it to the next step's
-    (error feedback, as in 1-bit Adam and LoCo). Costs one float32 copy of the rank's unsharded fused weight
-    gradients (``describe(model)`` reports it)."""
+    (error feedback, as in 1-bit Adam and LoCo). Costs one copy of the rank's unsharded fused weight gradients, in
+    ``feedback_dtype`` (``describe(model)`` reports its bytes)."""
+
+    feedback_dtype: str = "bfloat16"
+    """Dtype in which ``error_feedback`` keeps its residuals: ``"bfloat16"`` (default: half the memory of float32,
+    and training follows the exact run as closely: docs/usage.md) or ``"float32"`` (also written
+    ``bf16``, ``fp32``). Only the storage narrows: adding the residual to a contribution and computing what
+    encoding lost run in float32, and the new residual is rounded once into this dtype. A checkpoint saves the
+    residuals in their dtype; a resume with the other one converts them."""
 
     format_block: int = 2048
     """Elements per scale of the ``fp8`` and ``int8`` formats (1 .. 4096)."""
@@ -320,6 +327,7 @@ class CommFuseConfig:
         if not 1 <= self.format_block <= MAX_BLOCK:
             raise ValueError(f"CommFuseConfig.format_block={self.format_block!r}: must be an integer from 1 to "
                              f"{MAX_BLOCK} (elements per scale of fp8 and int8)")
+        self.feedback_dtype = _feedback_dtype(self.feedback_dtype)
         if self.error_feedback and self.reduce_format == "exact":
             raise ValueError("CommFuseConfig.error_feedback=True needs a lossy reduce_format (\"bf16\" or "
                              "\"int8\"): an exact reduce-scatter loses nothing to feed back")
@@ -373,6 +381,11 @@ class CommFuseConfig:
     def elastic(self, world: int) -> bool:
         """Whether the fused schedule looks ahead elastically (and bundles a unit's hops) on ``world`` ranks."""
         return bool(self.prefetch_next) and world > 1 and self.lookahead_mb != 0
+
+    @property
+    def feedback_torch_dtype(self) -> torch.dtype:
+        """The torch dtype of ``feedback_dtype``: what error feedback's residuals are kept in."""
+        return _DTYPE_NAMES[self.feedback_dtype]
 
     @property
     def bucket_bytes(self) -> int:
@@ -489,6 +502,20 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
             return _DTYPE_NAMES[key]
     raise ValueError(f"CommFuseConfig.{name}={value!r}: allowed values are None, float32, bfloat16, float16 "
                      f"(also written fp32, bf16, fp16)")
+
+
+FEEDBACK_DTYPES = ("float32", "bfloat16")  # CommFuseConfig.feedback_dtype's values
+
+
+def _feedback_dtype(value: Any) -> str:
+    """``feedback_dtype``'s name (``"float32"`` or ``"bfloat16"``) from a name, an alias or a torch dtype."""
+    key = value
+    if isinstance(value, str):
+        key = _DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
+    if isinstance(key, torch.dtype) and key in (torch.float32, torch.bfloat16):
+        return str(key).removeprefix("torch.")
+    raise ValueError(f"CommFuseConfig.feedback_dtype={value!r}: allowed values are {FEEDBACK_DTYPES} (also written "
+                     f"fp32, bf16): the dtype error feedback keeps its residuals in")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

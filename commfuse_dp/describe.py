@@ -28,8 +28,10 @@ With N ranks, for
 Gathers move the compute dtype (``param_dtype``, else the parameter's), reduce-scatters ``reduce_dtype`` (else the
 compute dtype), unless ``gather_format`` / ``reduce_format`` narrows them: then the bytes are the encoded rows'
 (``commfuse_dp/wire.py``: 2-D parameters in the format, scales included; 1-D ones as they are). Ring embeddings
-travel as they are. ``error_feedback_bytes``: the float32 residuals ``error_feedback`` keeps on this rank (under
-HSDP also a float32 copy of each gradient shard for the exchange across the copies).
+travel as they are. ``error_feedback_bytes``: the residuals ``error_feedback`` keeps on this rank, in
+``feedback_dtype`` (``feedback_dtype``'s element size x world x the shard elements of every fused group and unit
+whose gradients travel narrow; under HSDP also one copy of each such gradient shard for the exchange across the
+copies).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class ShardReport:
     copies: int = 1  # HSDP: the model's copies, each sharded over ``world`` ranks (CommFuseConfig.replicate)
     gather_format: str = "exact"  # what weight gathers put on the wire (CommFuseConfig.gather_format)
     reduce_format: str = "exact"
-    error_feedback_bytes: int = 0  # float32 residuals kept on this rank (CommFuseConfig.error_feedback)
+    error_feedback_bytes: int = 0  # residuals kept on this rank (CommFuseConfig.error_feedback)
+    feedback_dtype: str = "bfloat16"  # what they are kept in (CommFuseConfig.feedback_dtype)
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes this rank sends per training step, per part and in all."""
@@ -134,7 +137,8 @@ class ShardReport:
         if (self.gather_format, self.reduce_format) != ("exact", "exact"):
             lines.append(f"on the wire: gathers {self.gather_format}, gradients {self.reduce_format} (2-D parameters; "
                          f"1-D ones and ring embeddings as they are)" + (
-                             f"; error feedback keeps {_size(self.error_feedback_bytes)} of residuals"
+                             f"; error feedback keeps {_size(self.error_feedback_bytes)} of {self.feedback_dtype} "
+                             f"residuals"
                              if self.error_feedback_bytes else ""))
         if self.choice:
             replicate = f"replicate {self.choice['replicate']}, " if "replicate" in self.choice else ""
@@ -173,7 +177,7 @@ def describe(model: nn.Module) -> ShardReport:
     choice = getattr(model, "_commfuse_choice", None)
     report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})),
                          choice=choice.as_dict() if choice is not None else {}, gather_format=config.gather_format,
-                         reduce_format=config.reduce_format,
+                         reduce_format=config.reduce_format, feedback_dtype=config.feedback_dtype,
                          copies=engine.replicas.size if engine.replicas is not None else 1)
     named = list(model.named_modules())
     fused_params: set[int] = set()
@@ -199,9 +203,10 @@ def describe(model: nn.Module) -> ShardReport:
     if config.error_feedback and config.reduce_format != "exact" and world > 1:
         reduced = [g.shard_numel for g in report.fused_groups if g.reduce_scatter_bytes]
         reduced += [u.shard_numel for u in report.fsdp_units if u.reduce_scatter_bytes]
-        report.error_feedback_bytes = 4 * world * sum(reduced)  # a float32 row per shard of each
+        item = config.feedback_torch_dtype.itemsize
+        report.error_feedback_bytes = item * world * sum(reduced)  # a row per shard of each
         if engine.replicas is not None:  # HSDP: the exchange across the copies keeps one of each shard too
-            report.error_feedback_bytes += 4 * sum(reduced)
+            report.error_feedback_bytes += item * sum(reduced)
     params = list(model.parameters())
     report.total_param_bytes = sum(_bytes(p) for p in params)
     report.fused_param_bytes = sum(_bytes(p) for p in params if id(p) in fused_params)

@@ -103,7 +103,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         group = mesh.get_group(0)
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
-    residuals = model._commfuse_residuals = Residuals(config.error_feedback)  # error feedback's, which checkpoints carry (feedback.py)
+    # error feedback's, which checkpoints carry (feedback.py), kept in config.feedback_dtype
+    residuals = model._commfuse_residuals = Residuals(config.error_feedback, config.feedback_torch_dtype)
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block,
                             config.error_feedback, residuals)

@@ -145,9 +145,14 @@ class RowFormat:
         return out
 
     def encode_fed(self, row: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> None:
-        """Error feedback: encode ``row`` plus what encoding lost before (``residual``, float32), and keep what it
-        loses now in ``residual``."""
-        fed = torch.add(row, residual)
+        """Error feedback: encode ``row`` plus what encoding lost before (``residual``), and keep what it loses now
+        in ``residual``. The sum and the loss are computed in float32 whatever the dtypes of ``row`` and
+        ``residual`` (``CommFuseConfig.feedback_dtype``: float32 or bfloat16); only the new residual is rounded,
+        once, into ``residual``'s dtype."""
+        if torch.float32 in (row.dtype, residual.dtype):
+            fed = torch.add(row, residual)  # (promoted to float32: the other operand is upcast)
+        else:
+            fed = row.float().add_(residual)
         self.encode(fed, out)
         residual.copy_(fed.sub_(self.decode(out, torch.empty_like(fed))))
 

@@ -35,6 +35,8 @@ def test_defaults_and_keywords():
     ("stats", "yes", "true or false"),
     ("nonfinite_grads", "ignore", "allowed values are ('auto', 'raise', 'skip', 'off')"),
     ("nonfinite_grads", True, "allowed values are ('auto', 'raise', 'skip', 'off')"),
+    ("feedback_dtype", "float16", "allowed values are ('float32', 'bfloat16')"),
+    ("feedback_dtype", torch.int8, "allowed values are ('float32', 'bfloat16')"),
 ])
 def test_bad_values_name_the_field(field, value, fragment):
     with pytest.raises(ValueError) as info:
@@ -140,3 +142,20 @@ def test_nonfinite_grads_from_every_source(tmp_path):
     assert CommFuseConfig.from_env({"COMMFUSE_NONFINITE_GRADS": " skip "}).nonfinite_grads == "skip"
     with pytest.raises(ValueError, match="CommFuseConfig.nonfinite_grads='never'"):
         CommFuseConfig.from_env({"COMMFUSE_NONFINITE_GRADS": "never"})
+
+
+def test_feedback_dtype_from_every_source(tmp_path):
+    """``feedback_dtype``: a name, an alias or a torch dtype, kept as its name; from YAML's ``commfuse:`` block and
+    the environment like every field."""
+    assert CommFuseConfig().feedback_dtype == "bfloat16" and CommFuseConfig().feedback_torch_dtype is torch.bfloat16
+    for value, name in (("bf16", "bfloat16"), ("FP32", "float32"), (torch.float32, "float32"),
+                        ("torch.bfloat16", "bfloat16")):
+        assert CommFuseConfig(feedback_dtype=value).feedback_dtype == name, value
+    block = tmp_path / "accelerate.yaml"
+    block.write_text("num_processes: 2\ncommfuse:\n  reduce_format: int8\n  error_feedback: true\n"
+                     "  feedback_dtype: fp32\n")
+    cfg = CommFuseConfig.from_yaml(block)
+    assert cfg.feedback_dtype == "float32" and cfg.feedback_torch_dtype is torch.float32
+    assert cfg.to_env()["COMMFUSE_FEEDBACK_DTYPE"] == "float32" and CommFuseConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ValueError, match=r"CommFuseConfig\.feedback_dtype='int8': allowed values"):
+        CommFuseConfig.from_env({"COMMFUSE_FEEDBACK_DTYPE": "int8"})

@@ -3,9 +3,10 @@
 A run of ``N_STEPS`` steps (real gloo ranks, a Llama-style decoder, AdamW) saves after step ``SAVE_AT`` with
 ``save_sharded`` and with ``AsyncSaver``, and goes on. New processes load each folder into a freshly sharded model
 and train the remaining steps: their final weights must equal the uninterrupted run's exactly (max abs difference
-0). Options that add training state (error feedback's residuals, ``feedback.py``) are covered, and for them a
-control resumes with the residuals thrown away, which must differ, or the comparison proves nothing. A checkpoint
-with residuals read back at another world size is refused with one line on every rank.
+0). Options that add training state (error feedback's residuals, ``feedback.py``, in either ``feedback_dtype``)
+are covered, and for them a control resumes with the residuals thrown away, which must differ, or the comparison
+proves nothing. A checkpoint with residuals read back at another world size is refused with one line on every rank;
+one read back with the other ``feedback_dtype`` converts them.
 
 The Trainer's and accelerate's checkpoint paths go through ``save_sharded`` / ``AsyncSaver`` / ``load_sharded``
 too; tests/test_trainer_atomic.py resumes a ``CommFuseTrainer`` with error feedback the same way.
@@ -35,6 +36,15 @@ CASES = {
     "gather int8, reduce bf16": (2, {"gather_format": "int8", "reduce_format": "bf16"}),
     "fused, reduce int8 + error_feedback": (2, {"schedule": "fused", "reduce_format": "int8",
                                                 "error_feedback": True}),
+    "fused, reduce int8 + error_feedback, bfloat16 residuals": (2, {"schedule": "fused", "reduce_format": "int8",
+                                                                    "error_feedback": True,
+                                                                    "feedback_dtype": "bfloat16"}),
+    "fused, reduce int8 + error_feedback, float32 residuals": (2, {"schedule": "fused", "reduce_format": "int8",
+                                                                   "error_feedback": True,
+                                                                   "feedback_dtype": "float32"}),
+    "fsdp2, reduce bf16 + error_feedback, bfloat16 residuals": (2, {"schedule": "fsdp2", "reduce_format": "bf16",
+                                                                    "error_feedback": True,
+                                                                    "feedback_dtype": "bfloat16"}),
     "auto, gather and reduce int8 + error_feedback": (2, {"gather_format": "int8", "reduce_format": "int8",
                                                           "error_feedback": True}),
     "fsdp2, reduce int8 + error_feedback": (2, {"schedule": "fsdp2", "reduce_format": "int8",
@@ -85,7 +95,7 @@ def _worker(rank, world_size, fields, folder, mode):
         _train(model, opt, rank, range(1, N_STEPS + 1), save)
         saver.close()
         kept = residuals_of(model).state()
-        return _final(model), {n: t.numel() for n, t in kept.items()}
+        return _final(model), {n: (t.numel(), str(t.dtype).removeprefix("torch.")) for n, t in kept.items()}
     finals = {}
     for source, drop in (("sync", False), ("async", False), ("sync", True)):
         if drop and not fields.get("error_feedback"):
@@ -114,6 +124,8 @@ def test_resume_is_bit_for_bit(tmp_path, case):
     reference, kept = full[0]
     assert all(r[1] == kept for r in full), "every rank keeps the same residuals"
     assert bool(kept) == bool(fields.get("error_feedback")), kept
+    dtype = cf.CommFuseConfig(**fields).feedback_dtype
+    assert all(d == dtype for _, d in kept.values()), (dtype, kept)  # kept, and saved, in feedback_dtype
     print(f"RESIDUALS | {case} | {', '.join(sorted(kept))}")
     resumed = run_ranks(_worker, ranks, (fields, folder, "resume"), timeout=300)[0]
     rows = {source: _max_diff(final, reference) for source, final in resumed.items()}
@@ -141,6 +153,30 @@ def test_residuals_at_another_world_size_are_refused_on_every_rank(tmp_path):
     assert len(set(errors)) == 1
     # without error feedback the same folder reshards as any other
     assert run_ranks(_other_world_worker, 3, ({"reduce_format": "int8"}, str(tmp_path)), timeout=300) == [None] * 3
+
+
+def _other_dtype_worker(rank, world_size, fields, folder):
+    """This rank's residuals as read back from ``folder``/sync with the saved run's ``feedback_dtype`` and with the
+    other one."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model, opt = _setup({**fields, "feedback_dtype": dtype})
+        ck.load_sharded(f"{folder}/sync", [model], [(model, opt)], extra={"step": -1})
+        out[dtype] = residuals_of(model).state()
+    return out
+
+
+def test_residuals_saved_in_another_dtype_are_converted(tmp_path):
+    """A run resumed with the other ``feedback_dtype`` (say, to halve the residuals' memory) keeps them: float32
+    ones are rounded to bfloat16 once, as each step's new residual is."""
+    fields = {"schedule": "fused", "reduce_format": "int8", "error_feedback": True, "feedback_dtype": "float32"}
+    run_ranks(_worker, 2, (fields, str(tmp_path), "full"), timeout=300)
+    for back in run_ranks(_other_dtype_worker, 2, (fields, str(tmp_path)), timeout=300):
+        saved, narrowed = back["float32"], back["bfloat16"]
+        assert saved and sorted(saved) == sorted(narrowed)
+        for name, tensor in saved.items():
+            assert tensor.dtype == torch.float32 and narrowed[name].dtype == torch.bfloat16, name
+            assert tensor.abs().sum() > 0 and torch.equal(narrowed[name], tensor.to(torch.bfloat16)), name
 
 
 def _other_schedule_worker(rank, world_size, folder):

@@ -57,7 +57,8 @@ def ring_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, *, reduce_form
     """``flat`` summed over ``group`` ([Note: the replica all-reduce]): a ring reduce-scatter of ``flat`` padded to a
     multiple of the group's size, then a ring all-gather of the sums. Returns the sum (a view of a new buffer) and,
     with ``async_op``, the work to wait for before reading it (else None). ``narrow``: the whole of ``flat`` in
-    ``reduce_format``; ``residual``: its error feedback, float32 ``(R, parts)`` (``residual_shape``). ``tags``: the
+    ``reduce_format``; ``residual``: its error feedback, ``(R, parts)`` (``residual_shape``; float32 or bfloat16,
+    ``CommFuseConfig.feedback_dtype``). ``tags``: the
     two ring ops' (default: drawn now)."""
     r = dist.get_world_size(group)
     part = -(-flat.numel() // r)

@@ -95,7 +95,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     ``label``, ``direct_kb`` (of ``input``) and ``stats``: as for ``ring_all_gather``. ``wire``: a narrow format
     of one shard's row: this rank's piece of each other shard is encoded once and sent straight to its owner in
     N-1 pairwise rounds, and the owner sums the pieces in float32 in the ring's order (``_narrow_reduce_scatter``).
-    ``residual``: error feedback with ``wire``, float32 ``(world_size, output.numel())``: what encoding lost of
+    ``residual``: error feedback with ``wire``, ``(world_size, output.numel())`` (float32 or bfloat16, the
+    arithmetic float32 either way: ``RowFormat.encode_fed``): what encoding lost of
     each piece, added to the next call's piece before it is encoded, and updated."""
     ring = get_ring(group, op="ring_reduce_scatter")
     _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,

@@ -128,7 +128,8 @@ class RingReduceScatter(_RingComm, ReduceScatter):
         super().__init__(config, recorder, label)
         self.deferred = deferred
         # error feedback (``feedback``): the model's residuals, this unit's under its place in the model
-        self.residuals = residuals if residuals is not None else Residuals()
+        self.residuals = (residuals if residuals is not None
+                          else Residuals(self.config.error_feedback, self.config.feedback_torch_dtype))
         self.feedback_name = feedback_name
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -159,7 +160,7 @@ class RingReduceScatter(_RingComm, ReduceScatter):
 
     def feedback(self, output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
         """With ``error_feedback``: what encoding lost of this rank's piece of each shard, kept from one
-        reduce-scatter of the unit to the next (float32, a row per shard)."""
+        reduce-scatter of the unit to the next (in ``feedback_dtype``, a row per shard)."""
         if not self.config.error_feedback:
             return None
         return self.residuals.get(self.feedback_name, (group.size(), output.numel()), output.device)
@@ -316,7 +317,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
     residuals = residuals_of(model)  # (shard() made them already; again here: the same, kept)
     if residuals is None:
         residuals = model._commfuse_residuals = Residuals()
-    residuals.enabled = config.error_feedback
+    residuals.enabled, residuals.dtype = config.error_feedback, config.feedback_torch_dtype
     gathering = _install_rings(units, config, recorder, from_shard, deferred, residuals)
     _install_schedule(model, gathering, overlap, deferred)
     return model

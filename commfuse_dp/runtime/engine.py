@@ -52,7 +52,8 @@ class Engine:
         self.ring, self.mesh, self.config = ring, mesh, config
         self.world_ring = world_ring or ring
         self.replicas = replicas
-        self.residuals = residuals if residuals is not None else Residuals()  # error feedback's (feedback.py)
+        self.residuals = (residuals if residuals is not None  # error feedback's (feedback.py)
+                          else Residuals(config.error_feedback, config.feedback_torch_dtype))
         self.stats = StatsRecorder(config.stats)
         self.link = Link(ring, config.timeout_s, self.stats)
         self.requires_grad_sync = True

@@ -59,7 +59,7 @@ class FusedGroupState:
 
     def feedback(self, device: torch.device) -> torch.Tensor | None:
         """With ``error_feedback``: what encoding lost of this rank's contribution to each shard, kept from one
-        synced backward to the next (float32, a row per shard)."""
+        synced backward to the next (in ``feedback_dtype``, a row per shard)."""
         if not self.engine.config.error_feedback:
             return None
         if self.residual is None:  # (named by the group's place in the model: the same on every rank and run)

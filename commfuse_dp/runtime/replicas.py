@@ -48,7 +48,7 @@ class Replicas:
         # narrow formats ([Note: the replica all-reduce]): the 2-D parameters' shards cross in ``reduce_format``,
         # summed in float32 by each part's owner, and the sums come back encoded once, the owner decoding its own
         # too, so every copy holds the same sum; with ``error_feedback`` what encoding lost of a contribution is
-        # added to the next step's (a float32 residual per exchange, named by the parameters it carries)
+        # added to the next step's (a residual per exchange in ``feedback_dtype``, named by the parameters it carries)
         self.reduce_format, self.format_block, self.error_feedback = reduce_format, format_block, error_feedback
         self.residuals = residuals if residuals is not None else Residuals()
         self.ring = get_ring(group, op="shard (replicate group)")
