@@ -3,8 +3,10 @@ figures README quotes.
 
     python -m commfuse_dp.benchmarks.demo_rounds --rounds 3 --json benchmarks/results/demo-2cpu.json
 
-Each round is a fresh ``commfuse-dp demo`` (its defaults: 2 CPU processes, 60 steps, the embedded model and data)
-into its own output folder under ``--work-dir``. The file keeps each round's summary (``summary.json``'s figures
+Each round is a fresh ``commfuse-dp demo`` (its defaults: 2 CPU processes, 60 steps, the embedded model and data,
+into ``runs/demo``) in ``--work-dir``, each replacing the one before (``--overwrite_output_dir``). ``demo_s`` is
+the time the demo prints ("N s in all", from its start of the recipe to its end); ``wall_s`` adds the command's
+own start-up. The file keeps each round's summary (``summary.json``'s figures
 and the demo's own wall time), the median and range of each figure over the rounds, the machine it ran on, and
 the summary lines of the median round (by wall time) as the demo printed them (``shown``), which README shows.
 Run it on an otherwise idle machine: the rounds time the machine as much as the library.
@@ -16,30 +18,35 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-FIGURES = ("wall_s", "eval_loss_before", "eval_loss_after", "perplexity_before", "perplexity_after",
+FIGURES = ("wall_s", "demo_s", "eval_loss_before", "eval_loss_after", "perplexity_before", "perplexity_after",
            "tokens_per_s", "exposed_comm_s", "step_wall_s", "tokens_seen")
 
 
-def run_round(out_dir: str, extra: list[str]) -> dict:
-    """One ``commfuse-dp demo`` into ``out_dir``: its summary's figures, wall time and printed summary lines."""
-    command = [sys.executable, "-m", "commfuse_dp.cli", "demo", "--output_dir", out_dir, *extra]
+def run_round(work: str, extra: list[str]) -> dict:
+    """One ``commfuse-dp demo`` as README runs it (into ``runs/demo``, here under ``work``): its summary's figures,
+    its wall time and what it printed at the end."""
+    out_dir = os.path.join("runs", "demo")
+    command = [sys.executable, "-m", "commfuse_dp.cli", "demo", "--overwrite_output_dir", *extra]
     began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=work)
     wall = time.perf_counter() - began
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
         raise SystemExit(f"demo_rounds: the demo failed (status {done.returncode}): " + " | ".join(tail))
-    with open(os.path.join(out_dir, "summary.json")) as f:
+    with open(os.path.join(work, out_dir, "summary.json")) as f:
         summary = json.load(f)
     lines = done.stdout.splitlines()
     first = max(i for i, line in enumerate(lines) if line.startswith("commfuse-dp demo: ") and " fine-tuned on " in line)
-    return {"wall_s": wall, **{k: summary.get(k) for k in FIGURES if k != "wall_s"},
+    said = re.search(r", (\d+) s in all$", lines[first + 1])
+    return {"wall_s": wall, "demo_s": int(said.group(1)) if said else None,
+            **{k: summary.get(k) for k in FIGURES if k not in ("wall_s", "demo_s")},
             "chose": summary.get("schedule"),  # what CommFuseConfig()'s auto settings became, and why
             "shown": lines[first:]}
 
@@ -60,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for i in range(args.rounds):
         print(f"round {i + 1} of {args.rounds} ...", flush=True)
-        rounds.append(run_round(os.path.join(work, f"round-{i + 1}"), extra))
+        rounds.append(run_round(work, extra))
         r = rounds[-1]
         print(f"  {r['wall_s']:.0f} s, eval loss {r['eval_loss_after']:.3f}, {r['tokens_per_s']:.0f} tokens/s, "
               f"exposed {r['exposed_comm_s']:.3f} s of {r['step_wall_s']:.3f} s", flush=True)

@@ -199,3 +199,22 @@ def test_the_balanced_rates_quoted_are_their_files():
             assert rate in balanced, (rate, sorted(named), balanced)
             quoted += 1
     assert quoted >= 6, quoted
+
+
+def test_readme_s_demo_output_is_its_results_file():
+    """README's demo lines are the median round's of ``benchmarks/results/demo-2cpu.json`` (made by
+    ``benchmarks/demo_rounds.py``), and the time and throughput it quotes over the rounds are the file's median
+    [lowest-highest]."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    data = json.load(open(os.path.join(ROOT, "benchmarks", "results", "demo-2cpu.json")))
+    intro = text.index("benchmarks/results/demo-2cpu.json")
+    block = re.search(r"```\n(.*?)```", text[intro:], re.S).group(1)
+    assert block.splitlines() == data["shown"]
+    spread = data["spread"]
+    quoted = re.search(r"the demo took (\d+) s \[(\d+)-(\d+)\] at (\d+) tokens/s \[(\d+)-(\d+)\]", text[intro:])
+    assert quoted, "README quotes no time and throughput over the rounds"
+    assert quoted.groups() == tuple(f"{spread[k][m]:.0f}" for k in ("demo_s", "tokens_per_s")
+                                    for m in ("median", "min", "max"))
+    assert len(data["rounds"]) >= 3
+    chose = data["rounds"][0]["chose"]["schedule"]
+    assert f"(here {chose})" in text, chose
