@@ -39,6 +39,13 @@ class _Background:
 _README_JOB: _Background | None = None
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that needs README's main job (a fresh install and the demo, minutes) is slow wherever it is."""
+    for item in items:
+        if "readme_job" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session) -> None:
     """Start README's main job as soon as the run is known to need it."""
     global _README_JOB

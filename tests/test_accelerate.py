@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_prepare_shards_and_repoints_the_optimizer(runs):
     cf, ddp = runs["commfuse"], runs["ddp"]
     assert cf["world_size"] == ddp["world_size"] == 2
@@ -62,6 +63,7 @@ def test_prepare_shards_and_repoints_the_optimizer(runs):
     assert cf["optimizer_is_model_params"] and cf["optimizer_state_dtensor"]
 
 
+@pytest.mark.slow
 def test_prepare_attaches_the_model_once(runs):
     """prepare() shards the model and Accelerator.prepare then calls prepare_model on it: the model reaches
     commfuse_dp.integrations.attach.attach once (recorded on the model by attach itself)."""
@@ -102,6 +104,7 @@ def test_async_save_state_resumes_to_the_state_of_its_call(runs):
     assert ck.is_complete(runs["dir"] / "state-after-3-async" / "commfuse")
 
 
+@pytest.mark.slow
 def test_error_feedback_resumes_from_save_state_with_its_residuals(tmp_path):
     """int8 gradients with error feedback: save_state after step 3 carries each rank's residuals, and the resumed
     run repeats steps 4..6 exactly (the grad norms move with the residuals)."""
@@ -151,6 +154,7 @@ CommFuseAccelerator(**kwargs[sys.argv[1]])
 @pytest.mark.parametrize("case, env, word", [("ds", {}, "DeepSpeed only on GPUs"), ("fsdp", {}, "FSDP"),
                                              ("env", {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
                                              ("bad", {}, "bucket_mbb")])
+@pytest.mark.slow
 def test_refuses_other_sharding_and_bad_config(case, env, word):
     proc = subprocess.run([sys.executable, "-c", _REFUSE, case], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=120)

@@ -57,6 +57,7 @@ def _marked(proc, marker: str, script: str) -> set[int]:
     return {int(n) for n in re.findall(rf"{marker} {re.escape(script)}:(\d+)", proc.stdout)}  # ranks interleave
 
 
+@pytest.mark.slow
 def test_accelerate_test_script_passes_but_its_sharded_vs_plain_checks(tmp_path):
     proc = _launch(tmp_path, "test_script.py")
     assert proc.returncode == 0, _output(proc)
@@ -67,6 +68,7 @@ def test_accelerate_test_script_passes_but_its_sharded_vs_plain_checks(tmp_path)
     assert _functions_at("test_script.py", lines) == {"training_check"}, sorted(lines)
 
 
+@pytest.mark.slow
 def test_accelerate_test_script_unwrapped_stops_at_the_sharded_vs_plain_check(tmp_path):
     proc = _launch(tmp_path, "test_script.py", wrapped=False)
     assert proc.returncode != 0
@@ -74,6 +76,7 @@ def test_accelerate_test_script_unwrapped_stops_at_the_sharded_vs_plain_check(tm
     assert "**Training integration test**" in proc.stdout and "scalar parameters" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_accelerate_test_sync_passes(tmp_path):
     proc = _launch(tmp_path, "test_sync.py")
     assert proc.returncode == 0, _output(proc)

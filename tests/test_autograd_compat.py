@@ -128,6 +128,7 @@ def _compile_worker(rank, world_size, schedule):
 
 
 @pytest.mark.parametrize("schedule", ["fused", "slicing"])
+@pytest.mark.slow
 def test_torch_compile_trains_correctly(schedule):
     run_ranks(_compile_worker, 2, (schedule,), timeout=400)
 

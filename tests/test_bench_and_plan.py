@@ -250,6 +250,7 @@ needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
 
 
 @needs_netns
+@pytest.mark.slow
 def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "commfuse_dp.cli", "bench", "--link-gbps", "0.5", "--rounds", "1", "--steps", "1",
@@ -299,6 +300,7 @@ def test_bench_runs_end_to_end_on_the_emulated_cluster(tmp_path):
     assert not left, left
 
 
+@pytest.mark.slow
 def test_cuda_check_dry_run_on_cpu(tmp_path):
     """The GPU check script (benchmarks/cuda_check.py) runs its parts on the CPU too, so it does not rot between the
     machines that are lent a GPU; it must fail when a part fails or does not run (here: no time left for it)."""
@@ -403,6 +405,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
     assert table() == table("--overhead", str(overhead))
 
 
+@pytest.mark.slow
 def test_plan_models_the_host():
     """``--host-fit``: the host issues about 3 (N-1) hops and 2N pieces per fused group per step (measured with
     benchmarks/step_overhead.py --fake-worlds: costs.H200_HOST_FIT), so a step is at least that long. Llama-3-8B on
@@ -433,6 +436,7 @@ def test_plan_models_the_host():
     assert bad.returncode == 2 and "--host-fit 'fast'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_optimizer_overhead_script_runs():
     """benchmarks/optimizer_overhead.py (a measurement, run by hand) still runs and prints both timings."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "optimizer_overhead.py")
@@ -468,6 +472,7 @@ print("RESULT " + json.dumps(every))
 """
 
 
+@pytest.mark.slow
 def test_planner_fuses_what_shard_fuses(tmp_path):
     """The planner plays the groups ``shard()`` fuses under ``min_fuse_numel`` (``costs.placed``), and knows where
     a decoder layer's unfused groups keep an FSDP2 unit of their own (``costs.own_collectives``, which it does not

@@ -70,6 +70,7 @@ def _stream_worker(rank, world_size, folder, out_dir, kind, max_shard_size):
 
 
 @pytest.mark.parametrize("kind,max_shard_size", [("llama", None), ("gpt2", "24KB"), ("bert", None)])
+@pytest.mark.slow
 def test_meta_build_stream_load_and_export(tmp_path, kind, max_shard_size):
     folder, out_dir = str(tmp_path / "pretrained"), str(tmp_path / "exported")
     whole = hf_models.build(kind, seed=3, **OVERRIDES[kind])

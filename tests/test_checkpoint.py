@@ -63,6 +63,7 @@ def _load_worker(rank, world_size, path, kind):
 
 
 @pytest.mark.parametrize("load_world", [2, 3, 1])
+@pytest.mark.slow
 def test_sharded_state_reloads_into_any_world_size(tmp_path, load_world):
     path = str(tmp_path / "state")
     saved_params, saved_state = run_ranks(_save_worker, 2, (path, "gpt2"), timeout=180)[0]
@@ -124,6 +125,7 @@ def _after_kill_worker(rank, world_size, path):
     return _full(model, opt), extra["step"], str(refused.value)
 
 
+@pytest.mark.slow
 def test_rank_killed_during_save_leaves_previous_folder_intact(tmp_path):
     """Rank 1 dies inside dcp.save of a second save to ``path``; rank 0 fails in DCP's gather of the write
     results. The first save stays at ``path``, complete, and loads exactly (at 2 ranks and, resharded, at 3);

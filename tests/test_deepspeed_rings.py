@@ -62,6 +62,7 @@ def ds(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_losses_and_parameters_equal_stock_deepspeed(ds, case):
     run = ds["stages"][case]
     stock, rings = torch.tensor(run["stock"]["losses"]), torch.tensor(run["rings"]["losses"])
@@ -74,6 +75,7 @@ def test_losses_and_parameters_equal_stock_deepspeed(ds, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_enable_ring_collectives_attaches_the_engines_model_once(ds, case):
     assert ds["stages"][case]["rings"]["attachments"] == [["enable_ring_collectives", "deepspeed"]]
     assert ds["stages"][case]["stock"]["attachments"] == []
@@ -146,6 +148,7 @@ def trainer(tmp_path_factory):
     return out, json.loads((out / "result.json").read_text())
 
 
+@pytest.mark.slow
 def test_trainer_callback_switches_deepspeed_to_rings(trainer):
     _, result = trainer
     stock, rings = result["stock"], result["rings"]
@@ -163,6 +166,7 @@ def test_trainer_callback_switches_deepspeed_to_rings(trainer):
     assert rings["stats_after_save"]["calls"]["all_gather_into_tensor"] > calls["all_gather_into_tensor"]
 
 
+@pytest.mark.slow
 def test_model_saved_by_deepspeed_reloads_with_equal_logits(trainer):
     import hf_models
     from transformers import AutoModelForCausalLM
@@ -228,6 +232,7 @@ def _aborted(codes: list[int], errors: list[str]) -> bool:
     return any(code != 0 or "terminate called" in err for code, err in zip(codes, errors))
 
 
+@pytest.mark.slow
 def test_no_abort_at_exit_after_shutdown(tmp_path):
     """DESIGN §5: "about one run in eight aborted at interpreter exit after training with `terminate called
     without an active exception`". Cause, from a core dump of such an abort and the same abort with plain torch +

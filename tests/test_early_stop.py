@@ -43,19 +43,23 @@ def test_stopped_rank_exits(schedule):
     assert "peer lost" in results[0].error or "connection was lost" in results[0].error, results[0].describe()
 
 
+@pytest.mark.slow
 def test_stopped_rank_waits_in_barrier():
     results = _early_stop("barrier")
     assert "no answer within timeout_s=4s" in results[0].error, results[0].describe()
 
 
+@pytest.mark.slow
 def test_stopped_rank_waits_in_barrier_three_ranks():
     _early_stop("barrier", world_size=3)
 
 
+@pytest.mark.slow
 def test_stopped_rank_gathers_metrics():
     _early_stop("gather")
 
 
+@pytest.mark.slow
 def test_rank_that_never_reaches_shard():
     results = _early_stop("no_shard")
     assert "shard()" in results[0].error, results[0].describe()

@@ -122,6 +122,7 @@ def _leftovers(tag: str) -> tuple[list[str], list[str]]:
 
 
 @needs_netns
+@pytest.mark.slow
 def test_a_node_s_ranks_share_its_nic():
     with EmulatedNodes(2, 2, NIC_MBIT) as cluster:
         alone = _transfer(cluster, [(0, 2)], 3 * MB)
@@ -159,6 +160,7 @@ def test_intra_mbit_caps_the_node_s_loopback_for_all_its_ranks():
 
 
 @needs_netns
+@pytest.mark.slow
 def test_a_nic_per_rank_gives_each_the_whole_rate():
     with EmulatedNodes(2, 2, NIC_MBIT, nics_per_node=2) as cluster:
         both = _transfer(cluster, [(0, 2), (1, 3)], 3 * MB)
@@ -206,6 +208,7 @@ GLOO_RING = textwrap.dedent("""
 
 
 @needs_netns
+@pytest.mark.slow
 def test_a_flat_gloo_ring_across_rails_routes():
     # ranks 1 -> 2 and 3 -> 0 cross from rail 1 to rail 0
     with EmulatedNodes(2, 2, 2000, nics_per_node=2) as cluster:
@@ -238,6 +241,7 @@ TEARDOWN_ON_SIGTERM = textwrap.dedent("""
 
 
 @needs_netns
+@pytest.mark.slow
 def test_teardown_leaves_nothing_behind():
     cluster = EmulatedNodes(3, 2, NIC_MBIT, nics_per_node=2, intra_mbit=500)
     tag = cluster.bridge[:-2]

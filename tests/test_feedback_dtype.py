@@ -16,6 +16,7 @@ measure that instead.
 arithmetic on a bfloat16 residual is float32's, rounded once into it.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -83,6 +84,7 @@ def _distances(a: dict, b: dict) -> tuple[float, float]:
             sum(float((a[k] - b[k]).square().sum()) for k in a) ** 0.5)
 
 
+@pytest.mark.slow
 def test_bfloat16_residuals_hold_the_loss():
     runs = run_ranks(_worker, 2, timeout=300)[0]
     exact = runs["exact"][1]

@@ -75,6 +75,7 @@ def _worker(rank, world_size, schedule):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.slow
 def test_frozen_reference_beside_the_policy(world_size):
     ids = _batch(world_size)
     policy, reference = _model(), _model()

@@ -54,6 +54,7 @@ def _parity_worker(rank, world_size, accumulate, coarse):
 
 @pytest.mark.parametrize("world_size,accumulate,coarse", [(2, False, False), (3, False, False), (2, True, False),
                                                           (3, False, True)], ids=["2", "3", "2-accumulate", "3-coarse"])
+@pytest.mark.slow
 def test_overlapping_peer_trains_like_ddp(world_size, accumulate, coarse):
     moved = run_ranks(_parity_worker, world_size, args=(accumulate, coarse), timeout=240)
     assert moved[0] > 1e-3, "training did not move the parameters: the comparison would prove nothing"

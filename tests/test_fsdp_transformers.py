@@ -102,6 +102,7 @@ def _check_same_training(stock: dict, rings: dict) -> None:
     assert len(set(stock["losses"])) > 1, "the loss did not change: the comparison would prove nothing"
 
 
+@pytest.mark.slow
 def test_transformers_sharded_the_model_with_fsdp2(fsdp):
     _, result = fsdp
     for name in ("stock_fp32", "rings_fp32", "stock_mixed", "rings_mixed"):
@@ -122,6 +123,7 @@ def test_transformers_sharded_the_model_with_fsdp2(fsdp):
         assert {i["param_dtype"] for i in run["units"].values()} == {dtype}
 
 
+@pytest.mark.slow
 def test_ring_adapters_were_called(fsdp):
     _, result = fsdp
     for precision in ("fp32", "mixed"):
@@ -138,6 +140,7 @@ def test_losses_match_stock_fsdp2(fsdp, precision):
     assert result["stock_mixed"]["losses"][1:] != result["stock_fp32"]["losses"][1:]
 
 
+@pytest.mark.slow
 def test_save_pretrained_on_every_rank_reloads_in_a_fresh_process(fsdp, reload):
     _, result = fsdp
     after = result["rings_fp32"]["after_training"]
@@ -172,6 +175,7 @@ def test_wrong_calls_are_refused(fsdp):
     assert wrong["layer0_comm_after_refusal"] == "DefaultAllGather"
 
 
+@pytest.mark.slow
 def test_hsdp_reduce_scatters_on_the_shard_group(hsdp):
     assert hsdp["world_size"] == 4
     for name in ("stock_fp32", "rings_fp32"):
@@ -189,6 +193,7 @@ def test_hsdp_reduce_scatters_on_the_shard_group(hsdp):
     assert len({tuple(r["grad_norms"]) for r in per_rank}) == 1
 
 
+@pytest.mark.slow
 def test_own_fully_shard_with_reshard_to_a_smaller_group(hsdp):
     """Own fully_shard code on 4 ranks, decoder layers with reshard_after_forward=2: FSDP2 keeps each layer
     sharded over 2 ranks between forward and backward, and its backward all-gather runs on that group."""

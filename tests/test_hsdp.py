@@ -47,6 +47,7 @@ def _hsdp_worker(rank, world_size, cases):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_two_copies_of_two_shards_match_one_process(kind):
     cases = [(kind, "fused", 1), (kind, "slicing", 1), (kind, "fused", 2)]
     assert all(run_ranks(_hsdp_worker, 4, (cases,), timeout=600))
@@ -111,6 +112,7 @@ def _load_worker(rank, world_size, path, replicate):
 @pytest.mark.parametrize("saved,loaded", [((4, 2), (4, 1)), ((4, 2), (4, 4)), ((4, 2), (2, 1)),
                                           ((4, 1), (4, 2)), ((4, 4), (4, 2)), ((2, 1), (4, 2))],
                          ids=["2x2-to-1x4", "2x2-to-4x1", "2x2-to-1x2", "1x4-to-2x2", "4x1-to-2x2", "1x2-to-2x2"])
+@pytest.mark.slow
 def test_checkpoints_cross_mesh_shapes(tmp_path, saved, loaded):
     # (world size, replicate): 2x2 saved, loaded as 1x4, 4x1 and 1x2, and each of those saved, loaded as 2x2. DCP
     # reshards; the consolidated Hugging Face folder (save_pretrained) loads back too.
@@ -137,6 +139,7 @@ def _fsdp2_hsdp_worker(rank, world_size, cases):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_fsdp2_schedule_hsdp_matches_one_process(kind):
     assert all(run_ranks(_fsdp2_hsdp_worker, 4, ([(kind, 1), (kind, 2)],), timeout=600))
 
@@ -216,5 +219,6 @@ def _narrow_worker(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_narrow_formats_cross_the_copies_with_error_feedback():
     assert all(run_ranks(_narrow_worker, 4, timeout=600))

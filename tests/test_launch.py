@@ -198,6 +198,7 @@ def _bootstrap(tmp_path, env_extra, *target):
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_bootstrap_hooks_only_when_enabled(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
@@ -222,6 +223,7 @@ def test_bootstrap_hooks_only_when_enabled(tmp_path):
     assert seen["trainer"] == seen["package_trainer"] == "Trainer"
 
 
+@pytest.mark.slow
 def test_bootstrap_runs_a_module_and_refuses_a_bad_environment(tmp_path):
     (tmp_path / "probe_mod.py").write_text(PROBE)
     env = {"COMMFUSE_ENABLE": "1", "PYTHONPATH": str(tmp_path)}
@@ -285,6 +287,7 @@ def accelerate_runs(tmp_path_factory):
     return _run_pair(tmp_path_factory.mktemp("launch-accelerate"), ACCELERATE_SCRIPT)
 
 
+@pytest.mark.slow
 def test_unchanged_trainer_script_is_sharded(trainer_runs):
     cf, plain = trainer_runs["commfuse"], trainer_runs["plain"]
     for run in (cf, plain):
@@ -300,6 +303,7 @@ def test_unchanged_trainer_script_is_sharded(trainer_runs):
     assert all(e["commfuse/hops"] > 0 for e in cf["logs"])
 
 
+@pytest.mark.slow
 def test_unchanged_trainer_script_losses_match_ddp(trainer_runs):
     cf, plain = trainer_runs["commfuse"], trainer_runs["plain"]
     assert cf["steps"] == plain["steps"] == [1, 2, 3, 4]
@@ -317,6 +321,7 @@ def test_unchanged_trainer_script_saves_a_model_that_reloads(trainer_runs):
     torch.testing.assert_close(logits, torch.tensor(trainer_runs["plain"]["logits"]), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_unchanged_accelerate_script_is_sharded(accelerate_runs):
     cf, plain = accelerate_runs["commfuse"], accelerate_runs["plain"]
     for run in (cf, plain):
@@ -326,6 +331,7 @@ def test_unchanged_accelerate_script_is_sharded(accelerate_runs):
     assert plain["param_types"] == ["Tensor"] and plain["model_type"] == "DistributedDataParallel"
 
 
+@pytest.mark.slow
 def test_the_launcher_attaches_each_model_once_through_the_shared_path(trainer_runs, accelerate_runs):
     """commfuse-dp launch has no attach code of its own: the Trainer it swaps in attaches its model through its
     CommFuseCallback, the Accelerator through CommFuseAccelerator.prepare, each once (the Trainer's own Accelerator
@@ -342,6 +348,7 @@ def test_unchanged_accelerate_script_losses_match_ddp(accelerate_runs):
     torch.testing.assert_close(torch.tensor(cf["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=1e-4, atol=0)
 
 
+@pytest.mark.slow
 def test_exit_status_is_the_workers(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")

@@ -153,6 +153,7 @@ def trl_runs(tmp_path_factory, sft_data, bin_dir):
     return {"commfuse": _ranks(tmp / "commfuse"), "ddp": _ranks(tmp / "ddp")}
 
 
+@pytest.mark.slow
 def test_trl_sft_is_sharded_on_every_rank(trl_runs):
     for rank, report in enumerate(trl_runs["commfuse"]):
         assert report["rank"] == rank and report["world_size"] == report["dist_world_size"] == 2, report
@@ -163,6 +164,7 @@ def test_trl_sft_is_sharded_on_every_rank(trl_runs):
         assert report["world_size"] == 2 and report["param_types"] == ["Tensor"], report
 
 
+@pytest.mark.slow
 def test_trl_sft_losses_match_ddp(trl_runs):
     # fp32 (--bf16 false), the tied table fused in the lm_head and the ring embedding (see COMMFUSE); the rings sum
     # in ring order rather than DDP's all-reduce order, so an fp32 ulp or two: rtol 1e-5 as in test_launch.py.
@@ -174,6 +176,7 @@ def test_trl_sft_losses_match_ddp(trl_runs):
 
 # ---- torchrun and accelerate launch as the command ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_torchrun_command_is_sharded_on_every_rank(tmp_path, bin_dir):
     _commfuse_launch(tmp_path, _env(bin_dir, tmp_path / "probe"), "torchrun", "--nproc_per_node", "2",
                      "--master_addr", "127.0.0.1", "--master_port", str(free_port()), TRAINER_SCRIPT,
@@ -184,6 +187,7 @@ def test_torchrun_command_is_sharded_on_every_rank(tmp_path, bin_dir):
     assert json.loads((tmp_path / "out.json").read_text())["distributed_type"] == "DistributedType.MULTI_CPU"
 
 
+@pytest.mark.slow
 def test_accelerate_launch_command_is_sharded_on_every_rank(tmp_path, bin_dir):
     _commfuse_launch(tmp_path, _env(bin_dir), "accelerate", "launch", ACCELERATE_SCRIPT, str(tmp_path / "out.json"))
     for rank, report in enumerate(_ranks(tmp_path, "out.json.rank{}")):
@@ -193,6 +197,7 @@ def test_accelerate_launch_command_is_sharded_on_every_rank(tmp_path, bin_dir):
 
 # ---- what cannot work: one line, exit 2 --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_launcher_inside_a_rank_is_refused_not_a_hang(tmp_path, bin_dir):
     # A Python script that each rank runs and that starts a launcher of its own (what `trl` given as a file path,
     # or a wrapper script around `trl sft`, does): its workers could never join the run.

@@ -156,6 +156,7 @@ def _moe_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.slow
 def test_moe_experts_without_tokens_on_some_rank_match_single_process(world_size):
     starved = run_ranks(_moe_worker, world_size, timeout=300)
     assert starved[0] == {"fused": 0, "slicing": 0}, "rank 0 routes to every expert"
@@ -392,6 +393,7 @@ def _experts_fused_anyway_worker(rank, world_size):
     raise AssertionError("ranks ran different experts and no error was raised")
 
 
+@pytest.mark.slow
 def test_experts_fused_anyway_fail_loudly_on_every_rank():
     # With the exclusion off, rank 1 skips the expert it routes no token to while rank 0 runs it: before ring ops
     # carried their identity this paired different layers' bytes (wrong numbers, then a gloo abort).

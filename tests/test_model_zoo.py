@@ -328,10 +328,12 @@ def _check_world(world_size):
     assert not failures, "\n\n".join(failures)
 
 
+@pytest.mark.slow
 def test_model_zoo_two_ranks():
     _check_world(2)
 
 
+@pytest.mark.slow
 def test_model_zoo_three_ranks():
     _check_world(3)
 

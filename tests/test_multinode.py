@@ -66,6 +66,7 @@ def _ddp(out, world_size: int = 4) -> None:
 
 
 @needs_netns
+@pytest.mark.slow
 def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
     ours, ddp = tmp_path / "hsdp.json", tmp_path / "ddp.json"
     _machines(tmp_path, ours)
@@ -86,6 +87,7 @@ def test_two_machines_hsdp_trainer_matches_ddp(tmp_path):
 
 @needs_netns
 @pytest.mark.parametrize("n_machines,per_machine", [(3, 2), (2, 4)], ids=["3x2", "2x4"])
+@pytest.mark.slow
 def test_defaults_on_more_machines_match_ddp(tmp_path, n_machines, per_machine):
     """Nothing asked but the launch: the defaults read the machines off torchrun and choose HSDP or one flat
     sharding; the Trainer's losses and grad norms equal DDP's over as many ranks."""

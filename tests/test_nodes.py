@@ -35,6 +35,7 @@ def _defaults_worker(rank, world_size, per_node, replicate):
 
 
 @pytest.mark.parametrize("world_size,per_node", [(4, 2), (6, 2), (8, 4)], ids=["2x2", "3x2", "2x4"])
+@pytest.mark.slow
 def test_defaults_on_a_multi_node_launch_choose_a_layout_and_stay_exact(world_size, per_node):
     nodes_ = world_size // per_node
     for choice, copies, ring, described in run_ranks(_defaults_worker, world_size, (per_node, "auto"), timeout=600):
@@ -45,6 +46,7 @@ def test_defaults_on_a_multi_node_launch_choose_a_layout_and_stay_exact(world_si
         assert described == choice
 
 
+@pytest.mark.slow
 def test_hsdp_given_on_a_multi_node_launch_plays_the_schedules():
     for choice, copies, ring, _ in run_ranks(_defaults_worker, 4, (2, 2), timeout=600):
         assert copies == 2 and ring == 2 and choice["replicate"] == 2
@@ -119,6 +121,7 @@ def test_plan_nodes_prints_the_rate_per_rank_and_the_defaults(capsys):
         assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plan_sweeps_nodes_and_nics(tmp_path, capsys):
     path = tmp_path / "sweep.json"
     assert plan_cli.main(["--model", "gpt2", "--sweep", "nodes", "--codec-ns", "0.002", "--piece-fit", "none",

@@ -120,6 +120,7 @@ def _raise_worker(rank, world_size, schedule, min_fuse_numel, fault_param):
     ("slicing", 0, "model.layers.1.mlp.down_proj.weight"),
     ("fused", BIG, "model.norm.weight"),
 ], ids=["fused", "slicing", "fsdp2-only"])
+@pytest.mark.slow
 def test_raise_on_every_rank_then_train_on(schedule, min_fuse_numel, fault_param):
     per_rank = run_ranks(_raise_worker, 2, (schedule, min_fuse_numel, fault_param), timeout=150)
     for rank, (summed, local) in enumerate(per_rank):
@@ -161,6 +162,7 @@ def _skip_worker(rank, world_size, schedule, min_fuse_numel, optimizer):
 @pytest.mark.parametrize("schedule,min_fuse_numel,optimizer", [
     ("fused", 0, "adamw"), ("slicing", 0, "sgd"), ("fused", BIG, "adamw"),
 ], ids=["fused-adamw", "slicing-sgd-momentum", "fsdp2-only-adamw"])
+@pytest.mark.slow
 def test_skip_on_every_rank_changes_nothing(schedule, min_fuse_numel, optimizer):
     for result in run_ranks(_skip_worker, 2, (schedule, min_fuse_numel, optimizer), timeout=150):
         assert len(result["warnings"]) == 1, result["warnings"]

@@ -32,6 +32,7 @@ def _clusters(ranks: int, gbps: float, units: list) -> dict[str, Cluster]:
 
 
 @pytest.mark.parametrize("model", ["bench", "gpt2", "llama3-8b"])
+@pytest.mark.slow
 def test_the_bound_is_never_above_the_played_step(model):
     """``simulate(..., floor=True)`` against the play, for the elastic and the lockstep fused schedule, at every
     piece width, on small rings and a stand-in one, with nothing, some or every group below ``min_fuse_numel``."""
@@ -53,6 +54,7 @@ def test_the_bound_is_never_above_the_played_step(model):
     assert checked > 500
 
 
+@pytest.mark.slow
 def test_pruning_keeps_the_choice():
     """On rings the planner plays whole (up to 64 ranks), ``decide`` chooses what playing every width chooses, its
     figures for the widths it played are those, and its bound for the others is below each of their steps."""
@@ -80,6 +82,7 @@ def test_pruning_keeps_the_choice():
 
 
 @pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b"])
+@pytest.mark.slow
 def test_stand_in_ring_plays_the_full_ring(model):
     """At 128 and 256 ranks (the full ring still affordable here) the stand-in of 64 ranks plays each fused step
     within ``STAND_IN_STEP_TOLERANCE`` of the full ring (measured on this grid: 0.003 % elastic and 0.23 % lockstep

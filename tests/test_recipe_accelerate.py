@@ -19,6 +19,7 @@ SMALL = ["--hidden_size", "64", "--num_layers", "2", "--vocab_size", "512", "--b
          "--logging_steps", "2", "--timeline_step", "2", "--max_steps", "6", "--save_steps", "3"]
 
 
+@pytest.mark.slow
 def test_unchanged_loop_under_commfuse_launch(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     for name in [k for k in env if k.startswith(("ACCELERATE_", "COMMFUSE_"))]:
@@ -44,6 +45,7 @@ def test_unchanged_loop_under_commfuse_launch(tmp_path):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_auto_resume_carries_on_from_the_newest_complete_state(tmp_path):
     """With --async_save: the states' sharded parts are written in the background, and a state whose step.json
     was written but whose background write never finished is passed over, as is one cut short before step.json."""

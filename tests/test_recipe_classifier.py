@@ -64,6 +64,7 @@ def run(tmp_path_factory):
     return {"out": out, "rows": rows, "summary": summary, "predictions": predictions, "stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_two_ranks_sharded_run_summary(run):
     s = run["summary"]
     labels = sorted({row["label"] for row in run["rows"]})
@@ -83,6 +84,7 @@ def test_two_ranks_sharded_run_summary(run):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_held_out_split_is_stratified_and_disjoint(run):
     held = [p["text"] for p in run["predictions"]]
     assert len(held) == len(set(held)) == 12
@@ -210,6 +212,7 @@ def test_non_empty_output_dir(recipe, capsys, tmp_path, small):
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_two_ranks_without_a_batch_each_stop_with_one_line(tmp_path, small):
     # Launched for real (TrainingArguments starts the process group as soon as WORLD_SIZE says 2): 40 training
     # samples fill one batch of 20 on each of 2 ranks, not of 24. Rank 0 alone prints the line.

@@ -120,6 +120,7 @@ def test_generate_bad_input_is_one_line_exit_2(demo, folder, argv, word, capsys)
     assert exited.value.code == 2 and word in err[-1], err
 
 
+@pytest.mark.slow
 def test_demo_again_into_its_folder_is_one_line_before_any_process(tmp_path):
     """``commfuse-dp demo`` run a second time: its ``runs/demo`` is not empty. One line naming the way out, exit 2,
     before any worker starts (a new user's trial saw the recipe's error only after a 40-line traceback of the
@@ -138,6 +139,7 @@ def test_demo_again_into_its_folder_is_one_line_before_any_process(tmp_path):
 
 @pytest.mark.parametrize("recipe_args, words", [(["--learning_rate", "abc"], ["invalid float value: 'abc'"]),
                                                 (["--no_such_flag", "3"], ["not the recipe's: --no_such_flag 3"])])
+@pytest.mark.slow
 def test_demo_refuses_bad_recipe_arguments_in_one_line_before_any_process(tmp_path, recipe_args, words):
     """Arguments passed on to the recipe (after ``--``) that its parser refuses: one line, exit 2, no worker started
     (rather than the parser's usage and error once per rank under the launcher's failure report)."""

@@ -104,6 +104,7 @@ def uninterrupted(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_every_kind_of_sharded_parameter_is_covered(uninterrupted):
     for losses, _, shape in uninterrupted.values():
         assert shape["tied"], "the lm_head must share the embedding table"
@@ -125,6 +126,7 @@ def test_world_sizes_agree_before_any_reshard(uninterrupted):
 
 @pytest.mark.parametrize("schedule, saved_at, loaded_at", [
     ("fused", 4, 2), ("fused", 4, 3), ("fused", 2, 4), ("fused", 3, 2), ("slicing", 4, 2)])
+@pytest.mark.slow
 def test_losses_continue_after_reshard(uninterrupted, schedule, saved_at, loaded_at):
     before, path, _ = uninterrupted[schedule, saved_at]
     resumed, _, first = run_ranks(_train_worker, loaded_at, (schedule, None, path), timeout=240)[0]
@@ -143,6 +145,7 @@ def test_losses_continue_after_reshard(uninterrupted, schedule, saved_at, loaded
 
 
 @pytest.mark.parametrize("loaded_as", ["fused", "fused/r4"], ids=["1x4", "4x1"])
+@pytest.mark.slow
 def test_hsdp_checkpoint_resumes_as_one_copy_and_as_four(uninterrupted, loaded_as):
     """Saved by HSDP at 2 copies x 2 shards (two nodes of two ranks), resumed on the same four ranks as one flat
     sharding (one node of four) and as four copies of one shard each (four nodes of one): the same losses as the

@@ -117,6 +117,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_resume_is_bit_for_bit(tmp_path, case):
     ranks, fields = CASES[case]
     folder = str(tmp_path)
@@ -145,6 +146,7 @@ def _other_world_worker(rank, world_size, fields, folder):
     return None
 
 
+@pytest.mark.slow
 def test_residuals_at_another_world_size_are_refused_on_every_rank(tmp_path):
     fields = {"reduce_format": "int8", "error_feedback": True}
     run_ranks(_worker, 2, (fields, str(tmp_path), "full"), timeout=300)

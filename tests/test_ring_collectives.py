@@ -62,6 +62,7 @@ def _parity_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_parity_with_native_collectives(world_size):
     counts = run_ranks(_parity_worker, world_size, timeout=240)
     assert counts == [counts[0]] * world_size and counts[0] == 2 * (len(DTYPES) * (len(SIZES) - 1) + 1)

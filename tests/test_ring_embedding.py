@@ -87,6 +87,7 @@ def _worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_ring_embedding_matches_nn_embedding(world_size):
     seen = run_ranks(_worker, world_size, timeout=300)
     assert all(s == seen[0] for s in seen)

@@ -90,6 +90,7 @@ def _fault_worker(rank, world_size, fault, victim, direct_kb):
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
 @pytest.mark.parametrize("world_size,direct_kb", [(2, 1024), (3, 1024), (3, 0)], ids=["2", "3-direct", "3-ring"])
+@pytest.mark.slow
 def test_faulty_peer_fails_every_rank_in_time(world_size, direct_kb, fault):
     # 4 KiB tensors: at 3 ranks one direct round with both peers (direct_kb=1024) or a ring of 2 hops (0)
     victim = 1
@@ -125,6 +126,7 @@ def _async_fault_worker(rank, world_size):
     raise AssertionError("wait() on a failed async ring op returned as if it had succeeded")
 
 
+@pytest.mark.slow
 def test_async_ring_op_reraises_its_error_on_wait():
     # FSDP2 prefetches and the slicing schedule wait on these Works: a failure must surface there, not leave an
     # output that was never written.

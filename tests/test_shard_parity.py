@@ -111,6 +111,7 @@ def _parity_worker(rank, world_size, kinds):
 # kinds) Llama only, which has every fused shape (grouped q/k/v, gate/up, lm_head).
 @pytest.mark.parametrize("world_size,kinds", [(2, ("gpt2", "llama", "bert")), (3, ("gpt2", "llama", "bert")),
                                               (4, ("llama",))])
+@pytest.mark.slow
 def test_hf_models_match_single_process(world_size, kinds):
     summaries = run_ranks(_parity_worker, world_size, (kinds,), timeout=600)
     assert all(s == summaries[0] for s in summaries)
@@ -140,6 +141,7 @@ def test_fused_adamw_matches_single_process():
 
 # Accumulation at 3 ranks is also run by test_tied_embeddings.py (Llama) and test_scalar_params.py.
 @pytest.mark.parametrize("world_size,kinds", [(2, ("gpt2", "llama")), (3, ("llama",))])
+@pytest.mark.slow
 def test_gradient_accumulation(world_size, kinds):
     run_ranks(_accumulation_worker, world_size, (kinds,), timeout=600)
 
@@ -227,6 +229,7 @@ def _determinism_worker(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_two_runs_are_bit_identical():
     run_ranks(_determinism_worker, 3, timeout=300)
 
@@ -260,6 +263,7 @@ def _piece_shards_worker(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_piece_shards_match_single_process():
     run_ranks(_piece_shards_worker, 3, timeout=600)
 
@@ -288,5 +292,6 @@ def _bf16_worker(rank, world_size):
     return True
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision():
     run_ranks(_bf16_worker, 2, timeout=300)

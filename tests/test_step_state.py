@@ -102,6 +102,7 @@ def _divergent_worker(rank, world_size, schedule):
 
 @pytest.mark.parametrize("schedule", ["fused", "slicing"])
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.slow
 def test_ranks_running_different_fused_layers_fail_loudly(world_size, schedule):
     results = run_ranks(_divergent_worker, world_size, (schedule,), timeout=60)
     for rank, info in enumerate(results):

@@ -62,6 +62,7 @@ def runs(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_killed_rank_leaves_previous_checkpoint_complete(runs):
     proc = runs["crash_proc"]
     assert proc.returncode != 0, "the crash run should fail: one of its ranks died"
@@ -79,6 +80,7 @@ def test_killed_rank_leaves_previous_checkpoint_complete(runs):
     assert runs["transformers_pick"] == "checkpoint-4", "transformers' get_last_checkpoint takes the partial one"
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_named_explicitly_is_refused(runs):
     message = runs["resume"]["explicit"]
     assert message is not None, "resume_from_checkpoint=<partial checkpoint-4> should have been refused"
@@ -137,6 +139,7 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
     assert ck.latest_complete(tmp_path / "missing") is None
 
 
+@pytest.mark.slow
 def test_auto_resume_takes_the_newest_async_checkpoint_and_matches(tmp_path):
     proc = _launch(tmp_path, "asyncfull,auto")
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -153,6 +156,7 @@ def test_auto_resume_takes_the_newest_async_checkpoint_and_matches(tmp_path):
     assert not os.path.exists(tmp_path / "run-auto" / "checkpoint-6" / "model.safetensors")  # sharded state only
 
 
+@pytest.mark.slow
 def test_error_feedback_resumes_with_its_residuals(tmp_path):
     """int8 gradients with error feedback: the resumed Trainer's grad norm at step 5 (which the residuals shift)
     and its losses equal the uninterrupted run's, bit for bit."""
@@ -165,6 +169,7 @@ def test_error_feedback_resumes_with_its_residuals(tmp_path):
         assert auto["grad_norms"][step] == full["grad_norms"][step], step
 
 
+@pytest.mark.slow
 def test_auto_resume_at_another_world_size_reshards(tmp_path):
     first = _launch(tmp_path, "grow")
     assert first.returncode == 0, f"{first.stdout[-4000:]}\n{first.stderr[-8000:]}"

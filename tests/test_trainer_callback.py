@@ -58,6 +58,7 @@ def runs(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_trainer_sees_two_cpu_processes(runs):
     for run in (runs["commfuse"], runs["ddp"], runs["resume"]):
         assert run["world_size"] == 2
@@ -67,6 +68,7 @@ def test_trainer_sees_two_cpu_processes(runs):
     assert not runs["ddp"]["any_dtensor"]
 
 
+@pytest.mark.slow
 def test_callback_shards_model_and_optimizer_state(runs):
     run = runs["commfuse"]
     assert run["all_dtensor"], "every parameter should be a DTensor shard after on_init_end"

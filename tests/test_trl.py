@@ -43,6 +43,7 @@ def _close(a, b, rtol, atol, what):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.slow
 def test_sft_trainer_matches_ddp(tmp_path, tokenizer_dir, world_size):
     runs = _runs(tmp_path, tokenizer_dir, world_size, MODES + (LORA if world_size == 2 else []))
     for precision in ("fp32", "bf16"):

@@ -64,6 +64,7 @@ def two_ranks(tmp_path_factory, tokenizer_dir):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_frozen_models_of_trl_trainers_are_sharded_two_ranks(two_ranks):
     _check_runs(two_ranks, 2)
     # bf16=True (TRL's default): autocast applied to both models although TRL replaced their forward; the first
@@ -79,6 +80,7 @@ def test_frozen_models_of_trl_trainers_are_sharded_two_ranks(two_ranks):
         assert abs(a["loss"] - b["loss"]) <= 5e-3 * abs(b["loss"]), (step, a["loss"], b["loss"])
 
 
+@pytest.mark.slow
 def test_frozen_models_of_trl_trainers_are_sharded_three_ranks(tmp_path, tokenizer_dir):
     out, proc = _launch(tmp_path, tokenizer_dir, 3, _modes(3))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -114,6 +116,7 @@ def _check_runs(runs, world_size):
 
 
 @pytest.mark.parametrize("mode", list(REFUSED))
+@pytest.mark.slow
 def test_mixing_a_sharded_model_into_a_whole_one_is_refused(two_ranks, mode):
     """TR-DPO with its reference left whole, and TRL's ``BEMACallback`` (a whole running copy fed from the shards):
     refused on every rank before the first step, naming what to do (the launch then goes on with its next mode)."""
@@ -121,6 +124,7 @@ def test_mixing_a_sharded_model_into_a_whole_one_is_refused(two_ranks, mode):
     assert len(said) == 2 and all(s.startswith(f"ValueError: CommFuseDPOTrainer: {REFUSED[mode]}") for s in said), said
 
 
+@pytest.mark.slow
 def test_frozen_model_sharded_under_commfuse_dp_launch(tmp_path, tokenizer_dir, two_ranks):
     """An unchanged script with a plain ``DPOTrainer`` under ``commfuse-dp launch``: the Trainer it swaps in shards
     the reference too, and the run equals the same script under plain ``torchrun`` (DDP, the ``ddp-dpo`` of the

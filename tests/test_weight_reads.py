@@ -53,6 +53,7 @@ def _head_worker(rank, world_size, cases):
 
 @pytest.mark.parametrize("world_size,cases", [(2, [("fused", 1), ("slicing", 1), ("fused", 2)]),
                                               (3, [("fused", 1), ("slicing", 2)])])
+@pytest.mark.slow
 def test_chunked_loss_head_reading_lm_head_weight_matches_single_process(world_size, cases):
     run_ranks(_head_worker, world_size, (cases,), timeout=500)
 

@@ -69,6 +69,7 @@ def _same_weight_worker(rank, world_size, fmt, lookahead):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8"])
+@pytest.mark.slow
 def test_every_rank_computes_with_the_same_decoded_weight(world_size, fmt):
     """The owner of a shard computes with its decoded row too, not its master: the outputs of one input agree bit
     for bit on every rank (each rank computes the columns of every shard), and differ from the exact ones."""
@@ -151,6 +152,7 @@ def _training_worker(rank, world_size, schedule, formats):
 
 
 @pytest.mark.parametrize("schedule", ["fused", "fsdp2"])
+@pytest.mark.slow
 def test_training_follows_the_updated_weights(schedule):
     """Five AdamW steps of a Llama with narrow gathers and gradients stay within 0.05 % of the exact losses on one
     process: every ring encodes the weights as the optimizer left them (a stale encoding drifts by 0.2 % in five
@@ -256,6 +258,7 @@ def _hsdp_copies_worker(rank, world_size):
     return all(torch.equal(every[r], every[r + copies]) for r in range(copies))
 
 
+@pytest.mark.slow
 def test_hsdp_copies_stay_identical_with_narrow_gradients():
     """HSDP's exchange across the copies in int8: each part's sum is encoded once by its owner, so after three
     steps both copies hold bitwise the same weights; and training stays within 0.05 % of one process."""

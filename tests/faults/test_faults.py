@@ -84,6 +84,7 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["kill_mid_ring_no_launcher", "hang_mid_ring_no_launcher", "hang_mid_ring",
                                   "hang_mid_ring_accelerate"])
+@pytest.mark.slow
 def test_survivors_name_the_silent_rank_and_hop(tmp_path, fault, name):
     """Without a launcher (ranks and process group started by tests/harness.py), under torchrun and under
     ``commfuse-dp launch`` (a CommFuseAccelerator): rank 0 raises RingCommError naming rank 1 and the hop
@@ -134,6 +135,7 @@ def test_launcher_ends_the_job_when_a_rank_is_killed_in_a_hop(tmp_path, fault):
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_rank_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, fault):
     fault.name = "kill_during_save"
     proc, ranks, fault.seconds = _launch(tmp_path / "run", "kill_during_save")
@@ -154,6 +156,7 @@ def test_rank_killed_while_saving_keeps_the_previous_checkpoint(tmp_path, fault)
 
 
 @pytest.mark.parametrize("name", ["corrupt_shard", "truncate_shard"])
+@pytest.mark.slow
 def test_damaged_shard_file_is_refused_on_every_rank(tmp_path, saved, fault, name):
     workdir = tmp_path / "run"
     shutil.copytree(saved[0] / "ckpt", workdir / "ckpt")
@@ -184,6 +187,7 @@ def test_damaged_shard_file_is_refused_on_every_rank(tmp_path, saved, fault, nam
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
                     reason="a size-limited tmpfs needs root (mount -t tmpfs -o size=...)")
+@pytest.mark.slow
 def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path, saved, fault):
     fault.name = "full_disk"
     with open(saved[0] / "ckpt" / "commfuse_complete") as f:
@@ -214,6 +218,7 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path, saved, fa
     ("mismatched_model", "ValueError", ["mlp", "bias"]),
     ("bad_token_ids", "IndexError", ["rank", "1", "out of range"]),
 ])
+@pytest.mark.slow
 def test_ranks_that_disagree_or_bad_data_fail_on_every_rank(tmp_path, fault, name, error_type, words):
     proc, ranks, fault.seconds = _launch(tmp_path / "run", name)
     _launcher_reported_failure(proc)
@@ -225,6 +230,7 @@ def test_ranks_that_disagree_or_bad_data_fail_on_every_rank(tmp_path, fault, nam
     fault.clean = True
 
 
+@pytest.mark.slow
 def test_nan_gradients_raise_on_every_rank(tmp_path, fault):
     fault.name = "nan_grads_raise"
     proc, ranks, fault.seconds = _launch(tmp_path / "run", "nan_grads_raise")
@@ -237,6 +243,7 @@ def test_nan_gradients_raise_on_every_rank(tmp_path, fault):
     fault.clean = True
 
 
+@pytest.mark.slow
 def test_nan_gradients_skip_the_step_on_every_rank(tmp_path, fault):
     fault.name = "nan_grads_skip"
     proc, ranks, fault.seconds = _launch(tmp_path / "run", "nan_grads_skip")

@@ -71,6 +71,7 @@ def _max_diff(final: dict, expected: dict) -> float:
     ("kill_during_async_save", 2, "torchrun"),    # step 3's write was cut: step 2's is the newest complete one
     ("kill_mid_ring_restart", None, "commfuse-dp"),
 ])
+@pytest.mark.slow
 def test_restarted_run_completes_with_the_weights_of_an_uninterrupted_one(tmp_path, uninterrupted, fault, name,
                                                                          resumed, launcher):
     workdir = tmp_path / "run"
@@ -96,6 +97,7 @@ def test_restarted_run_completes_with_the_weights_of_an_uninterrupted_one(tmp_pa
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"),
                     reason="a size-limited tmpfs needs root (mount -t tmpfs -o size=...)")
+@pytest.mark.slow
 def test_full_disk_during_async_save_raises_and_keeps_the_previous_checkpoint(tmp_path, uninterrupted, fault):
     fault.name = "full_disk_async"
     size = uninterrupted[1]
