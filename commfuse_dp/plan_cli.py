@@ -468,6 +468,36 @@ def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      f"hardware's peak); give the peak of the accelerator you plan for")
 
 
+def _recommended(model: tuple, cl: Cluster, args: argparse.Namespace, chosen: str, best: int,
+                 predicted: dict[str, float]) -> str:
+    """The config to run, with its predicted step and why: what the defaults choose, and ``min_fuse_numel`` raised to
+    where a hop's fixed cost is under 10 % of a fused group's transfer (``plan.recommend``) only where the planner
+    predicts that faster by at least 0.5 %."""
+    def said(chosen: str, best: int, predicted: dict[str, float]) -> tuple[float, list[str], str]:
+        fused = {k: v for k, v in predicted.items() if k.startswith("fused")}
+        if chosen == "fused":
+            step = predicted[f"fused, piece_shards={best}"]
+            return step, [f"piece_shards={best}"], f"{step:.3f} s a step against {predicted['fsdp2']:.3f} s for fsdp2"
+        step = predicted["fsdp2"]
+        return step, ["schedule='fsdp2'"], (f"{step:.3f} s a step; fused at best {min(fused.values()):.3f} s, not "
+                                            f"{plan.MARGIN:.0%} faster")
+
+    step, words, why = said(chosen, best, predicted)
+    why = "what the defaults choose: " + why
+    numel = recommend(cl)["min_fuse_numel"]
+    if numel != args.min_fuse_numel:
+        step2, words2, why2 = said(*decide(units_for(*model, tokens=args.tokens, seq=args.seq),
+                                           replace(cl, min_fuse_numel=numel)))
+        if step2 <= 0.995 * step:
+            words, why = words2 + [f"min_fuse_numel={numel}"], (
+                f"with min_fuse_numel={numel} (a hop's fixed cost under 10 % of a fused group's transfer) the "
+                f"defaults choose {', '.join(words2)}: {why2}; with the default {args.min_fuse_numel}, {step:.3f} s")
+        else:
+            why += (f"; min_fuse_numel={numel}, which keeps a hop's fixed cost under 10 % of a fused group's "
+                    f"transfer, predicts {step2:.3f} s, no faster, so the default {args.min_fuse_numel} stays")
+    return f"recommended: CommFuseConfig({', '.join(words)}): {why}"
+
+
 def print_predictions(args: argparse.Namespace, model: tuple, cl: Cluster, codec: dict[str, float] | None,
                       said: str | None) -> None:
     """One cluster's table: each schedule's step, exposed communication, pieces, host time and MFU, what
@@ -508,13 +538,11 @@ def print_predictions(args: argparse.Namespace, model: tuple, cl: Cluster, codec
         print(f"fused, ps={best}: the fused schedule with piece_shards={best} (each GEMM "
               f"{f'in {pieces} pieces' if pieces > 1 else 'whole, once its weight is gathered'}), the recommended "
               f"one below; --piece-shards {best} plays it throughout")
-    rec = recommend(cl)
     on = ("rings" if predicted["fsdp2"] == predicted["fsdp2 on the rings"] else "NCCL") if chosen == "fsdp2" else ""
     print(f"CommFuseConfig()'s defaults on this cluster: schedule={chosen!r}"
           + (f", piece_shards={best}" if chosen == "fused" else f" on {on}'s collectives") + " (commfuse_dp/choose.py: "
           "fused only where predicted at least 2% faster than fsdp2)")
-    print(f"recommended: CommFuseConfig(bucket_mb={rec['bucket_mb']:g}, min_fuse_numel={rec['min_fuse_numel']}"
-          + (f", piece_shards={best})" if chosen == "fused" else ", schedule='fsdp2')"))
+    print(_recommended(model, cl, args, chosen, best, predicted))
     if args.formats:
         print_formats(units_for(*model, tokens=args.tokens, seq=args.seq), cl, args.dtype_bytes, codec, said)
 

@@ -550,3 +550,27 @@ def test_calibrate_fits_the_fixed_cost_of_a_hop(tmp_path, capsys):
         assert plan_cli.main(["--calibrate", str(one)]) == 0
         out = capsys.readouterr().out
         assert "15 us, the default" in out and "worst error" in out, out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama-7b", "--num-processes", "256", "--link-gbps", "12.5", "--ring-latency-us", "50",
+     "--tokens-per-rank", "2048", "--seq", "2048"],   # a larger min_fuse_numel predicts faster
+    ["--model", "llama3-8b", "--num-processes", "8", "--link-gbps", "450", "--tokens-per-rank", "8192",
+     "--seq", "8192"],                                 # the defaults as they are
+])
+def test_the_recommended_config_says_why_and_replaying_it_predicts_its_step(argv, capsys):
+    """``plan``'s ``recommended:`` line names its predicted step and why; run again with what it recommends, the
+    defaults' step is the one it gave, and the line then recommends nothing more."""
+    from commfuse_dp import plan_cli
+
+    assert plan_cli.main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended: "))
+    config, why = re.match(r"recommended: CommFuseConfig\((.*?)\): (.*)$", line).groups()
+    step = float(re.search(r"the defaults choose[^:]*: ([0-9.]+) s a step", why).group(1))
+    given = dict(kv.split("=") for kv in config.split(", "))
+    replay = list(argv) + (["--min-fuse-numel", given["min_fuse_numel"]] if "min_fuse_numel" in given else [])
+    assert plan_cli.main(replay) == 0
+    again = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended: "))
+    assert again.startswith(f"recommended: CommFuseConfig({config.split(', min_fuse_numel')[0]}): what the defaults "
+                            f"choose: {step:.3f} s a step"), (line, again)
+    assert "no faster" in again or "min_fuse_numel" not in again.split(":")[2]
