@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants is None:
         args.variants = ",".join(NODE_VARIANTS if args.nodes > 1 else VARIANTS)
     variants = [v for v in args.variants.split(",") if v]
+    if not 1 <= args.world_size <= 200:
+        parser.error(f"--num-processes {args.world_size}: must be between 1 and 200 (a namespace each)")
     if args.nodes < 1 or args.world_size % args.nodes:
         parser.error(f"--num-machines {args.nodes} must divide --num-processes {args.world_size}")
     for name in ("rounds", "steps"):

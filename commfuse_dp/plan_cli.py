@@ -457,12 +457,13 @@ def _fits(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    flag = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}  # (dest -> --the-option)
     for name in ("ranks", "tokens", "seq", "dtype_bytes", "piece_shards"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            parser.error(f"{flag[name]} must be at least 1")
     for name in ("link_gbps", "tflops", "peak_tflops"):
         if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
+            parser.error(f"{flag[name]} must be > 0")
     if args.tflops > args.peak_tflops:
         parser.error(f"--tflops {args.tflops:g} (achievable) is above --peak-tflops {args.peak_tflops:g} (the "
                      f"hardware's peak); give the peak of the accelerator you plan for")

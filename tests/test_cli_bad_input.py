@@ -5,10 +5,11 @@ list)."""
 
 import json
 import os
-import traceback
+import re
 import sys
+import traceback
 
-
+from commfuse_dp.cli_names import DEPRECATED
 
 
 def _cases(tmp):
@@ -87,6 +88,10 @@ def test_bad_input_is_one_line_never_a_traceback(tmp_path, capsys, monkeypatch, 
         rows.append(f"BAD INPUT | commfuse-dp {command} {' '.join(args)} | exit {status} | {first}")
         if status != 2 or escaped or "Traceback" in err or not first:
             failures.append(f"commfuse-dp {command} {' '.join(args)}: exit {status}\n{escaped or err[-2000:]}")
+        old = {name.replace("_", "-") for name in DEPRECATED.get(command, {})} | set(DEPRECATED.get(command, {}))
+        named = set(re.findall(r"--[\w-]+", first)) & old
+        if named:  # the line names the option as the user may write it today, never a deprecated alias
+            failures.append(f"commfuse-dp {command} {' '.join(args)}: {first!r} names {sorted(named)}")
     if request.config.getoption("capture") == "no":  # (-s: the list of inputs and the first line of each)
         with capsys.disabled():
             print("\n" + "\n".join(rows))
