@@ -1,7 +1,7 @@
 """Peak memory per rank of a TRL DPO run whose reference model is sharded, against the same run with the reference
 left whole on every rank (``CommFuseConfig(shard_frozen=False)``).
 
-    python benchmarks/frozen_memory.py [--ranks 2] [--layers 8] [--hidden 512] [--json FILE]
+    python benchmarks/frozen_memory.py [--num-processes 2] [--layers 8] [--hidden 512] [--json FILE]
 
 Each variant runs in its own ``torchrun`` launch (peak resident memory only grows within a process): a Llama of
 the given shape as policy and as reference, ``commfuse_trainer(DPOTrainer)`` with ``CommFuseCallback``, 3 steps
@@ -23,6 +23,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from commfuse_dp.cli_names import spelled
 
 
 def _resident_mib() -> float:
@@ -100,12 +101,12 @@ def _rank(out: str, frozen: str, layers: int, hidden: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--num-processes", dest="ranks", metavar="N", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--json", help="write the figures (and this command) here")
     parser.add_argument("--rank-run", nargs=2, metavar=("OUT", "VARIANT"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "frozen_memory"))
     if args.rank_run:
         _rank(args.rank_run[0], args.rank_run[1], args.layers, args.hidden)
         return 0

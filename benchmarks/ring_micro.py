@@ -1,7 +1,7 @@
 """Micro-benchmark: ring all-gather / reduce-scatter against torch's native collectives, over loopback.
 
     python benchmarks/ring_micro.py                      # 2 ranks, 4 KiB .. 64 MiB per rank, gloo
-    python benchmarks/ring_micro.py --world-size 3 --sizes 4K,1M,16M --repeats 9 --json out.json
+    python benchmarks/ring_micro.py --num-processes 3 --sizes 4K,1M,16M --repeats 9 --json out.json
 
 Each size is the shard one rank holds (all-gather input, reduce-scatter output), fp32. For every size the ring and
 the native collective alternate (native, ring, native, ring, ...) so that both see the same machine state; the
@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from commfuse_dp.cli_names import spelled
 
 try:
     from .loopback import run_loopback
@@ -95,16 +96,16 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, queue
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks on this machine (default 2)")
+    parser.add_argument("--num-processes", dest="world_size", metavar="N", type=int, default=2, help="ranks on this machine (default 2)")
     parser.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M",
                         help="comma-separated bytes per rank (default 4K..64M)")
     parser.add_argument("--repeats", type=int, default=11, help="timed calls per size and implementation")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="ring bucket size in MiB (default 25)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "ring_micro"))
     if args.world_size < 2:
-        parser.error("--world-size must be at least 2 (a ring of one rank sends nothing)")
+        parser.error("--num-processes must be at least 2 (a ring of one rank sends nothing)")
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
     rows = run_loopback(_rank, args.world_size, args)

@@ -3,7 +3,7 @@ meta device, with the link, latency, GEMM rate and tokens given (so no process g
 rank runs it once before sharding.
 
     python -m commfuse_dp.benchmarks.startup                        # Llama-3-8B and -70B at 1024 and 4096 ranks
-    python -m commfuse_dp.benchmarks.startup --models llama3-8b --ranks 1024 --rounds 5 --json FILE
+    python -m commfuse_dp.benchmarks.startup --models llama3-8b --num-processes 1024 --rounds 5 --json FILE
     python -m commfuse_dp.benchmarks.startup --full-at none          # without the full replay's comparison
     python -m commfuse_dp.benchmarks.startup --per-node 8 --nic-gbps 12.5   # a launch over nodes of 8 ranks
 
@@ -40,6 +40,7 @@ import torch
 from commfuse_dp import plan, replay
 from commfuse_dp.choose import choose
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.cli_names import spelled
 
 SHAPES = {  # transformers LlamaConfig fields of the planner's known shapes (plan.KNOWN_MODELS)
     name: dict(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
@@ -113,7 +114,8 @@ def _machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "startup"))
     if args.rounds < 3:
         raise SystemExit("--rounds must be at least 3 (a median and a spread)")
     unknown = [m for m in args.models if m not in SHAPES]
@@ -171,15 +173,15 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=lambda s: s.split(","), default=["llama3-8b", "llama3-70b"],
                         help=f"comma-separated, of {', '.join(SHAPES)} (default: both)")
-    parser.add_argument("--ranks", type=_ints, default=[1024, 4096], help="comma-separated (default 1024,4096)")
+    parser.add_argument("--num-processes", dest="ranks", metavar="N1,N2,...", type=_ints, default=[1024, 4096], help="comma-separated (default 1024,4096)")
     parser.add_argument("--devices", type=lambda s: s.split(","), default=["cuda", "cpu"],
                         help="the cost models choose() uses for these device types (default cuda,cpu; no device "
                              "is touched)")
     parser.add_argument("--rounds", type=int, default=5, help="cold runs per case (at least 3; default 5)")
     parser.add_argument("--link-gbps", type=float, default=50.0, help="CommFuseConfig.link_gbps (default 50)")
-    parser.add_argument("--latency-us", type=float, default=15.0, help="CommFuseConfig.ring_latency_us (default 15)")
+    parser.add_argument("--ring-latency-us", dest="latency_us", metavar="US", type=float, default=15.0, help="CommFuseConfig.ring_latency_us (default 15)")
     parser.add_argument("--tflops", type=float, default=400.0, help="CommFuseConfig.tflops (default 400)")
-    parser.add_argument("--tokens", type=int, default=8192, help="CommFuseConfig.tokens_per_rank (default 8192)")
+    parser.add_argument("--tokens-per-rank", dest="tokens", metavar="T", type=int, default=8192, help="CommFuseConfig.tokens_per_rank (default 8192)")
     parser.add_argument("--full-at", type=_ints, default=[1024],
                         help="ranks at which to time, once, the choice with every width played on the full ring "
                              "(default 1024; 'none': skip)")

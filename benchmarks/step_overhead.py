@@ -38,6 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from commfuse_dp.cli_names import spelled
 
 try:
     from .loopback import run_loopback
@@ -240,7 +241,7 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--num-processes", dest="world_size", metavar="N", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--sizes", default="4096,1048576", help="bytes per shard, comma-separated")
     parser.add_argument("--steps", type=int, default=500, help="hops timed per size")
     parser.add_argument("--piece-ms", type=float, default=2.0, help="busy compute between start and wait")
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
                         help="with --fake-worlds: write each schedule's extra seconds per step here (with "
                              "--bench-model, for `commfuse-dp plan --calibrate BENCH_JSON --overhead FILE`)")
     parser.add_argument("--one-fake", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "step_overhead"))
     args.schedules = args.schedules.split(",")
     if args.one_fake:
         import json

@@ -5,7 +5,7 @@ the exact run's.
     python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 60 --json wire-60.json --png wire-60.png
     python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --json wire-300.json --png wire-300.png
     python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --settings bf16,int8
-    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --nproc 4 --replicate 2 \
+    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --num_processes 4 --replicate 2 \
         --settings bf16,int8_int8          # across 2 copies of 2 ranks (HSDP): the formats cross the copies too
 
 A small model trained from scratch is chaotic: any change of rounding sends the run down another path, and the
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from commfuse_dp.cli_names import spelled
 
 # name: the CommFuseConfig fields it sets (the first is the exact reference)
 SETTINGS = {
@@ -120,20 +121,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated data orders (the recipe's --seed); every setting runs with each, and "
                              "is compared with the exact run of the same order (default 0)")
     parser.add_argument("--schedule", default="fused", help="COMMFUSE_SCHEDULE of every run (default fused)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks of every run (default 2)")
+    parser.add_argument("--num_processes", dest="nproc", metavar="N", type=int, default=2, help="ranks of every run (default 2)")
     parser.add_argument("--replicate", type=int, default=1,
                         help="CommFuseConfig.replicate of every run: copies of the model (HSDP), each sharded over "
                              "nproc / replicate ranks, the formats crossing the copies too (default 1)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="draw the loss curves (of the first seed) here")
     parser.add_argument("--work_dir", help="where the runs' output folders go (default: a temporary folder)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(spelled(sys.argv[1:] if argv is None else list(argv), parser, "wire_accuracy"))
     names = ["exact"] + [n for n in args.settings.split(",") if n and n != "exact"]
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; choose from {','.join(SETTINGS)}")
     if args.nproc < 1 or args.replicate < 1 or args.nproc % args.replicate:
-        parser.error(f"--replicate {args.replicate} must divide --nproc {args.nproc} (copies of equal size)")
+        parser.error(f"--replicate {args.replicate} must divide --num_processes {args.nproc} (copies of equal size)")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:

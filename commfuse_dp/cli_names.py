@@ -37,6 +37,13 @@ DEPRECATED = {
               "--reference_rate": ("--reference-gbps", MBIT_PER_GBPS), "--nic_mbit": ("--nic-gbps", MBIT_PER_GBPS),
               "--intra_mbit": ("--intra-gbps", MBIT_PER_GBPS)},
     "demo": {"--nproc": ("--num_processes", None)},
+    # the benchmark scripts (python -m commfuse_dp.benchmarks.NAME)
+    "frozen_memory": {"--ranks": ("--num-processes", None)},
+    "ring_micro": {"--world_size": ("--num-processes", None)},
+    "step_overhead": {"--world_size": ("--num-processes", None)},
+    "startup": {"--ranks": ("--num-processes", None), "--latency_us": ("--ring-latency-us", None),
+                "--tokens": ("--tokens-per-rank", None)},
+    "wire_accuracy": {"--nproc": ("--num_processes", None)},
 }
 
 
@@ -83,7 +90,7 @@ def spelled(argv: list[str], parser: argparse.ArgumentParser, command: str) -> l
         if target is None and key in deprecated:
             target, factor = deprecated[key]
             unit = " (GB/s: the value in Mbit/s / 8000, converted)" if factor else ""
-            print(f"commfuse-dp {command}: warning: {name} is deprecated; use {target}{unit}", file=sys.stderr)
+            print(f"{parser.prog}: warning: {name} is deprecated; use {target}{unit}", file=sys.stderr)
             if factor:
                 if eq:
                     value = mbit_to_gbps(value)
