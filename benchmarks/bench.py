@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from ..cli_names import gbps_to_mbit, show_gbps, spelled
+from commfuse_dp.cli_names import gbps_to_mbit, show_gbps, spelled
 from .cluster import EmulatedCluster, EmulatedNodes
 from .bench_model import MODEL_DEFAULTS
 from .probes import MMAP_ENV
@@ -92,15 +92,15 @@ def run_rate(cluster: EmulatedCluster | EmulatedNodes, rate: float, variants: li
         out = os.path.join(tmp, "result.json")
         port = 29500 + int(rate) % 400 + int(time.time()) % 50
         rounds, warmup = (0, 2) if memory else (args.rounds, args.warmup)
-        argv = [sys.executable, "-m", "commfuse_dp.benchmarks.worker", "--world-size", str(cluster.world_size),
+        argv = [sys.executable, "-m", "benchmarks.worker", "--world-size", str(cluster.world_size),
                 "--master", f"{cluster.address(0)}:{port}", "--variants", ",".join(variants),
                 "--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(warmup),
                 "--settle", str(args.settle if rounds else 0),
                 "--out", out, "--link-mbit", f"{link_mbit:g}", *args.model_args]
-        env = None
+        env = worker_env()
         if memory:
             argv.append("--memory")
-            env = {**os.environ, **MMAP_ENV}
+            env.update(MMAP_ENV)
         if timeline:
             argv += ["--timeline", timeline]
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(cluster.world_size)]
@@ -229,6 +229,16 @@ def print_table(records: list[dict], balanced: float, burst_kb: int) -> None:
                   f"{mem:>9} {ratio:>7} {floor:>7} {opt:>6} {cpu:>6} {faults:>8}  {note}{mark}")
             mark = ""
     print(f"\nnote: {SHAPING_NOTE.format(burst=burst_kb)}")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout that holds benchmarks/
+
+
+def worker_env() -> dict[str, str]:
+    """This process's environment with the checkout first on ``PYTHONPATH``: the ranks run ``python -m
+    benchmarks.worker`` from any folder (``benchmarks/`` is not installed with the package)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
-    from .plots import sweep_png
+    from commfuse_dp.plots import sweep_png
 
     title = (f"{args.nodes} nodes of {args.world_size // args.nodes} ranks, {_nics(args.nics_per_node)} each "
              f"(rate: a NIC's): step time per schedule" if args.nic_mbit is not None
@@ -543,7 +553,7 @@ def balanced_rate(reference: float, compute: float, comm: float, comm_at_double:
 def _write_timeline(timelines: dict, out_dir: str, rate: float, world: int) -> None:
     from commfuse_dp.timeline import write_chrome_trace
 
-    from .plots import timeline_png
+    from commfuse_dp.plots import timeline_png
 
     timeline_png(timelines, os.path.join(out_dir, "timeline.png"), f"{world} ranks at {show_gbps(rate)} GB/s")
     ranks = max(len(v) for v in timelines.values())

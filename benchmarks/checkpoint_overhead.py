@@ -6,7 +6,7 @@ launch, the variants interleaved round by round; a launch times ``--steps`` step
 their mean, its peak resident memory (``VmHWM``, rank 0) and the bytes the asynchronous save's host copy holds.
 ``--variants`` picks some (``none`` always runs: the ratios are to it).
 
-    python -m commfuse_dp.benchmarks.checkpoint_overhead --rounds 3 --out benchmarks/results/checkpoint-every-step.json
+    python -m benchmarks.checkpoint_overhead --rounds 3 --out benchmarks/results/checkpoint-every-step.json
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(+{statistics.median(s['peak_over_none_mib']):.1f} MiB over none), "
               f"host copy {s['staged_mib']:.1f} MiB, a write's CPU {s['write_cpu_s_median'] * 1e3:.0f} ms")
     if args.out:
-        command = "python -m commfuse_dp.benchmarks.checkpoint_overhead " + " ".join(argv or sys.argv[1:])
+        command = "python -m benchmarks.checkpoint_overhead " + " ".join(argv or sys.argv[1:])
         with open(args.out, "w") as f:
             json.dump({"command": command, "rows": rows, "summary": summary}, f, indent=1)
 

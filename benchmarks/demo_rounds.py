@@ -1,7 +1,7 @@
 """``commfuse-dp demo`` run several times, one after another, and what it printed each time: the record behind the
 figures README quotes.
 
-    python -m commfuse_dp.benchmarks.demo_rounds --rounds 3 --json benchmarks/results/demo-2cpu.json
+    python -m benchmarks.demo_rounds --rounds 3 --json benchmarks/results/demo-2cpu.json
 
 Each round is a fresh ``commfuse-dp demo`` (its defaults: 2 CPU processes, 60 steps, the embedded model and data,
 into ``runs/demo``) in ``--work-dir``, each replacing the one before (``--overwrite_output_dir``). ``demo_s`` is
@@ -52,7 +52,7 @@ def run_round(work: str, extra: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m commfuse_dp.benchmarks.demo_rounds",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_rounds",
                                      description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.partition("\n\n")[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="demo runs, one after another (default %(default)s)")
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             spread[k] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     by_wall = sorted(range(len(rounds)), key=lambda i: rounds[i]["wall_s"])
     shown = rounds[by_wall[len(by_wall) // 2]]["shown"]
-    record = {"command": "python -m commfuse_dp.benchmarks.demo_rounds " + " ".join(sys.argv[1:] if argv is None
+    record = {"command": "python -m benchmarks.demo_rounds " + " ".join(sys.argv[1:] if argv is None
                                                                                       else argv),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "torch": __import__("torch").__version__},

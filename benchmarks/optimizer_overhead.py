@@ -30,8 +30,8 @@ def measure(world: int, steps: int, impl: str = "foreach") -> tuple[int, float, 
     from transformers import LlamaForCausalLM
 
     import commfuse_dp as cf
-    from commfuse_dp.benchmarks import bench_model, worker
-    from commfuse_dp.benchmarks.step_overhead import fake_rank0
+    from benchmarks import bench_model, worker
+    from benchmarks.step_overhead import fake_rank0
 
     fake_rank0(world)
     try:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="AdamW implementations, comma-separated: foreach (torch's default), fused (fused=True, "
                              "the Trainer's adamw_torch_fused); default both")
     args = parser.parse_args(argv)
-    from commfuse_dp.benchmarks.worker import OPTIMIZERS
+    from benchmarks.worker import OPTIMIZERS
 
     unknown = sorted(set(args.impls.split(",")) - set(OPTIMIZERS))
     if unknown:

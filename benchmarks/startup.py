@@ -2,10 +2,10 @@
 meta device, with the link, latency, GEMM rate and tokens given (so no process group and no measurement), as every
 rank runs it once before sharding.
 
-    python -m commfuse_dp.benchmarks.startup                        # Llama-3-8B and -70B at 1024 and 4096 ranks
-    python -m commfuse_dp.benchmarks.startup --models llama3-8b --num-processes 1024 --rounds 5 --json FILE
-    python -m commfuse_dp.benchmarks.startup --full-at none          # without the full replay's comparison
-    python -m commfuse_dp.benchmarks.startup --per-node 8 --nic-gbps 12.5   # a launch over nodes of 8 ranks
+    python -m benchmarks.startup                        # Llama-3-8B and -70B at 1024 and 4096 ranks
+    python -m benchmarks.startup --models llama3-8b --num-processes 1024 --rounds 5 --json FILE
+    python -m benchmarks.startup --full-at none          # without the full replay's comparison
+    python -m benchmarks.startup --per-node 8 --nic-gbps 12.5   # a launch over nodes of 8 ranks
 
 Each round starts cold (``replay.forget_traces``: no trace kept from an earlier round, as in a fresh process) and
 times ``choose`` alone (the model is built once, before the rounds); the table shows the median and the range over
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               + (": the same choice" if f["agrees"] else ": a DIFFERENT choice"))
     if args.json:
         given = sys.argv[1:] if argv is None else argv
-        command = "python -m commfuse_dp.benchmarks.startup " + " ".join(shlex.quote(a) for a in given)
+        command = "python -m benchmarks.startup " + " ".join(shlex.quote(a) for a in given)
         with open(args.json, "w") as out:
             json.dump({"command": command, "machine": _machine(), "rounds": args.rounds,
                        "link_gbps": args.link_gbps, "latency_us": args.latency_us, "tflops": args.tflops,

@@ -135,8 +135,8 @@ def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu"
     ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
     accelerator, min_fuse_numel = contextlib.nullcontext, 0
     if bench_model:
-        from commfuse_dp.benchmarks import bench_model as bench_shapes
-        from commfuse_dp.benchmarks.emulated import EmulatedAccelerator
+        from benchmarks import bench_model as bench_shapes
+        from benchmarks.emulated import EmulatedAccelerator
 
         shape = bench_shapes.default_shape()
         cfg, ids = bench_shapes.model_config(shape), bench_shapes.make_batch(shape, 0)["input_ids"]

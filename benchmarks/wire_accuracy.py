@@ -1,11 +1,11 @@
-"""How much the narrow formats on the wire cost in accuracy: the demo's fine-tune (``recipes/finetune_clm.py`` on its
+"""How much the narrow formats on the wire cost in accuracy: the demo's fine-tune (``commfuse_dp/recipes/finetune_clm.py`` on its
 embedded default, 2 CPU processes) once per setting, same data and seed, and each lossy setting's eval loss against
 the exact run's.
 
-    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 60 --json wire-60.json --png wire-60.png
-    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --json wire-300.json --png wire-300.png
-    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --settings bf16,int8
-    python -m commfuse_dp.benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --num_processes 4 --replicate 2 \
+    python -m benchmarks.wire_accuracy --max_steps 60 --json wire-60.json --png wire-60.png
+    python -m benchmarks.wire_accuracy --max_steps 300 --json wire-300.json --png wire-300.png
+    python -m benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --settings bf16,int8
+    python -m benchmarks.wire_accuracy --max_steps 300 --seeds 0,1,2 --num_processes 4 --replicate 2 \
         --settings bf16,int8_int8          # across 2 copies of 2 ranks (HSDP): the formats cross the copies too
 
 A small model trained from scratch is chaotic: any change of rounding sends the run down another path, and the
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * row['relative_max']:+.3f}]{verdict}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python -m commfuse_dp.benchmarks.wire_accuracy", *(argv or sys.argv[1:])]),
+            json.dump({"command": " ".join(["python -m benchmarks.wire_accuracy", *(argv or sys.argv[1:])]),
                        "max_steps": args.max_steps, "seeds": seeds, "nproc": args.nproc, "replicate": args.replicate, "summary": rows, "records": records}, f, indent=1)
     if args.png:
         plot(records, args.png, args.max_steps)

@@ -30,7 +30,7 @@ A bad value or file is one line on stderr (exit status 2); COMMFUSE_TRACEBACK=1 
 
 COMMANDS = {
     "demo": ("commfuse_dp.demo", "fine-tune the embedded default model on 2 CPU processes, then a summary"),
-    "bench": ("commfuse_dp.benchmarks.bench", "compare the schedules on the emulated cluster (root)"),
+    "bench": ("benchmarks.bench", "compare the schedules on the emulated cluster (root)"),
     "plan": ("commfuse_dp.plan_cli", "predict step time, exposed communication and MFU on a real cluster"),
     "launch": ("commfuse_dp.launch", "accelerate launch with a commfuse: config block (unchanged scripts)"),
 }
@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    if command == "bench" and not _checkout_benchmarks():
+        print("commfuse-dp bench: the bench lives in the repository's benchmarks/ folder, which is not installed with "
+              "the package; run it from a checkout (git clone the repository, then pip install -e . in it)",
+              file=sys.stderr)
+        return 2
     run = importlib.import_module(COMMANDS[command][0]).main
     try:
         return run(rest)
@@ -66,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"commfuse-dp {command}: {_one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _checkout_benchmarks() -> bool:
+    """Whether the repository's ``benchmarks/`` sits beside this package (a checkout): then it is importable, its
+    folder put first on ``sys.path`` (and ``PYTHONPATH``, for the ranks the bench starts)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", "bench.py")):
+        return False
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return True
 
 
 def _one_line(err: BaseException) -> str:

@@ -37,7 +37,7 @@ DEPRECATED = {
               "--reference_rate": ("--reference-gbps", MBIT_PER_GBPS), "--nic_mbit": ("--nic-gbps", MBIT_PER_GBPS),
               "--intra_mbit": ("--intra-gbps", MBIT_PER_GBPS)},
     "demo": {"--nproc": ("--num_processes", None)},
-    # the benchmark scripts (python -m commfuse_dp.benchmarks.NAME)
+    # the benchmark scripts (python -m benchmarks.NAME)
     "frozen_memory": {"--ranks": ("--num-processes", None)},
     "ring_micro": {"--world_size": ("--num-processes", None)},
     "step_overhead": {"--world_size": ("--num-processes", None)},

@@ -4,7 +4,7 @@
     commfuse-dp demo --max_steps 200 --output_dir runs/longer
     commfuse-dp demo --overwrite_output_dir -- --learning_rate 1e-3    # after --: more finetune_clm flags
 
-It runs ``recipes/finetune_clm.py`` (``commfuse_dp.recipes.finetune_clm``) through ``torch.distributed.run`` with
+It runs ``commfuse_dp/recipes/finetune_clm.py`` (``commfuse_dp.recipes.finetune_clm``) through ``torch.distributed.run`` with
 ``--nproc_per_node 2``: a small Llama-style decoder (tied embeddings, grouped-query attention) built from a config,
 fine-tuned with commfuse sharding (``CommFuseTrainer``, the Trainer with ``CommFuseCallback``) on the Python
 reference manual that ships with Python, tokenised by a BPE trained on it. Nothing is downloaded. It then prints

@@ -50,7 +50,7 @@ from commfuse_dp.launch_help import _EXAMPLE, help_text  # noqa: F401  (launch.h
 from commfuse_dp.integrations.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
 from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
 
-BOOTSTRAP = "commfuse_dp.integrations.worker"   # runs integrations/bootstrap.py's main()
+BOOTSTRAP = "commfuse_dp.integrations.worker"   # runs commfuse_dp/integrations/bootstrap.py's main()
 
 # ---- argument handling --------------------------------------------------------------------------------------------
 

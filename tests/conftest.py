@@ -5,8 +5,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# Distributed tests pickle module-level workers by name; the ranks import them from this folder.
+# Distributed tests pickle module-level workers by name; the ranks import them from this folder. The checkout's root
+# holds benchmarks/, which is not installed with the package.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 import pytest  # noqa: E402

@@ -80,7 +80,7 @@ def main(out_dir: str) -> None:
             json.dump(result, f)
     from commfuse_dp.integrations.deepspeed import shutdown
 
-    shutdown()  # see [Note: the abort at exit] in integrations/deepspeed.py; the test checks the exit status
+    shutdown()  # see [Note: the abort at exit] in commfuse_dp/integrations/deepspeed.py; the test checks the exit status
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def main(out: str, cases: list[str]) -> None:
             json.dump(result, f, indent=1)
     from commfuse_dp.integrations.deepspeed import shutdown
 
-    shutdown()  # see [Note: the abort at exit] in integrations/deepspeed.py; the test checks the exit status
+    shutdown()  # see [Note: the abort at exit] in commfuse_dp/integrations/deepspeed.py; the test checks the exit status
 
 
 if __name__ == "__main__":

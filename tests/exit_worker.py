@@ -26,7 +26,7 @@ active exception", SIGABRT, after all the work was done (core dump of such an ab
 ``runLoop -> ~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire -> take_gil -> pthread_exit ->
 std::terminate``). ``destroy_process_group()`` destroys the groups while the interpreter is alive: the gloo
 destructor drains the queue and joins its workers with the GIL released, so no worker is left to free anything
-during finalization (see [Note: the abort at exit] in integrations/deepspeed.py).
+during finalization (see [Note: the abort at exit] in commfuse_dp/integrations/deepspeed.py).
 """
 
 import os

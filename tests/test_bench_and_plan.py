@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from commfuse_dp import costs, plan, plan_cli
-from commfuse_dp.benchmarks.bench import balanced_rate, paired_ratios, records_from
-from commfuse_dp.benchmarks.plots import sweep_png, timeline_png
-from commfuse_dp.benchmarks.trace_waits import analyse as analyse_trace
+from benchmarks.bench import balanced_rate, paired_ratios, records_from
+from commfuse_dp.plots import sweep_png, timeline_png
+from benchmarks.trace_waits import analyse as analyse_trace
 
 SCHEDULES = plan.SCHEDULES
 
@@ -452,7 +452,7 @@ import json, sys
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 import commfuse_dp as cf
-from commfuse_dp.benchmarks.step_overhead import fake_rank0
+from benchmarks.step_overhead import fake_rank0
 
 cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)

@@ -60,7 +60,7 @@ def test_plan_takes_both_spellings_and_the_ecosystem_names(ours, theirs, capsys)
 ])
 def test_the_deprecated_aliases_still_work_and_say_their_replacement(command, old, new, capsys):
     from commfuse_dp import demo, plan_cli
-    from commfuse_dp.benchmarks import bench
+    from benchmarks import bench
 
     main = {"plan": plan_cli.main, "bench": bench.main, "demo": demo.main}[command]
     assert _parsed(main, old) == _parsed(main, new)
@@ -81,7 +81,7 @@ def test_plan_prints_the_same_either_way(capsys):
 
 def test_bench_and_demo_names():
     from commfuse_dp import demo
-    from commfuse_dp.benchmarks import bench
+    from benchmarks import bench
 
     assert _parsed(bench.main, ["--num-processes", "4", "--num-machines", "2", "--nic-gbps", "0.1"]) == \
         _parsed(bench.main, ["--num_processes", "4", "--nnodes", "2", "--nic_gbps", "0.1"])
@@ -110,7 +110,7 @@ def test_what_follows_a_double_dash_is_left_alone():
 
 def test_every_alias_names_a_real_option():
     from commfuse_dp import demo, plan_cli
-    from commfuse_dp.benchmarks import bench
+    from benchmarks import bench
     from test_docs_cover_cli import _flags, _parser_of
 
     import importlib
@@ -118,7 +118,7 @@ def test_every_alias_names_a_real_option():
     flags = {"plan": _flags(_parser_of(plan_cli.main)), "bench": _flags(_parser_of(bench.main)),
              "demo": _flags(demo._parser())}
     for script in set(DEPRECATED) - set(flags):  # the benchmark scripts
-        flags[script] = _flags(_parser_of(importlib.import_module(f"commfuse_dp.benchmarks.{script}").main))
+        flags[script] = _flags(_parser_of(importlib.import_module(f"benchmarks.{script}").main))
     for command, aliases in ALIASES.items():
         for other, target in aliases.items():
             assert target in flags[command], (command, other, target)

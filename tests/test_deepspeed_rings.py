@@ -8,7 +8,7 @@ Launches (each case of a launch runs in the same processes, to keep the CI time 
 2. tests/deepspeed_trainer_worker.py: ``Trainer`` + DeepSpeed ZeRO-3, stock and with ``CommFuseCallback``; the second
    saves through DeepSpeed's own path, and this process reloads the save with ``from_pretrained``.
 3. tests/exit_worker.py, launched many times: the abort at interpreter exit (DESIGN §5; [Note: the abort at exit]
-   in integrations/deepspeed.py).
+   in commfuse_dp/integrations/deepspeed.py).
 
 Tolerance: on this setup the ring runs equal stock DeepSpeed bit for bit (losses of every rank at every step, and
 every parameter after 3 AdamW steps: max abs difference 0.0, observed for stages 1, 2 (all-reduce and reduce) and
@@ -237,7 +237,7 @@ def test_no_abort_at_exit_after_shutdown(tmp_path):
     """DESIGN §5: "about one run in eight aborted at interpreter exit after training with `terminate called
     without an active exception`". Cause, from a core dump of such an abort and the same abort with plain torch +
     gloo (no DeepSpeed, no commfuse): a gloo worker thread frees a finished work while the interpreter finalizes
-    (integrations/deepspeed.py, [Note: the abort at exit]). How often depends on the scheduling: plain 2-rank gloo
+    (commfuse_dp/integrations/deepspeed.py, [Note: the abort at exit]). How often depends on the scheduling: plain 2-rank gloo
     scripts ending with a burst of all-reduces aborted in 6 of 40 launches while the machine was loaded, in 0 of 40
     when it was not. tests/exit_worker.py (init + one step: commfuse rings but in ``bare``, 50 async and one blocking
     gloo all-reduce) takes the scheduling out of it with ``slow``: all of a rank's threads on one CPU, gloo's workers at

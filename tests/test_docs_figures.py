@@ -110,7 +110,7 @@ def test_one_machine_tables_equal_their_results_files():
     highest]); in the narrow-format tables (no "X / Y" column) each variant's cell is the peer's (``fsdp2_overlap``)
     step over the variant's, paired the same way. The row's rate is the file's (GB/s, 4 significant digits), and a
     "ranks, GB/s" row names the file of that many ranks among those named before the table."""
-    from commfuse_dp.benchmarks.bench import paired_ratios
+    from benchmarks.bench import paired_ratios
 
     tables = list(_one_machine_tables(open(DOC).read()))
     assert len(tables) >= 5, "the one-machine tables were not found"

@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import commfuse_dp as cf
-from commfuse_dp.benchmarks.emulated import EmulatedAccelerator
+from benchmarks.emulated import EmulatedAccelerator
 from harness import run_ranks
 
 

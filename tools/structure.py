@@ -1,19 +1,23 @@
-"""Structure check of the package: import circles and long functions.
+"""Structure check of the package: import circles, long functions, folders that are not their packages.
 
     python tools/structure.py [--root REPO]
 
-1. The import graph of the package's modules: ``commfuse_dp/**`` as ``commfuse_dp.*`` and ``integrations/**`` as
-   ``commfuse_dp.integrations.*`` (pyproject.toml's package-dir). Every ``import`` and ``from ... import`` counts,
-   wherever it stands (inside functions, under ``if``, in ``try``), relative imports resolved against the
-   importing module. ``from package import name`` is an edge to ``package.name`` when that is a module, else to
+1. The import graph of the package's modules: ``commfuse_dp/**`` as ``commfuse_dp.*``. Every ``import`` and
+   ``from ... import`` counts, wherever it stands (inside functions, under ``if``, in ``try``), relative imports
+   resolved against the importing module, and so does ``importlib.import_module("commfuse_dp....")`` (or
+   ``import_module``) with a constant name. ``from package import name`` is an edge to ``package.name`` when that is a module, else to
    ``package``. An import of ``a.b.c`` is an edge to ``a.b.c`` alone (not to the packages above it). The strongly
    connected components of more than one module are the circles: modules that import each other, directly or
    through others, so none of them can be understood, tested or loaded without the rest.
-2. Every function or method in ``commfuse_dp/`` and ``integrations/`` longer than :data:`MAX_LINES` lines
+2. Every function or method in ``commfuse_dp/`` longer than :data:`MAX_LINES` lines
    (``end_lineno - lineno + 1``: from the ``def`` line to its last line, docstring and nested functions included),
    except those in :data:`ALLOWED`, which hold data or help text rather than logic.
 
-Prints both; the exit status is 1 when there is a circle or a long function not allowed, else 0.
+3. Every folder of the repository that holds importable code (``.py`` files; not ``tests/``, ``tools/`` or hidden
+   and build folders) is a package at that path: it and every folder above it up to the root have an
+   ``__init__.py``, and ``pyproject.toml`` maps no package to another folder (no ``package-dir``).
+
+Prints all three; the exit status is 1 when there is a circle, a long function not allowed or a stray folder, else 0.
 Uses only the standard library (``ast``): nothing of the package is imported.
 """
 
@@ -28,7 +32,8 @@ from dataclasses import dataclass
 MAX_LINES = 60
 
 # package folder (relative to the repository root) -> the dotted name it is installed as
-PACKAGE_DIRS = {"commfuse_dp": "commfuse_dp", "integrations": "commfuse_dp.integrations"}
+PACKAGE_DIRS = {"commfuse_dp": "commfuse_dp"}
+NOT_CODE = ("tests", "tools", "build", "dist", "runs")  # top-level folders that are not importable code
 
 # qualified name -> why it may be long. Only data tables and help text: splitting them would scatter one table or
 # one text over functions that mean nothing on their own.
@@ -100,6 +105,10 @@ def imports_of(module: str, tree: ast.Module, known: dict[str, str]) -> set[str]
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 targets.add(sub if sub in known else _known(base, known) or "")
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+            targets.add(_known(node.args[0].value, known) or "")
     targets.discard("")
     targets.discard(module)
     return targets
@@ -174,6 +183,26 @@ def long_functions(root: str, max_lines: int = MAX_LINES) -> list[LongFunction]:
     return found
 
 
+def stray_folders(root: str) -> list[str]:
+    """Folders holding ``.py`` files that are not packages at their path, and a ``package-dir`` mapping."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith(".")
+                             and not d.endswith(".egg-info") and (rel != os.curdir or d not in NOT_CODE))
+        if rel == os.curdir or not any(n.endswith(".py") for n in filenames):
+            continue
+        parts = rel.split(os.sep)
+        for n in range(1, len(parts) + 1):
+            if not os.path.isfile(os.path.join(root, *parts[:n], "__init__.py")):
+                found.append(f"{'/'.join(parts[:n])}/ has no __init__.py, so {rel}/*.py is not importable at its path")
+                break
+    pyproject = os.path.join(root, "pyproject.toml")
+    if os.path.isfile(pyproject) and "package-dir" in open(pyproject, encoding="utf-8").read():
+        found.append("pyproject.toml maps packages to other folders (package-dir)")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -198,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         why = ALLOWED.get(f.name)
         note = f"  allowed: {why}" if why else ""
         print(f"  {f.lines:4d}  {f.name}  ({f.path}:{f.line}){note}")
-    return 1 if found or refused else 0
+    stray = stray_folders(args.root)
+    print(f"folders that are not the package at their path: {len(stray)}")
+    for line in stray:
+        print(f"  {line}")
+    return 1 if found or refused or stray else 0
 
 
 if __name__ == "__main__":

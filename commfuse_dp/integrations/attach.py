@@ -5,14 +5,14 @@ Who calls it, and with what (each keeps only what reads its own library's settin
 * ``CommFuseCallback.on_init_end`` (``CommFuseTrainer``, ``commfuse_trainer(...)``, and every Trainer under
   ``commfuse-dp launch``): ``backend="shard"`` with ``parallelism=`` from ``TrainingArguments.parallelism_config``;
   with ``TrainingArguments(deepspeed=...)`` ``backend="deepspeed"`` with the DeepSpeed config dict and no engine yet
-  (``integrations/deepspeed.py``, :func:`attach_to_trainer_callback`: the rings start at ``on_train_begin``).
+  (``commfuse_dp/integrations/deepspeed.py``, :func:`attach_to_trainer_callback`: the rings start at ``on_train_begin``).
 * ``CommFuseAccelerator.prepare`` / ``prepare_model`` (and every ``Accelerator`` under ``commfuse-dp launch``):
   ``backend="shard"`` with ``place=`` (the model to ``accelerator.device``); with DeepSpeed ``backend="deepspeed"``
   with the engine that ``Accelerator.prepare`` built.
 * ``enable_ring_collectives(engine)``: ``backend="deepspeed"`` with the engine.
 * ``commfuse_dp.integrations.fsdp.use_ring_collectives(model)``: ``backend="fsdp2"`` (a model FSDP2 sharded).
 
-``commfuse-dp launch`` has no attach code of its own: its hooks (``integrations/bootstrap.py``) make the script's
+``commfuse-dp launch`` has no attach code of its own: its hooks (``commfuse_dp/integrations/bootstrap.py``) make the script's
 ``Accelerator`` a ``CommFuseAccelerator`` and its ``Trainer`` a ``CommFuseTrainer``, which attach through here.
 
 What :func:`attach` decides for all of them, by ``backend``:

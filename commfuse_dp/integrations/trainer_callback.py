@@ -1,5 +1,5 @@
 """``CommFuseCallback``: shards ``Trainer.model`` at the end of the Trainer's ``__init__`` and adds the step figures
-to its logs (``integrations/transformers.py`` describes the Trainer integration as a whole)."""
+to its logs (``commfuse_dp/integrations/transformers.py`` describes the Trainer integration as a whole)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ class CommFuseCallback(TrainerCallback):
             # when TRL replaces model.forward after this callback ran).
             prepare_sharded(trainer.accelerator, model)
             # the models the Trainer prepares next for evaluation (TRL's reference, reward, teacher) are sharded
-            # like this one (integrations/accelerate.py, FrozenModels)
+            # like this one (commfuse_dp/integrations/accelerate.py, FrozenModels)
             shard_frozen_models(trainer.accelerator, frozen_config(done.config, model) if done.config.shard_frozen
                                 else None)
         # Accelerator.prepare_model returns a model carrying this flag as it is (no DDP wrap on top of the shards).

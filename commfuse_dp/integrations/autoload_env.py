@@ -2,7 +2,7 @@
 
 ``commfuse-dp launch`` (``commfuse_dp/launch.py``, ``commfuse_dp/launch_commands.py``) puts :func:`folder` first
 on ``PYTHONPATH`` and names its config file in :data:`LAUNCH_CONFIG_ENV`; the activation in that folder
-(``integrations/autoload``) sends a nested ``accelerate launch`` back to ``commfuse_dp.launch``. This module
+(``commfuse_dp/integrations/autoload``) sends a nested ``accelerate launch`` back to ``commfuse_dp.launch``. This module
 imports neither, so both import it. It is not in the autoload folder itself: every module there would be
 importable by its bare name in every process beneath the launch.
 """

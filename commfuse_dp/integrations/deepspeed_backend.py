@@ -1,9 +1,9 @@
 """DeepSpeed's communication backend with its data-parallel collectives on the rings: ``RingBackend`` wraps the
 backend ``deepspeed.comm`` holds (``cdb``) and sends ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 ``all_reduce`` and ``reduce`` on the routed groups through ``commfuse_dp``'s ring collectives, counting them in a
-``RingStats`` (``integrations/deepspeed.py`` says which calls go where).
+``RingStats`` (``commfuse_dp/integrations/deepspeed.py`` says which calls go where).
 
-Below the entry points, and used by ``integrations/attach.py`` for ``backend="deepspeed"``: the ``"commfuse"``
+Below the entry points, and used by ``commfuse_dp/integrations/attach.py`` for ``backend="deepspeed"``: the ``"commfuse"``
 section of a DeepSpeed config (:func:`config_from_deepspeed`, :func:`ring_config`), the data-parallel groups to route
 (:func:`dp_groups`), the install and its handle (:func:`install`, :class:`RingCollectives`), and the checks. Nothing
 here imports ``deepspeed`` until it runs."""

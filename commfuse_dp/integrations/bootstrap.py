@@ -3,7 +3,7 @@
     python -m commfuse_dp.integrations.worker SCRIPT.py [ARGS...]
     python -m commfuse_dp.integrations.worker -m MODULE [ARGS...]
 
-(``integrations/worker.py`` calls :func:`main`; this module is imported by the activation hook first, so it is
+(``commfuse_dp/integrations/worker.py`` calls :func:`main`; this module is imported by the activation hook first, so it is
 not run as ``__main__`` itself.)
 
 ``commfuse-dp launch`` starts every worker this way (accelerate launch's ``--module`` option, or
@@ -28,7 +28,7 @@ runs the script. With it, before the script runs:
    loads every rank's shards -- the same path as a script that writes ``CommFuseTrainer`` itself. That module's
    own ``Accelerator`` name is set back to accelerate's original class: a Trainer is sharded by the callback, not
    by a CommFuseAccelerator as well (the model reaches ``attach`` once); the callback then makes that Accelerator
-   shard the models the Trainer prepares for evaluation (``integrations/accelerate.py``, ``FrozenModels``).
+   shard the models the Trainer prepares for evaluation (``commfuse_dp/integrations/accelerate.py``, ``FrozenModels``).
 4. The script runs as ``__main__`` with ``runpy`` (``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT.py ARGS``
    would set them; ``-m``: as ``python -m MODULE ARGS``).
 

@@ -1,7 +1,7 @@
 """``python -m commfuse_dp.integrations.worker SCRIPT.py [ARGS...]`` (or ``-m MODULE [ARGS...]``): what
 ``commfuse-dp launch`` starts each worker with. It runs :func:`commfuse_dp.integrations.bootstrap.main`.
 
-A module of its own: the activation hook (``integrations/autoload``) imports ``commfuse_dp.integrations.bootstrap``
+A module of its own: the activation hook (``commfuse_dp/integrations/autoload``) imports ``commfuse_dp.integrations.bootstrap``
 before the worker's main module runs, so ``python -m commfuse_dp.integrations.bootstrap`` would execute that file a
 second time as ``__main__``, a copy with its own globals beside the imported module (runpy warns: "found in
 sys.modules ... this may result in unpredictable behaviour"). Through this module the bootstrap exists once.
