@@ -12,11 +12,16 @@ share: compare a schedule's with compute alone's, whose optimizer works on plain
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script (python benchmarks/optimizer_overhead.py): the checkout's root, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,9 @@ import torch
 import torch.distributed as dist
 from commfuse_dp.cli_names import spelled
 
+if __package__ in (None, ""):  # run as a script (python benchmarks/step_overhead.py): the checkout's root, for benchmarks.*
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 try:
     from .loopback import run_loopback
 except ImportError:  # run as a script: python benchmarks/step_overhead.py

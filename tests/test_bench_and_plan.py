@@ -486,8 +486,9 @@ def test_planner_fuses_what_shard_fuses(tmp_path):
     units = costs.units_for(128, 352, 2, 4, 4, 512, tokens=128, seq=64)
     seen = {}
     worlds = (2, 4, 8, 16, 32)  # one process, a fake group of each size in turn
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # benchmarks/
     proc = subprocess.run([sys.executable, str(script), ",".join(map(str, worlds))], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     every = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for world in worlds:
