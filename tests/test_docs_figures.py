@@ -31,13 +31,18 @@ def _tables(text: str):
         for match in FILE.finditer(line):
             named = match.group(1)
         if line.startswith("| NIC GB/s"):
-            header = [c.strip() for c in line.strip("|").split("|")]
-            rows = []
-            for row in lines[i + 2:]:
-                if not row.startswith("|"):
-                    break
-                rows.append([c.strip() for c in row.strip("|").split("|")])
+            header, rows = _table_at(lines, i)
             yield named, header, rows
+
+
+def _table_at(lines: list[str], i: int) -> tuple[list[str], list[list[str]]]:
+    """The header cells of the table whose header is ``lines[i]``, and its rows of cells."""
+    rows = []
+    for row in lines[i + 2:]:
+        if not row.startswith("|"):
+            break
+        rows.append([c.strip() for c in row.strip("|").split("|")])
+    return [c.strip() for c in lines[i].strip("|").split("|")], rows
 
 
 def _rate(data: dict, quoted: str, named: str) -> float:
@@ -90,12 +95,7 @@ def _one_machine_tables(text: str):
     for i, line in enumerate(lines):
         if line.startswith("| GB/s |") or line.startswith("| ranks, GB/s |"):
             named = RESULTS.findall("\n".join(lines[since:i]))
-            header = [c.strip() for c in line.strip("|").split("|")]
-            rows = []
-            for row in lines[i + 2:]:
-                if not row.startswith("|"):
-                    break
-                rows.append([c.strip() for c in row.strip("|").split("|")])
+            header, rows = _table_at(lines, i)
             since = i + 2 + len(rows)
             yield named, header, rows
 
