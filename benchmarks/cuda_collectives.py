@@ -1,7 +1,7 @@
 """``benchmarks/cuda_check.py --parts collectives``: NCCL's own all-gather and reduce-scatter (what FSDP2 runs as
 shipped) against the library's rings (N-1 hops issued from Python, one send/recv pair per hop), on every GPU
 of the machine, at the sizes of FSDP2 units; and what ``shard()``'s defaults measure of the link there
-(``commfuse_dp/measure.py``). The planner plays the fsdp2 schedule on both (``CommFuseConfig.fsdp2_collectives``);
+(``commfuse_dp/planner/measure.py``). The planner plays the fsdp2 schedule on both (``CommFuseConfig.fsdp2_collectives``);
 this part is what it should be checked against.
 
 Needs two GPUs or more (NCCL refuses two ranks on one device). ``--device cpu`` runs the same on 2 CPU processes
@@ -65,7 +65,7 @@ def _seconds(run, device: torch.device) -> float:
 
 
 def _worker(kind: str, out: str, sizes: str) -> None:
-    from commfuse_dp.measure import measure_machine
+    from commfuse_dp.planner.measure import measure_machine
     from commfuse_dp.ring import ring_all_gather, ring_reduce_scatter
 
     local = int(os.environ["LOCAL_RANK"])

@@ -37,8 +37,8 @@ from dataclasses import replace
 
 import torch
 
-from commfuse_dp import plan, replay
-from commfuse_dp.choose import choose
+from commfuse_dp.planner import plan, replay
+from commfuse_dp.planner.choose import choose
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.cli_names import spelled
 
@@ -74,8 +74,8 @@ def time_nodes_choice(model: torch.nn.Module, config: CommFuseConfig, ranks: int
                       device: str, rounds: int) -> dict:
     """``rounds`` cold runs of ``plan_nodes`` for ``ranks`` ranks in nodes of ``per_node``: their seconds and what it
     chose."""
-    from commfuse_dp.choose_nodes import plan_nodes
-    from commfuse_dp.measure import Link, Tiers
+    from commfuse_dp.planner.choose_nodes import plan_nodes
+    from commfuse_dp.planner.measure import Link, Tiers
 
     hop = (4 << 10, 16 << 20)
     tiers = Tiers(Link(config.link_gbps * 1e9, config.ring_latency_us * 1e-6, hop),

@@ -31,7 +31,7 @@ A bad value or file is one line on stderr (exit status 2); COMMFUSE_TRACEBACK=1 
 COMMANDS = {
     "demo": ("commfuse_dp.demo", "fine-tune the embedded default model on 2 CPU processes, then a summary"),
     "bench": ("benchmarks.bench", "compare the schedules on the emulated cluster (root)"),
-    "plan": ("commfuse_dp.plan_cli", "predict step time, exposed communication and MFU on a real cluster"),
+    "plan": ("commfuse_dp.planner.cli", "predict step time, exposed communication and MFU on a real cluster"),
     "launch": ("commfuse_dp.launch", "accelerate launch with a commfuse: config block (unchanged scripts)"),
 }
 

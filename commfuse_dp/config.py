@@ -49,7 +49,7 @@ class CommFuseConfig:
 
     schedule: str = "auto"
     """``"auto"`` (default): ``"fused"`` where the planner predicts it faster than the peer (``"fsdp2"``) by 2 %
-    for this model, its ranks, the device and the link, else ``"fsdp2"`` (``commfuse_dp/choose.py``;
+    for this model, its ranks, the device and the link, else ``"fsdp2"`` (``commfuse_dp/planner/choose.py``;
     ``commfuse_dp.describe(model)`` says what was chosen and why).
     ``"fused"``: CommFuse, each hop (one exchange with the ring's neighbours) runs during a shard-sized piece of
     the layer's own compute.
@@ -175,7 +175,7 @@ class CommFuseConfig:
     ``("replicate", "shard")``. ``"auto"`` (default): 1 (one group, no HSDP) on one node; on a launch over several
     nodes (the launcher's ``LOCAL_WORLD_SIZE``, ``commfuse_dp/node_layout.py``), a copy per node or one flat ring
     over every rank, whichever the planner predicts faster on the two tiers measured at ``shard()``
-    (``commfuse_dp/choose_nodes.py``; HSDP unless the flat ring wins by 2 %). An integer: that many copies. Passing
+    (``commfuse_dp/planner/choose_nodes.py``; HSDP unless the flat ring wins by 2 %). An integer: that many copies. Passing
     ``shard(model, config, mesh=<2-D DeviceMesh>)`` sets the groups instead."""
 
     fsdp2_collectives: str = "auto"
@@ -187,7 +187,7 @@ class CommFuseConfig:
 
     link_gbps: float | None = None
     """Each rank's link, GB/s (bytes), where known: what ``schedule="auto"`` plans with. ``None``: measured at
-    ``shard()`` (hops at two sizes on the shard group, ``commfuse_dp/measure.py``), with the fixed cost of a hop."""
+    ``shard()`` (hops at two sizes on the shard group, ``commfuse_dp/planner/measure.py``), with the fixed cost of a hop."""
 
     ring_latency_us: float | None = None
     """The fixed cost of one hop, microseconds, where known: what ``schedule="auto"`` plans with. ``None``:

@@ -45,8 +45,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import fsdp_units, lockstep, node_layout
 from .checks import CHECK_LABEL, check_not_sharded_elsewhere, check_ranks_agree
-from .choose import Resolved, narrow_formats, resolve
-from .choose_nodes import resolve_nodes
+from .planner.choose import Resolved, narrow_formats, resolve
+from .planner.choose_nodes import resolve_nodes
 from .feedback import Residuals
 from .node_layout import NodeLayout
 from .config import CommFuseConfig

@@ -33,8 +33,8 @@ def _async_worker(rank, world_size, path):
     _train(model, opt, rank, range(2))
     snapshot = _full(model, opt)
     # Hold the writing thread until training has changed every weight: the folder must still hold the snapshot.
-    gate, write = threading.Event(), ck._write_sharded
-    ck._write_sharded = lambda *args: (gate.wait(), write(*args))[1]
+    gate, write = threading.Event(), ck.saver._write_sharded
+    ck.saver._write_sharded = lambda *args: (gate.wait(), write(*args))[1]
     saver = ck.AsyncSaver()
     marks = []
     saver.save(path, [model], [(model, opt)], extra={"step": 2}, then=lambda: marks.append(ck.is_complete(path)))
@@ -46,7 +46,7 @@ def _async_worker(rank, world_size, path):
     saver.save(path + "-b", [model], [(model, opt)], extra={"step": 4})  # waits for the first write
     first_done = marks == [True]
     saver.close()
-    ck._write_sharded = write
+    ck.saver._write_sharded = write
     return snapshot, later, first_done, staged
 
 

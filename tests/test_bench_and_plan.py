@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from commfuse_dp import costs, plan, plan_cli
+from commfuse_dp.planner import costs, plan, cli as plan_cli
 from benchmarks.bench import balanced_rate, paired_ratios, records_from
 from commfuse_dp.plots import sweep_png, timeline_png
 from benchmarks.trace_waits import analyse as analyse_trace
@@ -329,7 +329,7 @@ def test_plan_models_the_gemm_pieces():
     not. On 8 ranks over NVLink the pieces cost more than the link exposes, and whole pieces remove that cost."""
     from dataclasses import replace
 
-    from commfuse_dp import costs, plan
+    from commfuse_dp.planner import costs, plan
 
     model = plan.KNOWN_MODELS["llama3-8b"]
     cl = costs.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, piece_fit=costs.H200_PIECE_FIT)
@@ -351,7 +351,7 @@ def test_plan_adds_the_host_to_the_compute_on_one_cpu_thread():
     host's time; with the host ahead it is the longer of the two."""
     from dataclasses import replace
 
-    from commfuse_dp import costs
+    from commfuse_dp.planner import costs
 
     model = plan.KNOWN_MODELS["bench"]
     cl = costs.Cluster(2, 1e13, 0.0, 50e9, 4, 4, host_fit=(4e-3, 0.5e-3), host_on_compute=True)
@@ -371,7 +371,7 @@ def test_calibrate_adds_each_schedules_measured_overhead(tmp_path, capsys):
     each schedule's own work adds to its compute, the file's figure instead of the planner's CPU model
     (``costs.CPU_HOST_FIT``), so where the file says more its predicted step grows; a schedule the file leaves out
     keeps the model; a file measured for another world size or compute is refused with what to run instead."""
-    bench = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results",
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
                          "2ranks-real-lockstep.json")
 
     def table(*extra):
@@ -413,7 +413,7 @@ def test_plan_models_the_host():
     changes."""
     from dataclasses import replace
 
-    from commfuse_dp import costs, plan
+    from commfuse_dp.planner import costs, plan
 
     model = plan.KNOWN_MODELS["llama3-8b"]
     cl = costs.Cluster(8, 450e9, 15e-6, 400e12, 2, 2, host_fit=costs.H200_HOST_FIT)
@@ -428,10 +428,10 @@ def test_plan_models_the_host():
     for schedule in ("fused", "slicing", "lockstep"):
         assert wide[schedule]["step_s"] == wide[schedule]["host_s"] > wide["fsdp2"]["step_s"]
         assert wider[schedule]["step_s"] > wide[schedule]["step_s"]
-    out = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--model", "llama3-8b", "--num-processes", "64",
+    out = subprocess.run([sys.executable, "-m", "commfuse_dp.planner.cli", "--model", "llama3-8b", "--num-processes", "64",
                           "--host-fit", "h200"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "host s" in out.stdout, out.stderr
-    bad = subprocess.run([sys.executable, "-m", "commfuse_dp.plan_cli", "--host-fit", "fast"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "commfuse_dp.planner.cli", "--host-fit", "fast"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--host-fit 'fast'" in bad.stderr
 
@@ -479,7 +479,7 @@ def test_planner_fuses_what_shard_fuses(tmp_path):
     play): on a fake group of 2-32 ranks, a Llama whose groups fall below the threshold one after another as the
     ranks grow (o_proj first: fused alone at 4 ranks, only beside q/k/v under the elastic lookahead at 8; at 16
     slicing leaves three groups of a layer, enough for a unit of their own; nothing fused at 32)."""
-    from commfuse_dp import costs
+    from commfuse_dp.planner import costs
 
     script = tmp_path / "placement.py"
     script.write_text(_PLACEMENT_SCRIPT)
@@ -528,7 +528,7 @@ def test_calibrate_fits_the_fixed_cost_of_a_hop(tmp_path, capsys):
     assert plan_cli._fixed_cost(rows) == pytest.approx((700.0, 0.06))
     assert plan_cli._fixed_cost({490.0: rows[490.0]}) is None
     assert plan_cli._fixed_cost({rate: {"comm_only": {"step_s": 0.5}} for rate in rows}) is None  # latency-bound
-    results = os.path.join(os.path.dirname(plan.__file__), "..", "benchmarks", "results")
+    results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
     for name in ("2ranks-real-torchtitan-peer", "4ranks-emulated-torchtitan-peer", "8ranks-emulated-torchtitan-peer",
                  "2ranks-real-all-variants"):
         assert plan_cli.main(["--calibrate", os.path.join(results, name + ".json")]) == 0
@@ -562,7 +562,7 @@ def test_calibrate_fits_the_fixed_cost_of_a_hop(tmp_path, capsys):
 def test_the_recommended_config_says_why_and_replaying_it_predicts_its_step(argv, capsys):
     """``plan``'s ``recommended:`` line names its predicted step and why; run again with what it recommends, the
     defaults' step is the one it gave, and the line then recommends nothing more."""
-    from commfuse_dp import plan_cli
+    from commfuse_dp.planner import cli as plan_cli
 
     assert plan_cli.main(argv) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended: "))

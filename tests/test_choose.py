@@ -1,4 +1,4 @@
-"""CommFuseConfig()'s "auto" settings (commfuse_dp/choose.py): what they become, why, and that ``commfuse-dp plan``
+"""CommFuseConfig()'s "auto" settings (commfuse_dp/planner/choose.py): what they become, why, and that ``commfuse-dp plan``
 recommends the same."""
 
 import contextlib
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import commfuse_dp as cf
-from commfuse_dp import plan_cli
-from commfuse_dp.choose import MARGIN, choose
+from commfuse_dp.planner import cli as plan_cli
+from commfuse_dp.planner.choose import MARGIN, choose
 from harness import run_ranks
 import hf_models
 

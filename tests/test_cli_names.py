@@ -40,7 +40,7 @@ def _parsed(module_main, argv):
      ["--num_machines", "2", "--nproc_per_node=4", "--sweep", "nodes"]),
 ])
 def test_plan_takes_both_spellings_and_the_ecosystem_names(ours, theirs, capsys):
-    from commfuse_dp import plan_cli
+    from commfuse_dp.planner import cli as plan_cli
 
     assert _parsed(plan_cli.main, ours) == _parsed(plan_cli.main, theirs)
     assert "deprecated" not in capsys.readouterr().err
@@ -59,7 +59,8 @@ def test_plan_takes_both_spellings_and_the_ecosystem_names(ours, theirs, capsys)
     ("demo", ["--nproc", "3"], ["--num_processes", "3"]),
 ])
 def test_the_deprecated_aliases_still_work_and_say_their_replacement(command, old, new, capsys):
-    from commfuse_dp import demo, plan_cli
+    from commfuse_dp import demo
+    from commfuse_dp.planner import cli as plan_cli
     from benchmarks import bench
 
     main = {"plan": plan_cli.main, "bench": bench.main, "demo": demo.main}[command]
@@ -109,7 +110,8 @@ def test_what_follows_a_double_dash_is_left_alone():
 
 
 def test_every_alias_names_a_real_option():
-    from commfuse_dp import demo, plan_cli
+    from commfuse_dp import demo
+    from commfuse_dp.planner import cli as plan_cli
     from benchmarks import bench
     from test_docs_cover_cli import _flags, _parser_of
 

@@ -21,7 +21,7 @@ def _describe_worker(rank, world_size):
     report = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0)))
     excluding = cf.describe(cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0,
                                                                                   exclude=("lm_head",))))
-    from commfuse_dp import measure
+    from commfuse_dp.planner import measure
     links = len(measure._LINKS)  # measured once, by the first shard() above, for this group and device
     peer = cf.describe(cf.shard(hf_models.build("llama", num_hidden_layers=3), cf.CommFuseConfig(schedule="fsdp2")))
     hinted = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(link_gbps=1.0, ring_latency_us=50, tflops=0.05,

@@ -47,7 +47,8 @@ def _flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _subcommand_flags() -> dict[str, list[str]]:
-    from commfuse_dp import demo, plan_cli
+    from commfuse_dp import demo
+    from commfuse_dp.planner import cli as plan_cli
     from benchmarks import bench
 
     flags = {"demo": _flags(demo._parser()), "plan": _flags(_parser_of(plan_cli.main)),

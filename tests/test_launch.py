@@ -20,7 +20,8 @@ import yaml
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from commfuse_dp import CommFuseConfig, launch, launch_config
+from commfuse_dp import CommFuseConfig, launch
+from commfuse_dp.launch import config as launch_config
 
 import hf_models  # noqa: E402  (tests/ is on sys.path: conftest)
 from harness import free_port  # noqa: E402
@@ -194,7 +195,7 @@ def _bootstrap(tmp_path, env_extra, *target):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMFUSE_")}
     env.update(env_extra)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "commfuse_dp.integrations.worker", *target], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "commfuse_dp.launch.worker", *target], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=180)
 
 
@@ -250,7 +251,7 @@ def _commfuse_launch(tmp_path, script: str, out, *, commfuse=None, timeout=240) 
     config = _write_config(tmp_path, commfuse={"min_fuse_numel": 0} if commfuse is None else commfuse,
                            name=f"{os.path.basename(script)}.yaml")
     # `python -m commfuse_dp.cli` from the repository root: this checkout's commfuse_dp in the launcher and
-    # (cwd is inherited) in the workers' `python -m commfuse_dp.integrations.worker`.
+    # (cwd is inherited) in the workers' `python -m commfuse_dp.launch.worker`.
     return subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", config, script,
                            str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 

@@ -114,7 +114,7 @@ def test_defaults_on_more_machines_match_ddp(tmp_path, n_machines, per_machine):
     ({}, {"parallelism_config": {"parallelism_config_tp_size": 2}}, 1, None, "data-parallel dimension only"),
 ])
 def test_accelerate_replicate_size_becomes_commfuse_replicate(tmp_path, block, accel, flag, replicate, error):
-    from commfuse_dp import launch_config
+    from commfuse_dp.launch import config as launch_config
 
     config = tmp_path / "accel.yaml"
     config.write_text(yaml.safe_dump({**CPU_CONFIG, **accel, "commfuse": block}))

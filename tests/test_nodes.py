@@ -9,8 +9,8 @@ import os
 import pytest
 
 import commfuse_dp as cf
-from commfuse_dp import nodes, plan, plan_cli
-from commfuse_dp.costs import Cluster, units_for
+from commfuse_dp.planner import nodes, plan, cli as plan_cli
+from commfuse_dp.planner.costs import Cluster, units_for
 from harness import run_ranks
 from test_shard_parity import assert_parity, run_case
 
@@ -170,7 +170,7 @@ def test_the_choice_across_nodes_is_the_one_playing_everything_makes():
     """``nodes.decide`` bounds the fused candidates and plays only those that could be chosen; on a grid of
     clusters and both cost models it chooses what the full plays (``nodes.layouts``) make with the same rule, and
     never a fused layout whose layers would not fuse."""
-    from commfuse_dp.costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT
+    from commfuse_dp.planner.costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT
 
     models = {"cuda": Cluster(8, 450e9, 15e-6, 400e12, 2, 2, piece_fit=H200_PIECE_FIT, host_fit=H200_HOST_FIT,
                               peer_nccl=True),

@@ -1,4 +1,4 @@
-"""The planner's choice at scale (``plan.decide``; [Note: a stand-in ring], ``commfuse_dp/replay.py``): the lower
+"""The planner's choice at scale (``plan.decide``; [Note: a stand-in ring], ``commfuse_dp/planner/replay.py``): the lower
 bounds it prunes piece widths with never exceed the played step, pruning never changes the choice, and on large rings
 the stand-in ring plays the step within a stated tolerance of the full ring, with the same choice. How long the
 choice takes is shown by ``benchmarks/startup.py``, not tested."""
@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from commfuse_dp import costs, plan
-from commfuse_dp.costs import Cluster, units_for
+from commfuse_dp.planner import costs, plan
+from commfuse_dp.planner.costs import Cluster, units_for
 
 MODELS = {name: plan.KNOWN_MODELS[name] for name in ("bench", "gpt2", "llama3-8b", "llama3-70b")}
 STAND_IN_STEP_TOLERANCE = {"fused": 1e-3, "lockstep": 1e-2}  # relative; see test_stand_in_ring_plays_the_full_ring
@@ -127,7 +127,7 @@ def test_the_choice_at_scale_says_what_it_did_not_play():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import commfuse_dp as cf
-    from commfuse_dp.choose import choose
+    from commfuse_dp.planner.choose import choose
 
     shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)

@@ -1,4 +1,4 @@
-"""The planner plays the runtime's own fused schedule ([Note: one policy, two clocks], ``commfuse_dp/replay.py``):
+"""The planner plays the runtime's own fused schedule ([Note: one policy, two clocks], ``commfuse_dp/planner/replay.py``):
 on the same model, ranks and settings, the order of ring requests it predicts is the order that a real step on a
 gloo ring records, request for request."""
 
@@ -22,7 +22,7 @@ def _order_worker(rank, world_size, settings):
 
     import commfuse_dp as cf
     from commfuse_dp.fused.embedding import RingEmbedding
-    from commfuse_dp.replay import Group, traced
+    from commfuse_dp.planner.replay import Group, traced
     from commfuse_dp.ring import transport
 
     model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, **settings))

@@ -48,7 +48,7 @@ def _config_worker(rank, world_size):
                                                                       min_fuse_numel=0 if rank == last else 1024))
     # the same config, but the ranks read different tokens per step off their batches: the defaults choose
     # differently (fused for 8 tokens, the peer for 4096 on this model and link)
-    from commfuse_dp.choose import batch_tokens
+    from commfuse_dp.planner.choose import batch_tokens
     from transformers import LlamaConfig, LlamaForCausalLM
 
     wider = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2,

@@ -41,10 +41,10 @@ def test_check_finds_circles_and_long_functions(tmp_path):
         "commfuse_dp/g.py": "from commfuse_dp import f\n",
         # a folder of code that is not a package at its path
         "scripts/run.py": "print(1)\n",
-        "commfuse_dp/launch.py": "class L:\n    def go(self):\n        from commfuse_dp.integrations.sub import e\n",
+        "commfuse_dp/launch/__init__.py": "class L:\n    def go(self):\n        from commfuse_dp.integrations.sub import e\n",
         "commfuse_dp/long.py": "class K:\n    def method(self):\n" + "    " + long_body.replace("\n    ", "\n        ")
                                + "def short():\n    pass\n",
-        "commfuse_dp/launch_help.py": "def help_text():\n" + long_body,
+        "commfuse_dp/launch/help.py": "def help_text():\n" + long_body,
     })
     graph = structure.import_graph(str(tmp_path))
     assert graph["commfuse_dp.b"] == {"commfuse_dp.a"}
@@ -55,7 +55,7 @@ def test_check_finds_circles_and_long_functions(tmp_path):
         "scripts/ has no __init__.py, so scripts/*.py is not importable at its path"]
     long = {f.name: f.lines for f in structure.long_functions(str(tmp_path))}
     assert long == {"commfuse_dp.long.K.method": structure.MAX_LINES + 1,
-                    "commfuse_dp.launch_help.help_text": structure.MAX_LINES + 1}
+                    "commfuse_dp.launch.help.help_text": structure.MAX_LINES + 1}
 
     run = subprocess.run([sys.executable, SCRIPT, "--root", str(tmp_path)], check=False, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr

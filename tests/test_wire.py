@@ -270,8 +270,8 @@ def test_hsdp_copies_stay_identical_with_narrow_gradients():
 def test_planner_plays_the_formats():
     """Fewer bytes a step where the link is the limit, and the codec's compute paid for: a dearer codec, a longer
     step."""
-    from commfuse_dp import plan
-    from commfuse_dp.costs import Cluster, units_for
+    from commfuse_dp.planner import plan
+    from commfuse_dp.planner.costs import Cluster, units_for
 
     units = units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=8192, seq=4096)
     slow = Cluster(64, 12.5e9, 15e-6, 400e12, 2, 2, peer_nccl=True)
@@ -284,7 +284,7 @@ def test_planner_plays_the_formats():
 
 
 def test_plan_command_prints_a_row_per_format(capsys):
-    from commfuse_dp.plan_cli import main
+    from commfuse_dp.planner.cli import main
 
     assert main(["--model", "llama3-8b", "--num-processes", "16", "--link-gbps", "12.5", "--formats", "--codec-ns",
                  "0.002"]) == 0
@@ -324,7 +324,7 @@ def test_checkpoints_save_the_masters_exactly(tmp_path):
 def test_launch_block_carries_the_formats(monkeypatch):
     """``commfuse-dp launch``'s ``commfuse:`` block: the formats reach the workers through the environment, and a
     wrong one is refused naming what is allowed."""
-    from commfuse_dp import launch_config
+    from commfuse_dp.launch import config as launch_config
 
     for name in [k for k in __import__("os").environ if k.startswith("COMMFUSE_")]:
         monkeypatch.delenv(name)

@@ -12,7 +12,7 @@ Who calls it, and with what (each keeps only what reads its own library's settin
 * ``enable_ring_collectives(engine)``: ``backend="deepspeed"`` with the engine.
 * ``commfuse_dp.integrations.fsdp.use_ring_collectives(model)``: ``backend="fsdp2"`` (a model FSDP2 sharded).
 
-``commfuse-dp launch`` has no attach code of its own: its hooks (``commfuse_dp/integrations/bootstrap.py``) make the script's
+``commfuse-dp launch`` has no attach code of its own: its hooks (``commfuse_dp/launch/bootstrap.py``) make the script's
 ``Accelerator`` a ``CommFuseAccelerator`` and its ``Trainer`` a ``CommFuseTrainer``, which attach through here.
 
 What :func:`attach` decides for all of them, by ``backend``:

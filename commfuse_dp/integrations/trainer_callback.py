@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.checks import check_same_layout
-from commfuse_dp.choose import batch_tokens
+from commfuse_dp.planner.choose import batch_tokens
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.integrations.accelerate import frozen_config, prepare_sharded, shard_frozen_models
 from commfuse_dp.integrations.attach import Parallelism, attach, resolve_config
@@ -139,7 +139,7 @@ class CommFuseCallback(TrainerCallback):
                            "folder) on every rank", _USE_INSTEAD)
         if trainer is not None and self.cfg.tokens_per_rank is None:
             first = first_batch_tokens(trainer, args)
-            if first is not None:  # what the defaults plan with (commfuse_dp/choose.py)
+            if first is not None:  # what the defaults plan with (commfuse_dp/planner/choose.py)
                 batch_tokens(model, *first)
         done = attach(model, self.cfg, who="CommFuseCallback", parallelism=self._parallelism(args))
         if trainer is not None:

@@ -16,7 +16,7 @@
 a subclass of your own -- gets the same with ``commfuse_trainer(SFTTrainer)(model=..., args=..., ...)`` (a subclass
 ``class CommFuseSFTTrainer(CommFuseTrainerMixin, SFTTrainer)``, made once per class), or by subclassing
 ``CommFuseTrainerMixin`` first yourself. ``commfuse-dp launch`` does this for every Trainer of an unchanged script
-(``commfuse_dp/integrations/bootstrap.py``): ``transformers.Trainer`` is ``CommFuseTrainer`` in its workers, so TRL's trainers
+(``commfuse_dp/launch/bootstrap.py``): ``transformers.Trainer`` is ``CommFuseTrainer`` in its workers, so TRL's trainers
 and ``run_clm.py``, which subclass or use it, are sharded without a change.
 
 Launch the script with ``torchrun --nproc_per_node N script.py`` (or ``accelerate launch``). On CPU, ``use_cpu=True``

@@ -282,7 +282,7 @@ def _summary(trainer, result, before: float, after: float, model_dir: str, paths
         "comm_s": common.mean_recent(history, "commfuse/comm_s", 10),
         "step_wall_s": common.mean_recent(history, "commfuse/wall_s", 10),
         "model_dir": model_dir, **paths,
-        # what CommFuseConfig's "auto" settings became, and why (commfuse_dp/choose.py)
+        # what CommFuseConfig's "auto" settings became, and why (commfuse_dp/planner/choose.py)
         "schedule": getattr(getattr(trainer.model, "_commfuse_choice", None), "as_dict", lambda: None)(),
         "generate": f"python -m commfuse_dp.recipes.generate {model_dir} --prompt \"The assert statement\"",
     }

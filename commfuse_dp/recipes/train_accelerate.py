@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from commfuse_dp.integrations import bootstrap
+from commfuse_dp.launch import bootstrap
 from commfuse_dp.recipes import common
 from commfuse_dp.recipes.finetune_clm import ClmArguments, prepare_inputs
 

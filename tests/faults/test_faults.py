@@ -64,7 +64,7 @@ def _bytes_lost(folder: str) -> int:
     lost = 0
     for name, (size, sha) in files.items():
         path = os.path.join(folder, name)
-        if not os.path.isfile(path) or ck._digest(path) != [size, sha]:
+        if not os.path.isfile(path) or ck.markers._digest(path) != [size, sha]:
             lost += size
     return lost
 
@@ -169,7 +169,7 @@ def test_damaged_shard_file_is_refused_on_every_rank(tmp_path, saved, fault, nam
     else:
         data = data[:len(data) // 2]
     file.write_bytes(bytes(data))
-    damaged = ck._digest(str(file))
+    damaged = ck.markers._digest(str(file))
     proc, ranks, fault.seconds = _launch(workdir, name)
     _launcher_reported_failure(proc)
     word = "corrupted" if name == "corrupt_shard" else "truncated"
@@ -177,7 +177,7 @@ def test_damaged_shard_file_is_refused_on_every_rank(tmp_path, saved, fault, nam
         assert r.get("error_type") == "CheckpointError", _output(proc)
         assert victim in r["error"] and word in r["error"], r["error"]
     # The loader changed nothing: the other files still match the marker, the damaged one is as the fault left it.
-    assert ck._digest(str(file)) == damaged
+    assert ck.markers._digest(str(file)) == damaged
     with open(workdir / "ckpt" / "commfuse_complete") as f:
         sizes = {k: v[0] for k, v in json.load(f)["files"].items()}
     fault.bytes_lost = _bytes_lost(workdir / "ckpt") - sizes[victim]

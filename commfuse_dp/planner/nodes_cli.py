@@ -1,6 +1,6 @@
 """``commfuse-dp plan --num-machines``: the planner past one machine on the command line (``nodes.py``): one cluster of
 nodes that share their NICs, the map over nodes and NICs (``--sweep nodes``), and calibration against a
-``commfuse-dp bench --num-machines --nic-gbps`` file. ``plan_cli.py`` parses the options and calls these."""
+``commfuse-dp bench --num-machines --nic-gbps`` file. ``planner/cli.py`` parses the options and calls these."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import replace
 from . import nodes, plan
 from .costs import Cluster, units_for
 from .nodes import Machines
-from .cli_names import show_gbps
-from .plan_files import load_model, read_bench
+from ..cli_names import show_gbps
+from .files import load_model, read_bench
 
 
 def machines_of(args) -> Machines:
@@ -71,7 +71,7 @@ def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: d
     why = ("the peer's layout and schedule: nothing is predicted faster by 2%" if chosen == nodes.PEER else
            f"predicted {steps[chosen]:.3f} s against the peer's {peer:.3f} s: {1 - steps[chosen] / peer:.0%} faster")
     print(f"CommFuseConfig()'s defaults on this cluster: {replicate}, schedule={schedule!r}: {why} "
-          f"(commfuse_dp/nodes.py; exact: no narrow format unless asked)")
+          f"(commfuse_dp/planner/nodes.py; exact: no narrow format unless asked)")
 
 
 NODE_SWEEP_NODES = (2, 4, 8, 16, 32)
@@ -161,7 +161,7 @@ def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
     variant's and the defaults' predicted step beside the measured one; the worst error of the defaults and the
     peer (``fsdp2_hsdp``)."""
     from .costs import CPU_HOST_FIT, peer_host_on_cpu
-    from .wire import bytes_per_element
+    from ..wire import bytes_per_element
 
     bench = read_bench(raw)
     per_node, k = raw["ranks_per_node"], raw["nodes"]

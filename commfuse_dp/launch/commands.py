@@ -1,11 +1,11 @@
 """What ``commfuse-dp launch`` does with the command it is given: each rank runs it, or it runs once.
 
 * A Python file, ``-m MODULE``, or the console script of a Python package (``my-train``, found on ``PATH``): the N
-  ranks run it, each through ``commfuse_dp.integrations.worker`` (``commfuse_dp/launch.py``).
+  ranks run it, each through ``commfuse_dp.launch.worker`` (``commfuse_dp/launch/__init__.py``).
 * A launcher, i.e. a command that starts its own workers: ``accelerate`` (``accelerate launch ...``), ``trl``
   (``trl sft|dpo|grpo|... ...``, which run ``accelerate launch`` in-process), ``torchrun``, or ``-m`` one of
   :data:`LAUNCHER_MODULES`: it runs ONCE (:func:`run_once`), with the activation in its environment
-  (``commfuse_dp/integrations/autoload``): its workers are sharded. Run once per rank instead, each copy would
+  (``commfuse_dp/launch/autoload``): its workers are sharded. Run once per rank instead, each copy would
   start workers of its own that do not join the run (a hang or an unsharded run).
 
   - ``accelerate launch`` (also inside ``trl``) becomes the launch of ``commfuse-dp launch`` with its own options;
@@ -29,8 +29,8 @@ import subprocess
 import sys
 import tempfile
 
-from commfuse_dp.integrations.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
-from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
+from commfuse_dp.launch.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
+from commfuse_dp.launch.config import LaunchError, accelerate_part_file, is_cpu, read_config
 
 LAUNCHERS = ("accelerate", "trl", "torchrun")
 LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch", "accelerate.commands.accelerate_cli",

@@ -1,6 +1,6 @@
 """``commfuse-dp plan``: predict step time, exposed communication and MFU of the schedules on a real cluster.
 
-The command line is ``plan_cli.py``.
+The command line is ``planner/cli.py``.
 
 The model is a list of units in execution order: the embedding, per decoder layer the fused groups (q/k/v,
 o, gate/up, down; attention itself as compute only), the final norm and the lm_head. Each group has forward
@@ -195,7 +195,7 @@ def with_formats(cl: Cluster, gather: str, reduce: str, dtype_bytes: int, codec:
     ``dtype_bytes``-byte values; a scale per block counted in) and the codec's compute seconds per element and
     pass (``codec``: per format, ``wire.measure_codec``'s mean of encode and decode; the dearer of the two
     formats)."""
-    from .wire import bytes_per_element
+    from ..wire import bytes_per_element
 
     gbytes = min(dtype_bytes, bytes_per_element(gather, dtype_bytes))
     rbytes = min(dtype_bytes, bytes_per_element(reduce, dtype_bytes))

@@ -1,4 +1,4 @@
-"""The text of ``commfuse-dp launch --help`` (``commfuse_dp/launch.py``): the command, the ``commfuse:`` keys read
+"""The text of ``commfuse-dp launch --help`` (``commfuse_dp/launch/__init__.py``): the command, the ``commfuse:`` keys read
 from ``CommFuseConfig``'s own field docstrings, an example config, what runs where."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import torch.nn as nn
 
 from . import nodes, plan
 from .choose import Choice, Plan, Resolved, cost_model, model_shape, narrow_formats, tokens_of
-from .config import CommFuseConfig
+from ..config import CommFuseConfig
 from .measure import Measured, Tiers, layer_shapes, measure_machine, measure_tiers
-from .wire import bytes_per_element
+from ..wire import bytes_per_element
 
 # Where a tier between nodes could not be measured (its larger hops took no longer than its small ones)
 ASSUMED_SHARE = {"cuda": 12.5e9 / 8, "cpu": 1.25e9}  # 8 GPUs on one 100 Gb NIC; 10 Gb Ethernet

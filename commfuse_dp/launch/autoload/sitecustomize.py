@@ -2,7 +2,7 @@
 
 Python imports ``sitecustomize`` at start-up in every process, so every Python process started beneath
 ``commfuse-dp launch`` (launchers, their workers, their workers' workers) runs this. With ``COMMFUSE_ENABLE=1`` it
-calls ``commfuse_dp.integrations.autoload.activate()`` (see that module); then it runs the ``sitecustomize`` this
+calls ``commfuse_dp.launch.autoload.activate()`` (see that module); then it runs the ``sitecustomize`` this
 one hides, if there is one further along ``sys.path``. It never stops the process: a failure is one line on stderr.
 """
 
@@ -14,7 +14,7 @@ def _activate() -> None:
     if os.environ.get("COMMFUSE_ENABLE", "").strip().lower() not in ("1", "true", "yes", "on"):
         return
     try:
-        from commfuse_dp.integrations.autoload import activate
+        from commfuse_dp.launch.autoload import activate
     except Exception as e:  # another Python than the launcher's, without commfuse_dp: say so, run without it
         print(f"commfuse_dp: COMMFUSE_ENABLE is set but {sys.executable} cannot import commfuse_dp "
               f"({type(e).__name__}: {e}); this process runs without commfuse", file=sys.stderr)

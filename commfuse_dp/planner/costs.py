@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .config import MIN_FUSE_NUMEL
+from ..config import MIN_FUSE_NUMEL
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ i.e. change the installation for every run; ``PYTHONPATH`` is this run's alone.
   them): the bootstrap's hooks, installed lazily so that a worker that never imports accelerate or transformers
   pays nothing: ``accelerate.Accelerator`` becomes ``CommFuseAccelerator`` when accelerate is imported, and
   ``transformers.Trainer`` becomes ``CommFuseTrainer`` when ``transformers.trainer`` is imported, so every Trainer
-  class built on it is one (``commfuse_dp/integrations/bootstrap.py``). A launcher started
+  class built on it is one (``commfuse_dp/launch/bootstrap.py``). A launcher started
   inside a worker (``accelerate launch``, torchrun) is refused with one line and exit status 2: its workers would
   inherit this worker's ``RANK``/``WORLD_SIZE`` and rendezvous variables, so they would not join this run (with an
   accelerate config, its simple launcher sets ``MASTER_PORT=29500`` while torchrun's ``TORCHELASTIC_USE_AGENT_STORE``
@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 
-from commfuse_dp.integrations import bootstrap
+from commfuse_dp.launch import bootstrap
 
 
 def is_worker(environ=None) -> bool:

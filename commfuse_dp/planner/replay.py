@@ -48,13 +48,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import CommFuseConfig
-from .runtime.engine import Engine
-from .runtime.group import FusedGroupState
-from .runtime.layer_rings import WeightRing, run_pieces
-from .runtime.layout import GroupLayout
-from .runtime.schedule import FusedSchedule
-from .runtime.step import StepState
+from ..config import CommFuseConfig
+from ..runtime.engine import Engine
+from ..runtime.group import FusedGroupState
+from ..runtime.layer_rings import WeightRing, run_pieces
+from ..runtime.layout import GroupLayout
+from ..runtime.schedule import FusedSchedule
+from ..runtime.step import StepState
 
 WEIGHT_DTYPE = torch.float32  # the played weights' dtype: an element of it takes ``param_s_per_elem`` on the link
 GRAD_DTYPE = torch.bfloat16  # the played gradients': ``grad_s_per_elem``

@@ -1,9 +1,9 @@
 """Worker entry point of ``commfuse-dp launch``: turns commfuse on for an unchanged script, then runs it.
 
-    python -m commfuse_dp.integrations.worker SCRIPT.py [ARGS...]
-    python -m commfuse_dp.integrations.worker -m MODULE [ARGS...]
+    python -m commfuse_dp.launch.worker SCRIPT.py [ARGS...]
+    python -m commfuse_dp.launch.worker -m MODULE [ARGS...]
 
-(``commfuse_dp/integrations/worker.py`` calls :func:`main`; this module is imported by the activation hook first, so it is
+(``commfuse_dp/launch/worker.py`` calls :func:`main`; this module is imported by the activation hook first, so it is
 not run as ``__main__`` itself.)
 
 ``commfuse-dp launch`` starts every worker this way (accelerate launch's ``--module`` option, or
@@ -142,7 +142,7 @@ def install_trainer_callback() -> None:
 
 
 def _usage() -> str:
-    return ("usage: python -m commfuse_dp.integrations.worker SCRIPT.py [ARGS...] | -m MODULE [ARGS...] "
+    return ("usage: python -m commfuse_dp.launch.worker SCRIPT.py [ARGS...] | -m MODULE [ARGS...] "
             "(started by `commfuse-dp launch`; see `commfuse-dp launch --help`)")
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .ring.collectives import ring_all_gather
-from .ring.topology import device_ready, get_ring, wait_until
+from ..ring.collectives import ring_all_gather
+from ..ring.topology import device_ready, get_ring, wait_until
 
 SMALL_HOP_BYTES = 4 << 10
 GROWTH = 4
@@ -221,7 +221,7 @@ def _measure_gemm(device: torch.device, dtype: torch.dtype,
 def _measure_codec(device: torch.device, dtype: torch.dtype, formats: tuple[str, ...]) -> dict[str, float]:
     """Seconds per element and pass of each format (the mean of encoding and decoding a 256 Ki-element row), the
     median rank's."""
-    from .wire import measure_codec
+    from ..wire import measure_codec
 
     mine = [sum(measure_codec(f, device, dtype, numel=1 << 18)) / 2 for f in formats]
     return dict(zip(formats, _agreed(device, mine)))

@@ -10,9 +10,9 @@ what every fused schedule leaves exposed at a step's head and tail.
 
 from __future__ import annotations
 
-from .config import CommFuseConfig
-from .costs import (Cluster, Unit, edges, fused_link_floor, gemm_items, own_unit_between,
-                    peer_collective_seconds, peer_units)
+from ..config import CommFuseConfig
+from .costs import (Cluster, Unit, edges, fused_link_floor, gemm_items, own_unit_between, peer_collective_seconds,
+                    peer_units)
 from .replay import Group, play
 
 

@@ -17,14 +17,13 @@ import sys
 from dataclasses import replace
 
 from . import costs, plan
-from .config import MIN_FUSE_NUMEL
+from ..config import MIN_FUSE_NUMEL
 from .costs import Cluster, units_for
-from .cli_names import show_gbps, spelled
-from .plan_files import Bench, load_model, read_bench, read_bench_file
-from .plan_nodes_cli import (NODE_SWEEP_NIC_GBIT, NODE_SWEEP_NICS, NODE_SWEEP_NODES, calibrate_nodes,
-                             machines_checked, nodes_sweep, print_nodes)
-from .plan import (ALIASES, KNOWN_MODELS, decide, predict, recommend, simulate,
-                   unplayed)
+from ..cli_names import show_gbps, spelled
+from .files import Bench, load_model, read_bench, read_bench_file
+from .nodes_cli import (NODE_SWEEP_NIC_GBIT, NODE_SWEEP_NICS, NODE_SWEEP_NODES, calibrate_nodes, machines_checked,
+                        nodes_sweep, print_nodes)
+from .plan import ALIASES, KNOWN_MODELS, decide, predict, recommend, simulate, unplayed
 
 
 def _fixed_cost(by_rate: dict[float, dict[str, dict]]) -> tuple[float, float] | None:
@@ -240,7 +239,7 @@ def codec_costs(spec: str, dtype_bytes: int) -> tuple[dict[str, float], str]:
     on this machine (``spec`` "measure": the GPU where torch has one, else the CPU) or one figure in ns for all."""
     import torch
 
-    from .wire import measure_codec
+    from ..wire import measure_codec
 
     if spec != "measure":
         ns = float(spec)
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     first, _, rest = __doc__.partition("\n\n")  # the help shows each once, without the docstring's markup
-    model = plan.__doc__.partition("\n\n")[2].replace("The command line is ``plan_cli.py``.\n\n", "")
+    model = plan.__doc__.partition("\n\n")[2].replace("The command line is ``planner/cli.py``.\n\n", "")
     parser = argparse.ArgumentParser(prog="commfuse-dp plan", description=first.replace("``", ""),
                                      epilog=(rest + "\n" + model).replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -541,7 +540,7 @@ def print_predictions(args: argparse.Namespace, model: tuple, cl: Cluster, codec
               f"one below; --piece-shards {best} plays it throughout")
     on = ("rings" if predicted["fsdp2"] == predicted["fsdp2 on the rings"] else "NCCL") if chosen == "fsdp2" else ""
     print(f"CommFuseConfig()'s defaults on this cluster: schedule={chosen!r}"
-          + (f", piece_shards={best}" if chosen == "fused" else f" on {on}'s collectives") + " (commfuse_dp/choose.py: "
+          + (f", piece_shards={best}" if chosen == "fused" else f" on {on}'s collectives") + " (commfuse_dp/planner/choose.py: "
           "fused only where predicted at least 2% faster than fsdp2)")
     print(_recommended(model, cl, args, chosen, best, predicted))
     if args.formats:

@@ -1,8 +1,8 @@
 """Where the activation of ``commfuse-dp launch`` lives and the variable it reads: what both sides share.
 
-``commfuse-dp launch`` (``commfuse_dp/launch.py``, ``commfuse_dp/launch_commands.py``) puts :func:`folder` first
+``commfuse-dp launch`` (``commfuse_dp/launch/__init__.py``, ``commfuse_dp/launch/commands.py``) puts :func:`folder` first
 on ``PYTHONPATH`` and names its config file in :data:`LAUNCH_CONFIG_ENV`; the activation in that folder
-(``commfuse_dp/integrations/autoload``) sends a nested ``accelerate launch`` back to ``commfuse_dp.launch``. This module
+(``commfuse_dp/launch/autoload``) sends a nested ``accelerate launch`` back to ``commfuse_dp.launch``. This module
 imports neither, so both import it. It is not in the autoload folder itself: every module there would be
 importable by its bare name in every process beneath the launch.
 """

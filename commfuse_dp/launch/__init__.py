@@ -10,10 +10,10 @@ The config file is an ordinary accelerate config plus a ``commfuse:`` block of :
 2. writes the rest to a temporary file that accelerate reads as ``--config_file``, untouched;
 3. hands the commfuse settings to the workers as ``COMMFUSE_ENABLE=1`` plus the ``COMMFUSE_<FIELD>`` variables of
    ``CommFuseConfig.to_env()`` (the parent environment reaches accelerate's workers);
-4. starts each worker as ``python -m commfuse_dp.integrations.worker train.py ARGS`` instead of
+4. starts each worker as ``python -m commfuse_dp.launch.worker train.py ARGS`` instead of
    ``python train.py ARGS``. The bootstrap makes a plain ``accelerate.Accelerator()`` a ``CommFuseAccelerator`` and
    ``transformers.Trainer`` (and so every Trainer class built on it) a ``CommFuseTrainer``, then runs the script
-   unchanged as ``__main__`` (see ``commfuse_dp/integrations/bootstrap.py``).
+   unchanged as ``__main__`` (see ``commfuse_dp/launch/bootstrap.py``).
 
 Which launcher starts the workers (accelerate 1.15, ``accelerate/commands/launch.py``):
 
@@ -30,7 +30,7 @@ Which launcher starts the workers (accelerate 1.15, ``accelerate/commands/launch
 
 Commands that start their own workers (``trl sft ...``, ``accelerate launch ...``, ``torchrun ...``) run once
 instead, and reach their workers through the environment: a ``sitecustomize.py`` folder on ``PYTHONPATH``
-(``commfuse_dp/launch_commands.py`` says what runs once; ``commfuse_dp/integrations/autoload`` why the
+(``commfuse_dp/launch/commands.py`` says what runs once; ``commfuse_dp/launch/autoload`` why the
 environment and what each process installs). An ``accelerate launch`` started that way comes back here
 (``run_nested``) with its own options, so it starts the ranks as above.
 
@@ -45,12 +45,12 @@ import os
 import sys
 import tempfile
 
-from commfuse_dp.launch_help import _EXAMPLE, help_text  # noqa: F401  (launch.help_text, launch._EXAMPLE)
+from commfuse_dp.launch.help import _EXAMPLE, help_text  # noqa: F401  (launch.help_text, launch._EXAMPLE)
 
-from commfuse_dp.integrations.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
-from commfuse_dp.launch_config import LaunchError, accelerate_part_file, is_cpu, read_config
+from commfuse_dp.launch.autoload_env import LAUNCH_CONFIG_ENV, pythonpath
+from commfuse_dp.launch.config import LaunchError, accelerate_part_file, is_cpu, read_config
 
-BOOTSTRAP = "commfuse_dp.integrations.worker"   # runs commfuse_dp/integrations/bootstrap.py's main()
+BOOTSTRAP = "commfuse_dp.launch.worker"   # runs commfuse_dp/launch/bootstrap.py's main()
 
 # ---- argument handling --------------------------------------------------------------------------------------------
 
@@ -204,7 +204,7 @@ def _status_of(fn) -> int:
 def run_nested(args: argparse.Namespace) -> int:
     """accelerate's ``launch_command`` in a launcher that ``commfuse-dp launch`` ran once (``accelerate launch``,
     ``trl sft``): the same launch as ``commfuse-dp launch`` with that launcher's options (its config file, else the
-    commfuse-dp launch one). See ``commfuse_dp/integrations/autoload``."""
+    commfuse-dp launch one). See ``commfuse_dp/launch/autoload``."""
     return _status_of(lambda: _launch(args, nested=True))
 
 
@@ -227,11 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # accelerate's own options; a wrong one: its usage line, exit 2
 
     def run() -> int | None:
-        from commfuse_dp import launch_commands
+        from . import commands
 
-        command = launch_commands.launcher_command(args, parser)
+        command = commands.launcher_command(args, parser)
         if command is not None:  # accelerate launch, trl, torchrun: run once, the activation in its environment
-            return launch_commands.run_once(args, command)
+            return commands.run_once(args, command)
         return _launch(args)
 
     return _status_of(run)

@@ -1,5 +1,5 @@
 """The config file of ``commfuse-dp launch``: an accelerate config plus a ``commfuse:`` block, read, checked and
-turned into the workers' environment. ``launch`` and ``launch_commands`` both read it through here."""
+turned into the workers' environment. ``launch`` and ``launch.commands`` both read it through here."""
 
 from __future__ import annotations
 

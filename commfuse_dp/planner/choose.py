@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from .config import CommFuseConfig
+from ..config import CommFuseConfig
 from .measure import Measured, layer_shapes, measure_machine
 from .plan import MARGIN, UNPLAYED, decide, peer_step, with_formats
 from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, Unit, peer_host_on_cpu, placed, units_for

@@ -1,5 +1,5 @@
 """The planner past one machine: nodes whose ranks share their NICs (``commfuse-dp plan --num-machines``,
-``plan_nodes_cli.py``; and what ``CommFuseConfig()``'s defaults choose on a multi-node launch, ``choose_nodes.py``).
+``planner/nodes_cli.py``; and what ``CommFuseConfig()``'s defaults choose on a multi-node launch, ``choose_nodes.py``).
 
 A node is ``per_node`` ranks with fast links among them (the intra-node ``Cluster``: NVLink, or a PCIe switch) and
 NICs that all of its ranks share for traffic to other nodes (``Machines``). What one rank gets of them depends on
@@ -249,7 +249,7 @@ def formats(units: list[Unit], intra: Cluster, machines: Machines, dtype_bytes: 
     """Per narrow format (``plan.FORMAT_PLAYS``): the best layout and schedule with it, its step and its gain over
     the exact defaults (``decide``); the format applies inside a node as ``plan.with_formats`` says and to the
     gradients between nodes."""
-    from .wire import bytes_per_element
+    from ..wire import bytes_per_element
 
     chosen, _ = decide(units, intra, machines)
     exact = layouts(units, intra, machines)
