@@ -41,20 +41,20 @@ def hold_freed_buffers() -> None:
     offsets inside it, so a block reused after ``record_stream`` allowed it reads as a race (its report says "Trace
     for tensor allocation not found"). If the sanitizer is clean with this, what it reported without it was that
     reuse."""
-    from commfuse_dp.runtime.slicing import SlicingScheduler
+    from commfuse_dp.runtime.slicing import SlicingCall, SlicingScheduler
 
     held: list = []
-    scatter, end = SlicingScheduler.finish_grads, SlicingScheduler.end_backward
+    scatter, end = SlicingCall.finish, SlicingScheduler.end_backward
 
-    def finish_grads(self, state, grads, *rest):
-        held.append(grads.parts)
-        return scatter(self, state, grads, *rest)
+    def finish(self):
+        held.append(self.grads.parts)
+        return scatter(self)
 
     def end_backward(self):
         end(self)
         held.clear()
 
-    SlicingScheduler.finish_grads, SlicingScheduler.end_backward = finish_grads, end_backward
+    SlicingCall.finish, SlicingScheduler.end_backward = finish, end_backward
 
     from commfuse_dp.runtime.replicas import Replicas
 

@@ -75,11 +75,11 @@ def time_nodes_choice(model: torch.nn.Module, config: CommFuseConfig, ranks: int
     """``rounds`` cold runs of ``plan_nodes`` for ``ranks`` ranks in nodes of ``per_node``: their seconds and what it
     chose."""
     from commfuse_dp.planner.choose_nodes import plan_nodes
-    from commfuse_dp.planner.measure import Link, Tiers
+    from commfuse_dp.planner.measure import LinkFit, Tiers
 
     hop = (4 << 10, 16 << 20)
-    tiers = Tiers(Link(config.link_gbps * 1e9, config.ring_latency_us * 1e-6, hop),
-                  Link(nic_gbps * 1e9 / per_node, 20e-6, hop), Link(nic_gbps * 1e9, 20e-6, hop))
+    tiers = Tiers(LinkFit(config.link_gbps * 1e9, config.ring_latency_us * 1e-6, hop),
+                  LinkFit(nic_gbps * 1e9 / per_node, 20e-6, hop), LinkFit(nic_gbps * 1e9, 20e-6, hop))
     seconds = []
     for _ in range(rounds):
         replay.forget_traces()

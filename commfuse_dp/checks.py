@@ -87,7 +87,7 @@ def gather_objects(obj: Any, timeout_s: float, label: str) -> list[Any]:
     """``obj`` of every rank of the world, rank-major: ``dist.all_gather_object`` on the world's ring, each hop
     bounded by ``timeout_s`` (a rank that does not take part makes the others raise ``RingCommError`` naming it,
     in ``label``). Two ring all-gathers: the lengths of the pickled objects, then the bytes padded to the longest."""
-    ring = get_ring(None, op="shard")
+    ring = get_ring(None, caller="shard")
     device = torch.device("cpu") if "gloo" in ring.backend else torch.device("cuda", torch.cuda.current_device())
     data = pickle.dumps(obj)
     lengths = torch.zeros(ring.size, dtype=torch.int64, device=device)

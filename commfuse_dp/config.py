@@ -217,7 +217,7 @@ class CommFuseConfig:
     comma-separated string; in the environment a comma-separated string (``COMMFUSE_EXCLUDE=*.experts.*,lm_head``)."""
 
     exclude_data_dependent: bool = True
-    """Keep modules that the model calls data-dependently out of the fused path (``commfuse_dp/lockstep.py``: MoE
+    """Keep modules that the model calls data-dependently out of the fused path (``commfuse_dp/data_dependence.py``: MoE
     experts, which run only when tokens are routed to them, and LayerDrop layers, skipped at random per rank).
     Every rank must enter the same fused hops in the same order; FSDP2 gathers such a module's whole unit
     on every rank instead. Off: they are fused anyway, and a step in which the ranks diverge fails with an error."""

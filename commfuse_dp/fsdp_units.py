@@ -48,7 +48,7 @@ def peer_plan(model: nn.Module, layers: list[nn.Module], kept_out: set, stay_who
               ) -> list[UnitPlan]:
     """[Note: the peer's units]. ``layers``: the decoder layers (``selection.unit_modules_of``, innermost first);
     ``kept_out``: parameters no unit takes (``fully_shard``'s ``ignored_params``); ``stay_whole``: ids of modules
-    that stay with the root (inside a data-dependently called module: ``lockstep.py``). Without layers: none."""
+    that stay with the root (inside a data-dependently called module: ``data_dependence.py``). Without layers: none."""
     plans = coarse_plan(model, layers, kept_out)
     if not plans:
         return plans

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import torch.nn as nn
 
-from . import lockstep
+from . import data_dependence
 from .config import CommFuseConfig
 from .fused.embedding import embedding_eligible
 from .runtime.layout import conv1d_class
@@ -20,7 +20,7 @@ logger = logging.getLogger("commfuse_dp")
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_proj", "up_proj"))
 
 
-def fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, excluded: lockstep.Exclusions,
+def fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, excluded: data_dependence.Exclusions,
                      tied_tables: dict[int, tuple[nn.Embedding, nn.Linear]],
                      unit_modules: list[nn.Module]) -> list[tuple[str, nn.Module, bool]]:
     conv1d = conv1d_class()
@@ -28,7 +28,7 @@ def fusable_linears(model: nn.Module, config: CommFuseConfig, world: int, exclud
     fused, candidates, small, tied, other = [], [], 0, 0, Counter()
     for name, module in model.named_modules():
         if excluded.why(name):
-            continue  # logged by lockstep.exclusions
+            continue  # logged by data_dependence.exclusions
         kind = type(module)
         if kind is nn.Linear or (conv1d is not None and kind is conv1d):
             if id(module.weight) in tied_tables:
@@ -82,7 +82,7 @@ def _param_owners(model: nn.Module) -> Counter[int]:
 
 
 def tied_tables(model: nn.Module, config: CommFuseConfig, world: int,
-                 excluded: lockstep.Exclusions) -> dict[int, tuple[nn.Embedding, nn.Linear]]:
+                 excluded: data_dependence.Exclusions) -> dict[int, tuple[nn.Embedding, nn.Linear]]:
     """Tied input and output embeddings that are fused together: an ``nn.Embedding`` whose table is the weight of
     one ``nn.Linear`` (the lm_head of GPT-2, Llama-3.2, Qwen2.5, Gemma) and of nothing else, whose bias (if any)
     is its own, both eligible on their own. The table is sharded by vocabulary rows once; the fused lm_head and the
@@ -117,7 +117,7 @@ def tied_tables(model: nn.Module, config: CommFuseConfig, world: int,
     return tied
 
 
-def ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int, excluded: lockstep.Exclusions,
+def ring_embeddings(model: nn.Module, config: CommFuseConfig, world: int, excluded: data_dependence.Exclusions,
                      tied: dict[int, tuple[nn.Embedding, nn.Linear]]) -> list[nn.Embedding]:
     owners = _param_owners(model)
     chosen = []
@@ -192,7 +192,7 @@ def bundle_units(steps: StepState, unit_modules: list[nn.Module]) -> None:
 def unit_modules_of(model: nn.Module, units: tuple[type[nn.Module], ...] | None,
                     not_units: set[int]) -> list[nn.Module]:
     """FSDP2 units, innermost first. A module in ``not_units`` (ids: data-dependently called modules and the
-    modules inside them, ``lockstep.py``) is never one: it joins its parent's unit."""
+    modules inside them, ``data_dependence.py``) is never one: it joins its parent's unit."""
     if units is not None:
         chosen = [m for m in model.modules() if isinstance(m, units) and m is not model]
     else:
@@ -203,7 +203,7 @@ def unit_modules_of(model: nn.Module, units: tuple[type[nn.Module], ...] | None,
                      if isinstance(m, nn.ModuleList) and not any(id(c) in not_units for c in m)]
             chosen = list(max(lists, key=len)) if lists else []
     lockstep_safe = [m for m in chosen if id(m) not in not_units]
-    lockstep.log_dropped_units(chosen, lockstep_safe)
+    data_dependence.log_dropped_units(chosen, lockstep_safe)
     chosen = lockstep_safe
     # A unit that shares a parameter with a module outside it (a tied embedding) cannot be an FSDP2 unit of its
     # own: both uses must sit in one unit, so it is left to its parent.

@@ -19,7 +19,7 @@
 
 Before anything is converted the ranks check that they pass the same group, config and model (``checks.py``).
 Modules named by ``CommFuseConfig.exclude`` and modules the model calls data-dependently (MoE experts, LayerDrop
-layers: ``lockstep.py``) stay out of the fused path and out of FSDP2 units of their own, so that every rank enters
+layers: ``data_dependence.py``) stay out of the fused path and out of FSDP2 units of their own, so that every rank enters
 the same hops in the same order.
 
 Any torch optimizer built afterwards on ``model.parameters()`` keeps sharded state (ZeRO-3 memory).
@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from . import fsdp_units, lockstep, node_layout
+from . import data_dependence, fsdp_units, node_layout
 from .checks import CHECK_LABEL, check_not_sharded_elsewhere, check_ranks_agree
 from .planner.choose import Resolved, narrow_formats, resolve
 from .planner.choose_nodes import resolve_nodes
@@ -108,8 +108,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block,
                             config.error_feedback, residuals)
-    world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, op="shard")  # 2-D: every rank
-    engine = Engine(get_ring(group, op="shard"), mesh, config, world_ring, replicas, residuals)
+    world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, caller="shard")  # 2-D: every rank
+    engine = Engine(get_ring(group, caller="shard"), mesh, config, world_ring, replicas, residuals)
     steps = step_state(engine)  # drives the schedule the config names
     fused = _fuse(model, config, engine, steps, units)
     if replicas is not None:  # HSDP: the order in which their gradients cross the copies (the same on every rank)
@@ -189,8 +189,8 @@ class _Fused(NamedTuple):
     linears: list[tuple[str, nn.Module, bool]]  # (name, module, transposed) of each fused linear
     params: set[nn.Parameter]  # the fused linears' and ring embeddings' parameters
     bound: list[tuple[str, nn.Module, dict[str, int]]]  # fused modules and their sharded params' dims
-    excluded: lockstep.Exclusions  # modules kept off the fused path and out of units of their own, and why
-    data_dependent: dict[str, str]  # modules the model calls data-dependently (lockstep.py)
+    excluded: data_dependence.Exclusions  # modules kept off the fused path and out of units of their own, and why
+    data_dependent: dict[str, str]  # modules the model calls data-dependently (data_dependence.py)
     unit_modules: list[nn.Module]  # the FSDP2 unit candidates
 
 
@@ -199,11 +199,11 @@ def _fuse(model: nn.Module, config: CommFuseConfig, engine: Engine, steps: StepS
     """Convert the eligible linears (grouped where they read the same input) and embeddings to the fused rings, and
     bind their weights for reads from outside their forward. Nothing under the fsdp2 schedule."""
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
-    data_dependent = lockstep.data_dependent_modules(model)
-    excluded = lockstep.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
+    data_dependent = data_dependence.data_dependent_modules(model)
+    excluded = data_dependence.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
     peer = config.schedule == "fsdp2"  # nothing fused: FSDP2's units and its GPU schedule on the rings
     tied = {} if peer else tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
-    unit_modules = unit_modules_of(model, units, not_units=lockstep.inside(model, data_dependent))
+    unit_modules = unit_modules_of(model, units, not_units=data_dependence.inside(model, data_dependent))
     fused = [] if peer else fusable_linears(model, config, engine.ring.size, excluded, tied, unit_modules)
     fused_params: set[nn.Parameter] = set()
     bound: list[tuple[str, nn.Module, dict[str, int]]] = []  # fused modules and their sharded params' dims
@@ -238,7 +238,7 @@ def _shard_the_rest(model: nn.Module, config: CommFuseConfig, engine: Engine, st
     if units is None and not peer:  # (the peer's shape: every decoder layer a unit of its own)
         unit_modules = [u for u in unit_modules
                         if unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
-    plans = (fsdp_units.peer_plan(model, unit_modules, kept_out, lockstep.inside(model, fused.data_dependent))
+    plans = (fsdp_units.peer_plan(model, unit_modules, kept_out, data_dependence.inside(model, fused.data_dependent))
              if peer else fsdp_units.coarse_plan(model, unit_modules, kept_out))
     fsdp_units.apply(plans, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(p not in kept_out for p in model.parameters()):
@@ -248,8 +248,8 @@ def _shard_the_rest(model: nn.Module, config: CommFuseConfig, engine: Engine, st
     if isinstance(model, FSDPModule) and callable(getattr(model, "generate", None)):
         # generate() may call submodules directly (T5's encoder): the root's parameters must be gathered for it
         register_fsdp_forward_method(model, "generate")
-    lockstep.reduce_unused_params(model, fused.data_dependent)
-    lockstep.mark_fsdp_managed(model)
+    data_dependence.reduce_unused_params(model, fused.data_dependent)
+    data_dependence.mark_fsdp_managed(model)
     return plans, scalars
 
 

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.modeling_outputs import CausalLMOutput
 
 import commfuse_dp as cf
-from commfuse_dp import lockstep
+from commfuse_dp import data_dependence
 from harness import log_messages, run_ranks
 
 VOCAB, HIDDEN, FFN, EXPERTS, SEQ, STEPS = 64, 16, 24, 4, 8, 4
@@ -257,16 +257,16 @@ class RoutedFFNs(nn.Module):
 
 
 def test_data_dependent_modules_found_from_structure():
-    found = lockstep.data_dependent_modules(MoECausalLM())
+    found = data_dependence.data_dependent_modules(MoECausalLM())
     assert found == {f"layers.{i}.moe.experts.{e}": f"MoE expert of layers.{i}.moe"
                      for i in range(2) for e in range(EXPERTS)}
-    assert lockstep.data_dependent_modules(RoutedFFNs()) == {
+    assert data_dependence.data_dependent_modules(RoutedFFNs()) == {
         f"ffns.{e}": "MoE expert of (root), routed by router" for e in range(3)}
-    found = lockstep.data_dependent_modules(LayerDropLM())
+    found = data_dependence.data_dependent_modules(LayerDropLM())
     assert found == {f"layers.{i}": "LayerDrop (config.layerdrop=0.5)" for i in range(3)}
     no_drop = LayerDropLM()
     no_drop.config.layerdrop = 0.0
-    assert lockstep.data_dependent_modules(no_drop) == {}
+    assert data_dependence.data_dependent_modules(no_drop) == {}
 
 
 def test_data_dependent_modules_of_hf_moe_models():
@@ -276,7 +276,7 @@ def test_data_dependent_modules_of_hf_moe_models():
     switch = SwitchTransformersForConditionalGeneration(SwitchTransformersConfig(
         vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=4,
         num_experts=4, expert_capacity=8, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1))
-    found = lockstep.data_dependent_modules(switch)
+    found = data_dependence.data_dependent_modules(switch)
     assert len(found) == 8  # one sparse block in the encoder, one in the decoder, 4 experts each
     assert found["encoder.block.1.layer.1.mlp.experts.expert_3"] == "MoE expert of encoder.block.1.layer.1.mlp"
     nllb = NllbMoeForConditionalGeneration(NllbMoeConfig(
@@ -284,7 +284,7 @@ def test_data_dependent_modules_of_hf_moe_models():
         encoder_attention_heads=4, decoder_attention_heads=4, num_experts=4, expert_capacity=8,
         encoder_sparse_step=2, decoder_sparse_step=2, max_position_embeddings=32, encoder_layerdrop=0.1,
         decoder_layerdrop=0.0))
-    found = lockstep.data_dependent_modules(nllb)
+    found = data_dependence.data_dependent_modules(nllb)
     experts = {n for n, why in found.items() if why.startswith("MoE expert")}
     assert experts == {f"model.{side}.layers.1.ffn.experts.expert_{e}" for side in ("encoder", "decoder")
                        for e in range(4)}
@@ -295,13 +295,13 @@ def test_data_dependent_modules_of_hf_moe_models():
 
 def test_exclusions_cover_what_is_inside_an_excluded_module():
     model = MoECausalLM()
-    excluded = lockstep.exclusions(model, ("layers.1", "lm_*"), {}, exclude_data_dependent=True)
+    excluded = data_dependence.exclusions(model, ("layers.1", "lm_*"), {}, exclude_data_dependent=True)
     assert excluded.reasons == {"layers.1": "exclude pattern 'layers.1'", "lm_head": "exclude pattern 'lm_*'"}
     assert excluded.why("layers.1.moe.experts.0.up") == "exclude pattern 'layers.1'"
     assert excluded.why("layers.10") is None and excluded.why("layers.0.mix") is None and excluded.why("") is None
-    found = lockstep.data_dependent_modules(model)
-    assert not lockstep.exclusions(model, (), found, exclude_data_dependent=False)
-    excluded = lockstep.exclusions(model, (), found, exclude_data_dependent=True)
+    found = data_dependence.data_dependent_modules(model)
+    assert not data_dependence.exclusions(model, (), found, exclude_data_dependent=False)
+    excluded = data_dependence.exclusions(model, (), found, exclude_data_dependent=True)
     assert excluded.why("layers.0.moe.experts.2.down") == "MoE expert of layers.0.moe"
 
 

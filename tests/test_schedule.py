@@ -239,9 +239,10 @@ def test_elastic_bundles_the_hops_of_a_unit():
 
 
 def test_both_schedules_implement_the_one_schedule_interface():
-    """The fused layer loop (``fused/linear.py``) and the step state drive either schedule through the members of
+    """The fused layers (``fused/linear.py``) and the step state drive either schedule through the members of
     ``runtime.step.Schedule`` alone: ``FusedSchedule`` and ``SlicingScheduler`` each have all of them, with the
-    protocol's parameters in its order, and ``shard()`` picks one by the config (``fused.step_state``)."""
+    protocol's parameters in its order, and ``shard()`` picks one by the config (``fused.step_state``). A layer's
+    forward and backward are each one call (``layer_call.ScheduledCall``) that the schedule returns."""
     import inspect
 
     from commfuse_dp.runtime.schedule import FusedSchedule
@@ -250,7 +251,8 @@ def test_both_schedules_implement_the_one_schedule_interface():
 
     members = [name for name, value in vars(Schedule).items()
                if not name.startswith("_") and (callable(value) or isinstance(value, property))]
-    assert {"weights", "grads", "before_piece", "after_piece", "finish_grads", "release"} <= set(members)
+    assert {"forward", "backward", "begin_step", "end_backward", "reset"} <= set(members)
+    assert len(members) <= 8, members
     for cls in (FusedSchedule, SlicingScheduler):
         for name in members:
             ours, protocol = getattr(cls, name, None), getattr(Schedule, name)

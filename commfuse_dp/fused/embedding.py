@@ -49,7 +49,7 @@ class EmbeddingState:
     def __init__(self, steps: StepState, module: nn.Embedding, num_embeddings: int, name: str) -> None:
         engine = self.engine = steps.engine
         self.steps, self.name = steps, name
-        self.op = steps.register(name)
+        self.owner = steps.register(name)
         world, rank = engine.ring.size, engine.ring.rank
         self.num_embeddings = num_embeddings
         self.chunk = -(-num_embeddings // world)  # rows per shard (torch.chunk)

@@ -30,10 +30,11 @@ piece and the last gradient hop landing during the next layer's first piece (``G
 two gradient-shard buffers live, never the full W, except for the last layer of the forward (the lm_head), which
 keeps all N shards from its forward for its backward (``FusedSchedule.keeps_weight``) and then sends gradient
 partials only. Elastic (the default on 2 ranks or more): the weight ring of a layer is requested ahead, into an
-``(N, S)`` buffer, and the gradient hops lag (``Gradients.land``). The loop below is the same for both, and for the
-slicing schedule (``runtime/slicing.py``): ``piece_hops`` requests piece k's own hops and returns what to wait for
-at its end; the schedule's ``before_piece`` and ``after_piece`` add other layers' hops beside it and take in the
-gradient rings that landed. With ``piece_shards`` = G > 1 and a whole gathered buffer, the forward's outputs and
+``(N, S)`` buffer, and the gradient hops lag (``Gradients.land``). The loop is the one every schedule's layer call
+runs ([Note: one layer call], ``runtime/layer_call.py``), for both and for the slicing schedule
+(``runtime/slicing.py``): ``piece_hops`` requests piece k's own hops and returns what to wait for at its end; the
+call's ``before_piece`` and ``after_piece`` add other layers' hops beside it and take in the gradient rings that
+landed; this module gives it each piece's compute. With ``piece_shards`` = G > 1 and a whole gathered buffer, the forward's outputs and
 the backward's dx are computed G landed shards at a time (``ShardRuns``: fewer, wider GEMMs); the hops requested
 and waited stay those of the loop. The reduction order is fixed by the ring and by G, so results repeat bit for
 bit. All members of a fused group (q/k/v, gate/up) ride the same hops in one flat buffer
@@ -52,9 +53,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
-from ..runtime.layer_rings import WeightRing, run_pieces
+from ..runtime.layer_call import GradSpec
+from ..runtime.layer_rings import WeightRing
 from ..runtime.layout import GroupLayout, Member, MemberBlocks
 from ..timeline import labelled
 
@@ -77,13 +78,12 @@ class FusedRingLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, state: FusedGroupState, call: Call, *params: torch.Tensor):
         x2, outs, outs2 = prepare_forward(state, x, call.compute_dtype)
+        save_for_backward(ctx, state, call, x, x2, params)
         # A forward recomputed inside the backward (activation checkpointing) is no part of the layer order.
         recompute = torch._C._current_graph_task_id() != -1
-        if not recompute:
-            state.steps.schedule.entered(state, x.requires_grad)
         with labelled("commfuse::fused_forward"):
-            ctx.full = forward_ring(state, params, call.compute_dtype, x2, outs2, recompute=recompute)
-        return finish_forward(ctx, state, call, x, x2, params, outs)
+            ctx.full = forward_ring(state, params, call.compute_dtype, x2, outs2, x.requires_grad, recompute)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outs: torch.Tensor):
@@ -113,12 +113,10 @@ def prepare_forward(state: FusedGroupState, x: torch.Tensor,
     return x2, outs, [y.view(-1, y.shape[-1]) for y in outs]
 
 
-def finish_forward(ctx, state: FusedGroupState, call: Call, x: torch.Tensor, x2: torch.Tensor, params,
-                   outs) -> tuple:
-    """Save what the backward needs and return the outputs (in the input's leading shape)."""
+def save_for_backward(ctx, state: FusedGroupState, call: Call, x: torch.Tensor, x2: torch.Tensor, params) -> None:
+    """Save what the backward needs (the outputs the forward fills in place are returned as they are)."""
     ctx.state, ctx.call, ctx.x_shape, ctx.x_dtype = state, call, x.shape, x.dtype
     ctx.save_for_backward(x2, *params)
-    return tuple(outs)
 
 
 def accumulates(state: FusedGroupState, call: Call) -> bool:
@@ -140,14 +138,13 @@ def accumulates(state: FusedGroupState, call: Call) -> bool:
 
 
 def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2: torch.Tensor, outs: list[torch.Tensor],
-                 recompute: bool = False) -> WeightRing | None:
-    """The Note's forward loop over this rank's packed shards, writing every member's output columns. Returns the
-    ring, every shard gathered, when the group keeps them for its backward (``FusedSchedule.keeps_weight``), else
-    None. ``recompute``: a forward recomputed during the backward, no part of the schedule's layer order."""
-    engine, sched, world = state.engine, state.steps.schedule, state.engine.ring.size
-    keep = world > 1 and not recompute and sched.keeps_weight(state)
-    weights = sched.weights(state, params, compute_dtype, "forward", keep, recompute)
-    runs = ShardRuns(engine, weights)
+                 needs_dx: bool = True, recompute: bool = False) -> WeightRing | None:
+    """The Note's forward loop over this rank's packed shards, writing every member's output columns: the
+    schedule's call ([Note: one layer call]) runs it. Returns the ring, every shard gathered, when the group keeps
+    them for its backward (``ScheduledCall.kept``), else None. ``needs_dx``: the backward will need the weight;
+    ``recompute``: a forward recomputed during the backward, no part of the schedule's layer order."""
+    call = state.steps.schedule.forward(state, params, compute_dtype, needs_dx, recompute)
+    weights, runs = call.weights, call.runs
 
     def compute(k: int) -> None:
         if runs.piecewise:
@@ -155,47 +152,8 @@ def forward_ring(state: FusedGroupState, params, compute_dtype: torch.dtype, x2:
         elif (run := runs.add(k)) is not None:
             _forward_run(state.layout, weights.slots, *run, x2, outs)
 
-    run_pieces(state, "forward", runs.pieces, weights, None, compute, beside=not recompute)
-    sched.release(weights)  # every hop of its ring was waited for above (a kept weight is never pooled)
-    # (a lockstep ring requested ahead before the order said a backward follows holds two shards, not all: its
-    # backward gathers the weight again)
-    return weights if keep and weights.slots is not None else None
-
-
-class ShardRuns:
-    """``CommFuseConfig.piece_shards``: the landed shards a piece computes, in runs of consecutive slots of the
-    gathered ``(N, numel)`` buffer. Piece k's shard is ``(r - k) mod N``: they come in descending order, so a run
-    ends after ``piece_shards`` of them, at shard 0 (the next is N-1, not adjacent) and at the last piece. A ring
-    that landed whole before the loop (``WeightRing.in_shard_order``, slicing) is computed in runs in shard order
-    instead, the k-th run at piece k (``pieces``: the forward's pieces, one per run there, else one per shard). Decided
-    by k alone, the same in every run of the program. ``piecewise``: one row at a time, from the ring's own blocks
-    (``_forward_piece``; ``WeightRing.shard`` says which row)."""
-
-    def __init__(self, engine: Engine, weights: WeightRing | None) -> None:
-        self.ring = engine.ring
-        whole = weights is not None and weights.slots is not None
-        ordered = weights is not None and weights.in_shard_order
-        self.size = engine.config.piece_shards if ordered or (whole and self.ring.size > 1) else 1
-        if weights is not None and weights.wire is not None:
-            self.size = 1  # narrow rows are decoded one at a time, into a scratch row
-        self.piecewise = self.size == 1
-        self._top: int | None = None  # the run's first (highest) shard
-        world = self.ring.size
-        self._ordered = [(low, min(low + self.size, world) - 1) for low in range(0, world, self.size)] if ordered \
-            else None
-        self.pieces = len(self._ordered) if ordered else world
-
-    def add(self, k: int) -> tuple[int, int] | None:
-        """Piece k's shard joins the run; returns ``(low, high)`` shards (inclusive) when the run is complete."""
-        if self._ordered is not None:
-            return self._ordered[k] if k < len(self._ordered) else None
-        shard = self.ring.shard_held(k)
-        if self._top is None:
-            self._top = shard
-        if self._top - shard + 1 == self.size or shard == 0 or k == self.ring.size - 1:
-            run, self._top = (shard, self._top), None
-            return run
-        return None
+    call.run(compute, runs.pieces)
+    return call.kept
 
 
 def _run_weight(m: Member, block: torch.Tensor, rows: int) -> torch.Tensor:
@@ -286,23 +244,19 @@ def backward_ring(state: FusedGroupState, x2: torch.Tensor, params: list[torch.T
     hop k brings the weight shard of piece k+1 and passes on the partial sum of piece k-1. ``full``: the
     forward's ring that kept every weight shard; then no weight shard travels."""
     bw = BackwardCall(state, x2, params, grad_outs, need_dx, params_need_grad, call, full)
-    weights, grads = bw.weights, bw.grads
 
     def compute(k: int) -> None:
         if bw.dx is not None:
             bw.dx_piece(k)
-        if grads is not None:
+        if bw.grads is not None:
             bw.grad_piece(k)
 
-    run_pieces(state, "backward", state.engine.ring.size, weights, grads, compute)
-    if weights is not None:
-        state.steps.schedule.release(weights)
-    return bw.finish()
+    return bw.finish(bw.call.run(compute))
 
 
 class BackwardCall:
-    """One backward of a fused group: its output gradients, its rings (from the schedule) and what each piece
-    computes."""
+    """One backward of a fused group: its output gradients, its call (from the schedule: its rings) and what each
+    piece computes."""
 
     def __init__(self, state: FusedGroupState, x2: torch.Tensor, params: list[torch.Tensor],
                  grad_outs: tuple[torch.Tensor | None, ...], need_dx: bool, params_need_grad: tuple[bool, ...],
@@ -315,24 +269,21 @@ class BackwardCall:
         self.train = [dy is not None and any(params_need_grad[i] for i in state.param_index(j))
                       for j, dy in enumerate(self.dys)]
         self.dys_t = [dy.t() if trainable else None for dy, trainable in zip(self.dys, self.train)]
-        sched.backward_begins(state)
-        self.weights = None
-        if need_dx:
-            self.weights = (WeightRing(engine, None, full.slots, own=full.own, wire=full.wire) if full is not None
-                            else sched.weights(state, params, x2.dtype, "backward"))
-        self.grads = None
+        self.pre, self.post = engine.divide_factors() if self.sync else (1.0, 1.0)
+        spec = None
         if any(self.train):
             # Every element of the gradient buffers is written before it is sent, except padding rows (out_features
             # not a multiple of N) and the regions of members without gradient; those are zeroed so that nothing
             # uninitialised travels the ring.
             zeroed = any(m.out_features % engine.ring.size for m in layout.members) or not all(self.train)
-            self.grads = sched.grads(state, layout.numel, call.reduce_dtype, x2.device, zeroed, self.sync,
-                                     self.weights, accumulates(state, call))
+            spec = GradSpec(layout.numel, call.reduce_dtype, x2.device, zeroed, self.sync, accumulates(state, call),
+                            self.post, tuple(p.dtype for p in params), tuple(self.train))
+        self.call = sched.backward(state, params, x2.dtype, need_dx, full, spec)
+        self.weights, self.grads = self.call.weights, self.call.grads
         # partials kept by no-sync backwards, added into this synced one's
         self.pending = state.take_unsynced() if self.grads is not None and self.sync else None
-        self.pre, self.post = engine.divide_factors() if self.sync else (1.0, 1.0)
         self.dx = InputGrad(x2) if need_dx else None
-        self.runs = ShardRuns(engine, self.weights)
+        self.runs = self.call.runs
 
     def dx_piece(self, k: int) -> None:
         """dx += dy[:, R_s] @ W_s for the shard s held at piece k (or a run of them: ``piece_shards``)."""
@@ -360,17 +311,13 @@ class BackwardCall:
         if self.pre != 1.0:
             part.div_(self.pre)
 
-    def finish(self) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """dx, and the gradients to return through autograd (None where the schedule puts them in later)."""
-        state, grads, params = self.state, self.grads, self.params
+    def finish(self, final: torch.Tensor | None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """dx, and the gradients to return through autograd: from ``final``, the reduced shard the call closed
+        with (None: no gradient, sync off, or the schedule puts it into the parameters' grads later)."""
         dx = self.dx.result() if self.dx is not None else None
-        if grads is None or not self.sync:
-            return dx, [None] * len(params)
-        final = state.steps.schedule.finish_grads(state, grads, self.post, tuple(p.dtype for p in params),
-                                                  tuple(self.train))
-        if final is None:  # the schedule puts it into the parameters' grads later
-            return dx, [None] * len(params)
-        return dx, unpack_grads(state, final, params, self.train, self.needs)
+        if final is None:
+            return dx, [None] * len(self.params)
+        return dx, unpack_grads(self.state, final, self.params, self.train, self.needs)
 
 
 def unpack_grads(state: FusedGroupState, flat: torch.Tensor, params: list[torch.Tensor], train,

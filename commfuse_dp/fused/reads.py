@@ -46,7 +46,7 @@ class ParamRead:
 
     def __init__(self, steps: StepState, param: nn.Parameter, dim: int, name: str) -> None:
         self.engine, self.steps, self.param, self.dim, self.name = steps.engine, steps, param, dim, name
-        self.op = steps.register(f"{name} (read)")
+        self.owner = steps.register(f"{name} (read)")
         self.node = None  # the parameter's AccumulateGrad node at the last gathered read (HSDP: replicas.py)
         self._logged = False
 

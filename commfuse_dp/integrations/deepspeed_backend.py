@@ -173,7 +173,7 @@ class RingBackend:
     def _ring_all_reduce(self, tensor: torch.Tensor, op: Any, pg: dist.ProcessGroup, async_op: bool):
         """Ring reduce-scatter, then ring all-gather, in place in one flat buffer of ``N * ceil(numel / N)``."""
         cfg = self._handle.config
-        ring = get_ring(pg, op="all_reduce")
+        ring = get_ring(pg, caller="all_reduce")
         flat = tensor.view(-1)
         shard = math.ceil(flat.numel() / ring.size)
         if flat.numel() == shard * ring.size:

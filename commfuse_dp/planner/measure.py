@@ -48,7 +48,7 @@ GPU_MAX_ROWS = 8192
 
 
 @dataclass(frozen=True)
-class Link:
+class LinkFit:
     bytes_per_s: float
     latency_s: float  # fixed cost of one hop
     hop_bytes: tuple[int, int]  # the two sizes the line goes through
@@ -68,14 +68,14 @@ class Gemm:
 class Measured:
     """What ``measure_machine`` found; ``None`` where it was not asked to measure (a given hint)."""
 
-    link: Link | None = None
+    link: LinkFit | None = None
     gemm: Gemm | None = None
     # seconds per element and pass of each narrow format asked for (the mean of encoding and decoding,
     # ``wire.measure_codec``); None where none was asked for
     codec: dict[str, float] | None = None
 
 
-_LINKS: dict[tuple, Link | None] = {}
+_LINKS: dict[tuple, LinkFit | None] = {}
 _GEMMS: dict[tuple, Gemm] = {}
 _CODECS: dict[tuple, dict[str, float]] = {}
 
@@ -86,7 +86,7 @@ def measure_machine(group: dist.ProcessGroup, device: torch.device, dtype: torch
     """The link (``link``), the GEMM rate on ``shapes`` ((in, out) of a layer's linears, ``gemm``) and the codec of
     each narrow format in ``formats``, measured on ``group`` and ``device`` or taken from the cache. Collective over
     the world: every rank calls it alike."""
-    ring = get_ring(group, op="shard")
+    ring = get_ring(group, caller="shard")
     device = torch.device(device)
     key = (tuple(dist.get_process_group_ranks(group)), ring.backend, str(device))
     gemm_key = (str(device), dtype, tuple(shapes or ()), tokens)
@@ -111,9 +111,9 @@ class Tiers:
     nodes while every rank of its node crosses at once (HSDP's exchange), and one flow alone across (a flat ring's
     hop between nodes). None where a tier's larger hops took no longer than its small ones (no line to fit)."""
 
-    intra: Link | None
-    share: Link | None
-    flow: Link | None
+    intra: LinkFit | None
+    share: LinkFit | None
+    flow: LinkFit | None
 
 
 _TIERS: dict[tuple, Tiers] = {}
@@ -145,7 +145,7 @@ def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> l
 
 
 def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int, active: bool = True,
-                  together: bool = False) -> Link | None:
+                  together: bool = False) -> LinkFit | None:
     """``group``'s line of seconds per hop against bytes (module docstring); ``active``: whether this rank's group
     runs (the others take part only in agreeing on the figures, the median of the ranks that ran); ``together``:
     every group's hops are timed until the last group's end (a barrier of the world), so that groups that share
@@ -188,7 +188,7 @@ def _measure_link(group: dist.ProcessGroup, device: torch.device, world: int, ac
     per_byte = (seconds - small) / (nbytes - SMALL_HOP_BYTES) if nbytes > SMALL_HOP_BYTES else 0.0
     if per_byte <= 0:  # the larger hops took no longer: no line to fit (the plan falls back to its assumptions)
         return None
-    return Link(1.0 / per_byte, max(small - SMALL_HOP_BYTES * per_byte, 0.0), (SMALL_HOP_BYTES, nbytes))
+    return LinkFit(1.0 / per_byte, max(small - SMALL_HOP_BYTES * per_byte, 0.0), (SMALL_HOP_BYTES, nbytes))
 
 
 def _measure_gemm(device: torch.device, dtype: torch.dtype,

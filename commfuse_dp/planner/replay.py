@@ -3,8 +3,9 @@
 [Note: one policy, two clocks]
 The planner does not model the fused schedule a second time. ``traced`` builds the runtime's own objects, a
 ``FusedSchedule`` (elastic or lockstep) with its ``Gradients``, over stand-in groups whose buffers live on the
-``meta`` device (no memory, no arithmetic), and drives them as the fused layer loop does (``run_pieces``, the
-loop of ``fused/linear.py``): the same requests, in the same order, beside the same pieces. What happens is
+``meta`` device (no memory, no arithmetic), and runs their layer calls as a fused layer does ([Note: one layer
+call], ``runtime/layer_call.py``, with each piece's compute an event): the same requests, in the same order,
+beside the same pieces. What happens is
 recorded as a ``Trace`` (``TracedLink``, ``TracedPending``), and only the clocks are simulated (``Trace.time``):
 
 - the link works requests in order, one at a time: a request made at compute time ``t`` ends at
@@ -15,7 +16,7 @@ recorded as a ``Trace`` (``TracedLink``, ``TracedPending``), and only the clocks
 Every decision of the schedule depends on the recorded layer order and byte counts, never on timing, so the order
 of requests here is the runtime's (``tests/test_replay.py`` compares them on a real model and ring), and one
 trace serves every link rate, latency and compute rate (``play`` caches them). Nor does ``piece_shards`` change a
-request (it only groups the landed shards a piece computes, ``fused/linear.py``'s ``ShardRuns``): a piece is
+request (it only groups the landed shards a piece computes, ``runtime/layer_call.py``'s ``ShardRuns``): a piece is
 recorded as its place k in the ring, and ``Trace.time`` groups them into runs of the width it is given, so one
 trace serves every width too. What the planner predicts is then what runs, apart from the cost model: seconds
 per piece, per byte, per hop.
@@ -51,7 +52,7 @@ from torch import nn
 from ..config import CommFuseConfig
 from ..runtime.engine import Engine
 from ..runtime.group import FusedGroupState
-from ..runtime.layer_rings import WeightRing, run_pieces
+from ..runtime.layer_call import GradSpec
 from ..runtime.layout import GroupLayout
 from ..runtime.schedule import FusedSchedule
 from ..runtime.step import StepState
@@ -281,28 +282,20 @@ def traced(groups: list[Group], ranks: int, config: CommFuseConfig, first: bool 
         if state is None:
             trace.events.append((COMPUTE, at, 1.0))
             continue
-        sched.entered(state, True)
-        keep = ranks > 1 and sched.keeps_weight(state)
-        weights = sched.weights(state, state.local_params(), WEIGHT_DTYPE, "forward", keep)
-        run_pieces(state, "forward", ranks, weights, None, _Compute(trace, at, False))
-        sched.release(weights)
-        kept[id(state)] = weights if keep and weights.slots is not None else None
+        call = sched.forward(state, state.local_params(), WEIGHT_DTYPE, True)
+        call.run(_Compute(trace, at, False), ranks)
+        kept[id(state)] = call.kept
     walk.enter(None, False)
+    spec = GradSpec(0, GRAD_DTYPE, torch.device("meta"), False, True, True, 1.0, (WEIGHT_DTYPE,), (True,))
     for at in range(len(groups) - 1, -1, -1):
         g, state = groups[at], states[at]
         walk.enter(g.unit, True)
         if state is None:
             trace.events.append((COMPUTE, at, 2.0))
             continue
-        sched.backward_begins(state)
-        full = kept[id(state)]  # (as ``BackwardCall``: a kept weight sends nothing in the backward)
-        weights = sched.weights(state, state.local_params(), WEIGHT_DTYPE, "backward") if full is None else \
-            WeightRing(engine, None, full.slots, own=full.own, wire=full.wire)
-        grads = sched.grads(state, state.layout.numel, GRAD_DTYPE, torch.device("meta"), False, True, weights,
-                            True)
-        run_pieces(state, "backward", ranks, weights, grads, _Compute(trace, at, True))
-        sched.release(weights)
-        sched.finish_grads(state, grads, 1.0, (WEIGHT_DTYPE,), (True,))
+        call = sched.backward(state, state.local_params(), WEIGHT_DTYPE, True, kept[id(state)],
+                              spec._replace(numel=state.layout.numel))
+        call.run(_Compute(trace, at, True), ranks)
     walk.enter(None, True)
     sched.end_backward()
     return trace

@@ -100,7 +100,7 @@ class RingReplicaGroup(dist.ProcessGroup):
                  recorder: StatsRecorder | None = None, residuals: Residuals | None = None) -> None:
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
-        self.ring = get_ring(group, op="FSDP2's HSDP all-reduce")
+        self.ring = get_ring(group, caller="FSDP2's HSDP all-reduce")
         self.reduce_format, self.format_block, self.error_feedback = reduce_format, format_block, error_feedback
         self.ring_kwargs = dict(ring_kwargs or {})
         self.recorder = recorder

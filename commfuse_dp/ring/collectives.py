@@ -66,7 +66,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
     narrow formats]): each rank's row is encoded once, gathered as bytes and decoded into ``output``, its own
     row too, so every rank's ``output`` is bitwise the same.
     """
-    ring = get_ring(group, op="ring_all_gather")
+    ring = get_ring(group, caller="ring_all_gather")
     _check_pair("ring_all_gather", output, input, ring.size * input.numel(), ring)
     tag = ring.next_tag() if tag is None else tag  # on the issuing thread: ops pair up in issue order
     if wire is not None and ring.size > 1 and input.numel():
@@ -98,7 +98,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     ``residual``: error feedback with ``wire``, ``(world_size, output.numel())`` (float32 or bfloat16, the
     arithmetic float32 either way: ``RowFormat.encode_fed``): what encoding lost of
     each piece, added to the next call's piece before it is encoded, and updated."""
-    ring = get_ring(group, op="ring_reduce_scatter")
+    ring = get_ring(group, caller="ring_reduce_scatter")
     _check_pair("ring_reduce_scatter", output, input, input.numel() // max(ring.size, 1), ring,
                 input_numel=ring.size * output.numel())
     average = _average(op, output.dtype, "ring_reduce_scatter")
@@ -126,7 +126,7 @@ def ring_all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[
                               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """All-gather many tensors: ``outputs[i]`` gets every rank's ``inputs[i]``, rank-major. Small tensors are
     packed into flat buckets of ``bucket_mb`` so that they share hops."""
-    ring = get_ring(group, op="ring_all_gather_coalesced")
+    ring = get_ring(group, caller="ring_all_gather_coalesced")
     _check_lists("ring_all_gather_coalesced", outputs, inputs)
     for out, inp in zip(outputs, inputs):
         _check_pair("ring_all_gather_coalesced", out, inp, ring.size * inp.numel(), ring)
@@ -149,7 +149,7 @@ def ring_reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Seque
                                   bucket_mb: float = DEFAULT_BUCKET_MB, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Reduce-scatter many tensors: ``inputs[i]`` holds ``world_size`` rank-major shards of ``outputs[i]``'s
     size. Small tensors are packed into flat buckets of ``bucket_mb`` so that they share hops."""
-    ring = get_ring(group, op="ring_reduce_scatter_coalesced")
+    ring = get_ring(group, caller="ring_reduce_scatter_coalesced")
     _check_lists("ring_reduce_scatter_coalesced", outputs, inputs)
     for out, inp in zip(outputs, inputs):
         _check_pair("ring_reduce_scatter_coalesced", out, inp, out.numel(), ring, input_numel=ring.size * out.numel())

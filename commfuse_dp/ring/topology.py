@@ -12,6 +12,7 @@ import atexit
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -170,16 +171,20 @@ def wait_until(when: float | None) -> None:
 _RINGS: weakref.WeakKeyDictionary[dist.ProcessGroup, Ring] = weakref.WeakKeyDictionary()
 
 
-def get_ring(group: dist.ProcessGroup | None = None, *, op: str = "commfuse_dp") -> Ring:
-    """The ``Ring`` of ``group`` (default: the world), checking that the group can be used from this rank."""
+def get_ring(group: dist.ProcessGroup | None = None, *, caller: str = "commfuse_dp", op: str | None = None) -> Ring:
+    """The ``Ring`` of ``group`` (default: the world), checking that the group can be used from this rank;
+    ``caller`` names who asks, in its errors (``op``: its former name, deprecated)."""
+    if op is not None:
+        warnings.warn("get_ring(op=...) is deprecated: write get_ring(caller=...)", DeprecationWarning, stacklevel=2)
+        caller = op
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            f"{op}: torch.distributed is not initialised. Call torch.distributed.init_process_group(...) first "
+            f"{caller}: torch.distributed is not initialised. Call torch.distributed.init_process_group(...) first "
             f"(torchrun, accelerate launch and commfuse-dp launch set up the environment it reads).")
     if group is None:
         group = dist.group.WORLD
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
-        raise ValueError(f"{op}: this process (global rank {dist.get_rank()}) is not a member of the process "
+        raise ValueError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of the process "
                          f"group it was given; pass a group that contains it")
     ring = _RINGS.get(group)
     if ring is None:

@@ -1,9 +1,10 @@
 """The rings of the row-exchanging ops (ring embedding, gathered weight reads): the fused layers' own
-``WeightRing``/``GradRing`` and ``piece_hops`` (``layer_rings.py``), always lockstep, with their hops requested on the
-engine's link: timed, observed, bounded by the ring's timeout, and tagged with the owner's ring-op identity.
+``WeightRing``/``GradRing`` run by the one layer call loop (``LayerCall``, ``layer_call.py``), always lockstep, with
+their hops requested on the engine's link: timed, observed, bounded by the ring's timeout, and tagged with the
+owner's ring-op identity.
 
-``state`` is any owner of ring operations: it has ``engine``, ``steps`` (the ``StepState``) and ``op`` (its index
-there, from ``StepState.register``).
+``state`` is any owner of ring operations: it has ``engine``, ``steps`` (the ``StepState``) and ``owner`` (its
+index there, from ``StepState.register``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ import torch
 from ..ring.collectives import goes_direct
 from .engine import Engine
 from .gradients import GradRing, Travel
-from .layer_rings import WeightRing, piece_hops
+from .layer_call import LayerCall
+from .layer_rings import WeightRing
 
 
 class RingOwner(Protocol):
     """What an exchange needs of its owner (a fused group's or ring embedding's state): the engine, the step
-    state that names its ring operations, and its owner index there."""
+    state that names its ring operations, and its owner index there (``owner``)."""
 
     engine: Engine
     steps: object  # StepState
-    op: int
+    owner: int
 
 
 def gather(state: RingOwner, mine: torch.Tensor, phase: str) -> torch.Tensor:
@@ -38,7 +40,7 @@ def gather(state: RingOwner, mine: torch.Tensor, phase: str) -> torch.Tensor:
     out[ring.rank].copy_(mine)
     if goes_direct(ring, out, engine.config.direct_kb):
         engine.link.hop([out[ring.rank]] * len(ring.peers), [out[p] for p in ring.peers],
-                        state.steps.ring_op(state.op, phase), 0, 1, direct=True).wait()
+                        state.steps.ring_op(state.owner, phase), 0, 1, direct=True).wait()
         return out
     gather_into(state, out, phase)
     return out
@@ -49,7 +51,7 @@ def swap(state: RingOwner, sends: dict[int, torch.Tensor], recvs: dict[int, torc
     """One direct exchange of tensors of any size: ``sends[p]`` goes to group rank p, ``recvs[p]`` is filled from
     rank p. Both sides of each pair know its sizes and leave out a pair with nothing to move. ``then()`` runs right
     after the request. Returns the pending hop (``wait()`` before reading ``recvs``), or None if nothing moves."""
-    op = state.steps.ring_op(state.op, phase)  # on every rank, moving or not: the ring-op sequence stays the same
+    op = state.steps.ring_op(state.owner, phase)  # on every rank, moving or not: the ring-op sequence stays the same
     hop = None
     if sends or recvs:
         hop = state.engine.link.hop(list(sends.values()), list(recvs.values()), op, 0, 1,
@@ -65,16 +67,11 @@ def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable
     rank's slot as soon as it is held, beside the hop that brings the next one; ``then()`` right after the
     last hop was requested."""
     engine = state.engine
-    world = engine.ring.size
-    weights = WeightRing(engine, state.steps.ring_op(state.op, phase) if world > 1 else None, out)
-    for k in range(world):
-        hop = piece_hops(engine, k, weights, None)
-        if then is not None and k == max(world - 2, 0):
-            then()
-        if piece is not None:
-            piece(engine.ring.shard_held(k))
-        if hop is not None:
-            hop.wait()
+    ring = engine.ring
+    weights = WeightRing(engine, state.steps.ring_op(state.owner, phase) if ring.size > 1 else None, out)
+    last = max(ring.size - 2, 0)
+    LayerCall(engine, phase, weights, beside=(lambda k: then() if k == last else None) if then is not None else None
+              ).run((lambda k: piece(ring.shard_held(k))) if piece is not None else _nothing)
 
 
 def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -86,13 +83,12 @@ def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device:
     engine = state.engine
     world = engine.ring.size
     numel = math.prod(shape)
-    op = state.steps.ring_op(state.op, phase) if world > 1 else None
+    op = state.steps.ring_op(state.owner, phase) if world > 1 else None
     grads = GradRing(engine, op, numel, dtype, device, zeroed=False, travel=Travel.WITH_PIECES)
-    for k in range(world):
-        hop = piece_hops(engine, k, None, grads)
-        if then is not None and k == world - 1:
-            then()
-        piece(engine.ring.shard_reduced(k), grads.part(k).view(shape))
-        if hop is not None:
-            hop.wait()
+    LayerCall(engine, phase, None, grads, beside=(lambda k: then() if k == world - 1 else None) if then is not None
+              else None).run(lambda k: piece(engine.ring.shard_reduced(k), grads.part(k).view(shape)))
     return grads.final().view(shape)
+
+
+def _nothing(k: int) -> None:
+    """(A piece with nothing to compute.)"""

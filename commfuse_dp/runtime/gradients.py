@@ -38,6 +38,7 @@ from ..wire import RowFormat
 from .engine import Engine, RingOp
 from .group import FusedGroupState
 from .layout import GroupLayout, MemberBlocks
+from .link import RingHops
 
 
 class Travel(enum.Enum):
@@ -67,7 +68,7 @@ class Lands(enum.Enum):
     LATER = "later"  # queued; put into ``.grad`` by ``Gradients.land``
 
 
-class GradRing:
+class GradRing(RingHops):
     """A reduce-scatter ring of gradient partials: piece k writes ``part(k)``, this rank's share of rank
     ``t = (r - k - 1) mod N``'s shard; hop k (k ≥ 1) sends ``part(k-1)`` plus the partial sum received by hop
     k-1 (added on the link, just before the hop) and receives the next partial sum into ``racc``. After hop
@@ -159,9 +160,8 @@ class GradRing:
         narrow = (self.sent, self.received) if self.wire is not None else ()
         return [t for t in (self.parts, self.racc, *narrow) if t is not None]
 
-    def settle(self) -> None:
-        if self.last is not None:
-            self.last.settle()
+    def requests(self):
+        return (self.last,) if self.last is not None else ()
 
 
 class WholeGrads:
@@ -215,7 +215,7 @@ class WholeGrads:
                 pass
 
 
-class GradBundle:
+class GradBundle(RingHops):
     """The gradient rings of one unit's backward (``Travel.BUNDLED``): their partials wait in their buffers and
     travel as one reduce-scatter ring (one ring's latency per unit, as slicing's per-layer reduce-scatter), hop k
     requested beside piece k of the unit's last group; if that group does not run (the order changed), the hops
@@ -252,9 +252,8 @@ class GradBundle:
                     ring.last = hop
         return count
 
-    def settle(self) -> None:
-        for pending in self.pending:
-            pending.settle()
+    def requests(self):
+        return self.pending
 
 
 class Peers:

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..wire import RowFormat, layout_segments
-from .grads import accumulate_grad
+from .accumulate import accumulate_grad
 from .layout import GroupLayout
 from .step import StepState
 
@@ -22,7 +22,7 @@ class FusedGroupState:
                  in_place: bool = True) -> None:
         self.engine, self.steps, self.layout, self.modules = steps.engine, steps, layout, modules
         self.name = name
-        self.op = steps.register(name)
+        self.owner = steps.register(name)
         self.tied = False  # its weight is a table shared with a ring embedding: gradients arrive from both
         self.unit: int | None = None  # its FSDP2 unit (a decoder layer): the groups whose hops are bundled
         steps.states.append(self)

@@ -1,21 +1,16 @@
-"""The rings of one fused layer call, and the hops beside each of its compute pieces: the weight all-gather
-(``WeightRing``: two alternating buffers in lockstep, an ``(N, numel)`` buffer under the elastic lookahead, reused
-on CPU through ``SlotPool``), a unit's weight rings sharing their hops (``Bundle``), and what piece k requests
-and waits for (``piece_hops``). The gradient partials and their hops: ``gradients.py``. When rings are requested
-across layers: ``schedule.py``."""
+"""The weight rings of one fused layer call: the all-gather (``WeightRing``: two alternating buffers in lockstep, an
+``(N, numel)`` buffer under the elastic lookahead, reused on CPU through ``SlotPool``) and a unit's weight rings
+sharing their hops (``Bundle``). The gradient partials and their hops: ``gradients.py``; the loop that runs both
+beside the compute pieces: ``layer_call.py``; when rings are requested across layers: ``schedule.py``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from ..ring import transport
 from ..wire import RowFormat
 from .engine import Engine, RingOp
-from .gradients import GradRing, Lands, Peers, Travel, WholeGrads
 from .layout import GroupLayout, MemberBlocks
-from .link import Pending
+from .link import Pending, RingHops
 
 
 def _identity(k: int) -> int:
@@ -32,7 +27,7 @@ def decode_scratch(engine: Engine, numel: int, dtype: torch.dtype, device: torch
     return rows[which]
 
 
-class WeightRing:
+class WeightRing(RingHops):
     """An all-gather ring over same-shape rows: piece k reads ``held(k)``, rank ``(r - k) mod N``'s row.
     ``slots``: ``(N, numel)`` where every row stays (its own row filled, unless ``own`` holds it), or None for two
     alternating buffers ``pair`` (lockstep: the full weight never exists). ``own``: this rank's row where the
@@ -84,6 +79,10 @@ class WeightRing:
             made = self._views[key] = (buf, layout.blocks(buf))
         return made[1], index
 
+    def landed(self) -> WeightRing:
+        """The same rows as a ring with nothing left to travel (a forward's kept weight, read by its backward)."""
+        return WeightRing(self.engine, None, self.slots, own=self.own, wire=self.wire)
+
     def io(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What hop k sends and receives (the row held at piece k goes out; the next one comes in)."""
         return [self.held(k)], [self.held(k + 1)]
@@ -100,9 +99,8 @@ class WeightRing:
     def nbytes(self) -> int:
         return self.slots.numel() * self.slots.element_size() if self.slots is not None else 0
 
-    def settle(self) -> None:
-        for pending in self.pending.values():
-            pending.settle()
+    def requests(self):
+        return self.pending.values()
 
 
 class SlotPool:
@@ -180,7 +178,7 @@ class WeightRings:
             self._pool.give(weights.slots)
 
 
-class Bundle:
+class Bundle(RingHops):
     """Weight rings of one unit chosen ahead together (in the forward only with ``forward_bundles``): hop k of all
     of them travels as one request, so a unit pays one ring's latency, as slicing's per-layer gather does."""
 
@@ -209,67 +207,6 @@ class Bundle:
                 ring.pending[k], ring.requested = pending, k + 1
         return count
 
-    def settle(self) -> None:
+    def requests(self):
         for ring in self.rings:
-            ring.settle()
-
-
-def run_pieces(state, phase: str, pieces: int, weights: WeightRing | None, grads: GradRing | WholeGrads | None,
-               compute: Callable[[int], None], beside: bool = True) -> None:
-    """The fused layer loop ([Note: the fused schedule], ``fused/linear.py``), the one the planner plays too
-    (``replay.py``): piece k's own hops requested (``piece_hops``), the schedule's beside it
-    (``before_piece``; not for a recomputed forward: ``beside=False``), its compute, what landed taken in
-    (``after_piece``), then the wait for what the next piece needs."""
-    engine, sched = state.engine, state.steps.schedule
-    for k in range(pieces):
-        hop = piece_hops(engine, k, weights, grads)
-        if beside:
-            sched.before_piece(state, phase, k, grads)
-        if transport.watched():
-            transport.notify("compute_begin", phase, k)
-        compute(k)
-        if transport.watched():
-            transport.notify("compute", phase, k)
-        sched.after_piece(state, phase, k)
-        if hop is not None:
-            hop.wait()
-
-
-def piece_hops(engine: Engine, k: int, weights: WeightRing | None,
-                grads: GradRing | WholeGrads | None) -> Pending | None:
-    """Request what goes beside piece k and return what its end waits for: the hop that brings the row of piece
-    k+1, and the gradient hop that joined it (``Travel.WITH_PIECES``) unless that is the last one and lands
-    later (``Lands.LATER``: ``Gradients.land`` waits for it). ``weights``/``grads``: None where that ring does not
-    travel."""
-    world, link = engine.ring.size, engine.link
-    gather = weights is not None and weights.op is not None and k < world - 1
-    reduce = grads is not None and k > 0 and grads.travel.beside_pieces
-    sends, recvs, before, peers = [], [], None, Peers()
-    new_gather = gather and weights.requested <= k  # else requested ahead (the link may have run it already)
-    if new_gather:
-        sends, recvs = weights.io(k)
-        peers.add(sends, recvs, None)
-        weights.requested = k + 1
-    if reduce:
-        g_sends, g_recvs, before, to = grads.io(k)
-        if grads.travel is Travel.LAGGING:  # its own request, not waited here: it lands during later compute
-            own = Peers()
-            own.add(g_sends, g_recvs, to)
-            grads.last = link.hop(g_sends, g_recvs, grads.op, k, world - 1, before, **own.kwargs(link.ring))
-            before = None
-        else:
-            peers.add(g_sends, g_recvs, to)
-            sends, recvs = sends + g_sends, recvs + g_recvs
-    hop = None
-    if sends:
-        op = weights.op if weights is not None and weights.op is not None else grads.op
-        hop = link.hop(sends, recvs, op, k, world - 1, before, **peers.kwargs(link.ring))
-        if new_gather:
-            weights.pending[k] = hop
-        if reduce and grads.travel is Travel.WITH_PIECES:
-            grads.last = hop
-    if gather:
-        return weights.pending[k]
-    if reduce and k == world - 1 and grads.lands is Lands.LATER:
-        return None
-    return hop
+            yield from ring.requests()

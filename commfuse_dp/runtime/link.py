@@ -27,7 +27,7 @@ piece k; an elastic one requests the hops of coming layers ahead of their comput
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -36,7 +36,22 @@ from ..ring.issue import Hop, Pending, Posted, after_posted, issue
 from ..ring.topology import Ring, device_ready
 from ..stats import StatsRecorder
 
-__all__ = ["Link", "Pending"]
+__all__ = ["Link", "Pending", "RingHops"]
+
+
+class RingHops:
+    """What every ring of a layer call shares (``WeightRing`` and a unit's ``Bundle`` of them, ``GradRing`` and a
+    unit's ``GradBundle``): the hops requested for it so far (``requests``) and, for an aborted step, ``settle``:
+    each of them waited for (every rank requested them alike) and its bytes dropped."""
+
+    __slots__ = ()
+
+    def requests(self) -> Iterable[Pending]:
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        for pending in self.requests():
+            pending.settle()
 
 
 class Link:

@@ -4,7 +4,7 @@
   unit by unit, while the gathered weights held fit the budget (``lookahead_mb``; "auto": two of the largest
   unit's); their hops are paced over the running unit's pieces (``pace``), in one queue with the gradient bundles
   of units whose backward ended (``GradBundle``), whose order is the order of the requests.
-- *Lockstep*: beside a layer's last piece, step 0 of the next ``prefetch_depth`` groups (``start_next``).
+- *Lockstep*: beside a layer's last piece, hop 0 of the next ``prefetch_depth`` groups (``start_next``).
 - Before the first group of a forward (from a ring embedding), the first groups' rings (``start_first``).
 Decided by the recorded order and byte counts only ([Note: across layers], ``schedule.py``)."""
 
@@ -81,11 +81,11 @@ class PacedQueue:
         return items
 
 
-class Choice(NamedTuple):
-    """What one look at the coming groups chose (``Lookahead._whole``/``_first``), before anything is requested."""
+class Reach(NamedTuple):
+    """How far one look at the coming groups reaches (``Lookahead._whole``/``_first``), before anything is requested."""
 
     runs: list[list[FusedGroupState]]  # in order: a unit's groups together (bundled rings), or one group each
-    whole: bool  # every step of their rings (elastic), or step 0 only (lockstep)
+    whole: bool  # every hop of their rings (elastic), or hop 0 only (lockstep)
     resume_at: int | None  # elastic: the next look in this phase goes on from this place (None: where it was)
     complete: bool  # the phase's groups were looked at to its end (the next phase's may follow)
 
@@ -179,7 +179,7 @@ class Lookahead:
         self.paced.request(-(-self.paced.unrequested() // max(pieces_left, 1)))
 
     def start_next(self, state: FusedGroupState, phase: str) -> None:
-        """Lockstep, beside a layer's last piece: request step 0 of the ``prefetch_depth`` groups that follow
+        """Lockstep, beside a layer's last piece: request hop 0 of the ``prefetch_depth`` groups that follow
         ``state`` in ``phase`` (if the order is known); a group already requested counts without requesting
         anything. After the last group of the forward, the backward's first groups follow when a backward can
         follow (the last group's input needed grad: not under ``no_grad``)."""
@@ -198,7 +198,7 @@ class Lookahead:
 
     # -- choosing, then requesting ---------------------------------------------------------------------------
 
-    def _following(self, state: FusedGroupState | None, phase: str, choose: Callable[..., Choice]) -> None:
+    def _following(self, state: FusedGroupState | None, phase: str, choose: Callable[..., Reach]) -> None:
         """Take ``choose(order, start, phase)`` for the groups after ``state`` (None: from the first) in the phase's
         order, and at the forward's last group, when that look went to the end, the backward's from its first;
         nothing for a group not in the order."""
@@ -208,20 +208,20 @@ class Lookahead:
         at = -1 if state is None else self.order.place(state, phase)
         if at is None:
             return
-        choice = choose(order, at + 1, phase)
-        self._take(choice, phase)
-        if choice.complete and phase == "forward" and at == len(order) - 1 and state is not None \
+        reach = choose(order, at + 1, phase)
+        self._take(reach, phase)
+        if reach.complete and phase == "forward" and at == len(order) - 1 and state is not None \
                 and self.order.needs_dx(state):
             self._take(choose(self.order.phases["backward"], 0, "backward"), "backward")
 
-    def _take(self, choice: Choice, phase: str) -> None:
-        """Request what ``choice`` chose: whole rings go to the paced queue (a unit's together as one ``Bundle``,
-        their steps beside the coming pieces); lockstep's step 0 is requested now."""
-        for run in choice.runs:
+    def _take(self, reach: Reach, phase: str) -> None:
+        """Request what ``reach`` holds: whole rings go to the paced queue (a unit's together as one ``Bundle``,
+        their hops beside the coming pieces); lockstep's hop 0 is requested now."""
+        for run in reach.runs:
             rings = [self._prepared(state, phase) for state in run]
             for state, ring in zip(run, rings):
                 self.ahead[(state, phase)] = ring
-            if choice.whole:
+            if reach.whole:
                 self.held += sum(self._gathered_bytes(state) for state in run)
                 self.paced.add(Bundle(rings))
             else:
@@ -229,14 +229,14 @@ class Lookahead:
                     sends, recvs = ring.io(0)
                     ring.pending[0] = self.engine.link.hop(sends, recvs, ring.op, 0, ring.world - 1)
                     ring.requested = 1
-        if choice.resume_at is not None:
-            self.chosen[phase] = choice.resume_at
+        if reach.resume_at is not None:
+            self.chosen[phase] = reach.resume_at
 
     def _wants(self, state: FusedGroupState, phase: str) -> bool:
         # a backward that sends no weight shards (no input gradient, or the forward kept them): nothing to request
         return phase == "forward" or (self.order.needs_dx(state) and state not in self.kept)
 
-    def _first(self, order, start: int, phase: str) -> Choice:
+    def _first(self, order, start: int, phase: str) -> Reach:
         """Lockstep: the next ``prefetch_depth`` wanted groups from ``order[start]`` on, those not requested yet
         (a group requested already counts); complete if the order ended first."""
         wanted, runs = self.engine.config.prefetch_depth, []
@@ -245,13 +245,13 @@ class Lookahead:
             if not self._wants(following, phase):
                 continue
             if wanted == 0:
-                return Choice(runs, False, None, False)
+                return Reach(runs, False, None, False)
             wanted -= 1
             if (following, phase) not in self.ahead:
                 runs.append([following])
-        return Choice(runs, False, None, True)
+        return Reach(runs, False, None, True)
 
-    def _whole(self, order, start: int, phase: str, split_first: bool = False) -> Choice:
+    def _whole(self, order, start: int, phase: str, split_first: bool = False) -> Reach:
         """Elastic: the whole weight rings of the groups from ``order[start]`` on, in order, while the gathered
         weights held (``held``: the running group's and those ahead) fit the budget, a unit's rings together (in
         the forward only with ``bundle_forward``, else each ring alone; before the first group, ``split_first``,
@@ -264,11 +264,11 @@ class Lookahead:
             run = [state for state in run if (state, phase) not in self.ahead]  # (all of it ahead: fits, adds none)
             held += sum(self._gathered_bytes(state) for state in run)
             if held > self.budget:
-                return Choice(runs, True, at if fitted else None, False)
+                return Reach(runs, True, at if fitted else None, False)
             fitted += 1
             if run:
                 runs.append(run)
-        return Choice(runs, True, len(order), True)
+        return Reach(runs, True, len(order), True)
 
     def _runs(self, order, begin: int, phase: str, together: bool, split_first: bool):
         """The wanted groups from ``order[begin]`` on as (place of the first, groups): a unit's together when

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from .group import FusedGroupState
 
-PHASES = ("forward", "backward")
-
-
 def unit_key(state: FusedGroupState):
     """The unit whose groups share hops: the innermost FSDP2 unit around the group (``shard()`` sets
     ``state.unit``), or the group alone."""

@@ -51,7 +51,7 @@ class Replicas:
         # added to the next step's (a residual per exchange in ``feedback_dtype``, named by the parameters it carries)
         self.reduce_format, self.format_block, self.error_feedback = reduce_format, format_block, error_feedback
         self.residuals = residuals if residuals is not None else Residuals()
-        self.ring = get_ring(group, op="shard (replicate group)")
+        self.ring = get_ring(group, caller="shard (replicate group)")
         self._index: dict[int, int] = {}  # id(parameter) -> registration order (the exchange's order)
         self._pending: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         # exchanges started, in order: each a call that waits for it and returns [(summed flat, [(param, numel,

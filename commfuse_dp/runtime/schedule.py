@@ -1,7 +1,7 @@
-"""When the fused schedule requests its hops across layers (the rings of one layer call and the hops beside
-each compute piece: ``layer_rings.py``).
+"""When the fused schedule requests its hops across layers, and its layer calls (``FusedCall``; the loop they run:
+``layer_call.py``; their weight rings: ``layer_rings.py``).
 
-[Note: across layers]  (the per-layer loops are in ``fused/linear.py``; the link that works the requests: ``link.py``)
+[Note: across layers]  (the per-layer math is in ``fused/linear.py``; the link that works the requests: ``link.py``)
 The forward order of the fused groups is recorded in each step and used by the next one (the first step, and the
 first after a ``reset()``, run without looking ahead). Two ways to use it, one loop:
 
@@ -38,6 +38,7 @@ import torch
 from .engine import Engine
 from .gradients import Gradients, GradRing, Lands, Travel
 from .group import FusedGroupState
+from .layer_call import GradSpec, ScheduledCall
 from .layer_rings import WeightRing, WeightRings
 from .lookahead import Lookahead
 from .order import LayerOrder, unit_key
@@ -86,10 +87,33 @@ class FusedSchedule:
         self.gradients.reset()
         self.order.forget()
 
-    # -- one layer call's rings ------------------------------------------------------------------------------
+    # -- one layer call ----------------------------------------------------------------------------------------
 
-    def weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
-                recompute: bool = False) -> WeightRing:
+    def forward(self, state: FusedGroupState, params, compute_dtype: torch.dtype, needs_dx: bool,
+                recompute: bool = False) -> FusedCall:
+        """The call of ``state``'s forward ([Note: one layer call]): the order recorded (``needs_dx``: a backward
+        will need its weight), its weight ring (kept for the backward where ``keeps_weight``). ``recompute``: a
+        forward recomputed during the backward, no part of the layer order, with nothing beside its pieces."""
+        if not recompute:
+            self.entered(state, needs_dx)
+        keep = self.engine.ring.size > 1 and not recompute and self.keeps_weight(state)
+        weights = self.weight_ring(state, params, compute_dtype, "forward", keep, recompute)
+        return FusedCall(self, state, "forward", weights, keep=keep, beside=not recompute)
+
+    def backward(self, state: FusedGroupState, params, compute_dtype: torch.dtype, needs_dx: bool,
+                 full: WeightRing | None, spec: GradSpec | None) -> FusedCall:
+        """The call of ``state``'s backward: its weight ring where dx is needed (``full``: the forward's kept ring,
+        then no weight shard travels), its gradient ring where ``spec`` says what the partials are."""
+        self.lookahead.pace_later(self.gradients.close_unit(unit_key(state)))  # another unit's bundle is complete
+        weights = None
+        if needs_dx:
+            weights = full.landed() if full is not None else self.weight_ring(state, params, compute_dtype,
+                                                                               "backward")
+        grads = self.grad_ring(state, spec, weights) if spec is not None else None
+        return FusedCall(self, state, "backward", weights, grads, spec)
+
+    def weight_ring(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
+                    recompute: bool = False) -> WeightRing:
         """The weight ring of one forward or backward of ``state``: the one requested ahead, or a new one. In
         elastic mode, the coming layers' rings are requested next (``Lookahead.entering``)."""
         ring = self.lookahead.take(state, phase) if not recompute else None
@@ -107,65 +131,34 @@ class FusedSchedule:
 
     def new_weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str,
                     keep: bool) -> WeightRing:
-        op = self.steps.ring_op(state.op, phase) if self.engine.ring.size > 1 else None
+        op = self.steps.ring_op(state.owner, phase) if self.engine.ring.size > 1 else None
         return self.rings.new(state, params, compute_dtype, op, keep)
 
     def release(self, weights: WeightRing) -> None:
         """``weights`` is done (every hop it is part of was waited for): ``WeightRings.release``."""
         self.rings.release(weights)
 
-    def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
-              communicates: bool, weights: WeightRing | None, accumulates: bool) -> GradRing:
+    def grad_ring(self, state: FusedGroupState, spec: GradSpec, weights: WeightRing | None) -> GradRing:
         """The gradient ring of one backward of ``state`` ([Note: the gradient path]); it shares the ring op of
         ``weights`` (the same backward's weight ring) when that travels, as one ring operation of the layer. Its
-        hops lag in elastic mode, else join the pieces' weight hops. ``accumulates``: the gradients may be put
-        into ``.grad`` by us; then its last hop lands after the backward returns (``Lands.LATER``), with its
+        hops lag in elastic mode, else join the pieces' weight hops. ``spec.accumulates``: the gradients may be
+        put into ``.grad`` by us; then its last hop lands after the backward returns (``Lands.LATER``), with its
         unit's other rings where they share hops (``bundles_grads``)."""
         op, travel, lands = None, Travel.LOCAL, Lands.NOW
-        if communicates and self.engine.ring.size > 1:
-            op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.op,
+        if spec.communicates and self.engine.ring.size > 1:
+            op = weights.op if weights is not None and weights.op is not None else self.steps.ring_op(state.owner,
                                                                                                       "backward")
             travel = Travel.LAGGING if self.elastic else Travel.WITH_PIECES
-            if self.defer_last_reduce and accumulates:
+            if self.defer_last_reduce and spec.accumulates:
                 lands = Lands.LATER
                 if self.bundles_grads(state):  # its hops go with its unit's other rings, beside the last group
                     travel = Travel.BUNDLED
-        ring = self.gradients.ring(state, op, numel, reduce_dtype, device, zeroed, travel, lands)
+        ring = self.gradients.ring(state, op, spec.numel, spec.dtype, spec.device, spec.zeroed, travel, lands)
         if travel is Travel.BUNDLED:
             self.gradients.join_unit(unit_key(state), ring)
         return ring
 
-    def finish_grads(self, state: FusedGroupState, grads: GradRing, post: float, dtypes: tuple,
-                     train: tuple) -> torch.Tensor | None:
-        """At the end of a synced backward of ``state``, after its pieces: ``Gradients.finish``."""
-        return self.gradients.finish(state, grads, post, dtypes, train)
-
-    # -- beside each compute piece -------------------------------------------------------------------------------
-
-    def before_piece(self, state: FusedGroupState, phase: str, k: int, grads: GradRing | None = None) -> None:
-        """Beside compute piece k of ``state`` (its own hops requested already, ``piece_hops``): a unit's gradient
-        hop (``unit_grads_hop``), the hops of the rings chosen ahead (``pace``), and at the last piece the next
-        layers' first hops (lockstep, ``start_next``)."""
-        if grads is not None and grads.travel is Travel.BUNDLED:
-            self.unit_grads_hop(state, k)
-        if self.lookahead.paced:
-            self.lookahead.pace(state, phase, self.engine.ring.size - k)
-        if k == self.engine.ring.size - 1:
-            self.lookahead.start_next(state, phase)
-
-    def after_piece(self, state: FusedGroupState, phase: str, k: int) -> None:
-        """After piece k's compute, before its wait: in the backward, the gradient rings of earlier layers that
-        have landed (lockstep: the previous layer's last step, which had this first piece to land, waited for at
-        k = 0)."""
-        if phase == "backward":
-            self.gradients.land(block=k == 0 and not self.elastic)
-
     # -- gradient rings by unit ---------------------------------------------------------------------------------
-
-    def backward_begins(self, state: FusedGroupState) -> None:
-        """A fused group's backward begins: a gradient bundle of another unit is complete, its hops paced from
-        here on."""
-        self.lookahead.pace_later(self.gradients.close_unit(unit_key(state)))
 
     def bundles_grads(self, state: FusedGroupState) -> bool:
         """Whether ``state``'s gradient partials wait for its unit's gradient bundle (elastic, the order known,
@@ -198,3 +191,42 @@ class FusedSchedule:
         backward (one layer's worth of memory, while the loss is computed)."""
         return self.keep_last_weight and self.order.is_last(state) and self.order.needs_dx(state)
 
+
+class FusedCall(ScheduledCall):
+    """A fused group's call under ``FusedSchedule`` ([Note: one layer call]): beside each piece the schedule's
+    other hops, after it the gradient rings that landed; closing hands the weight buffer back (``SlotPool``) and
+    the gradients to ``Gradients.finish``."""
+
+    def __init__(self, sched: FusedSchedule, state: FusedGroupState, phase: str, weights: WeightRing | None,
+                 grads: GradRing | None = None, spec: GradSpec | None = None, keep: bool = False,
+                 beside: bool = True) -> None:
+        super().__init__(state, phase, weights, grads, spec, keep)
+        self.sched, self.beside = sched, beside
+
+    def before_piece(self, k: int) -> None:
+        """Beside piece k (its own hops requested already, ``piece_hops``): a unit's gradient hop
+        (``unit_grads_hop``), the hops of the rings chosen ahead (``pace``), and at the last piece the next
+        layers' first hops (lockstep, ``start_next``). Nothing beside a recomputed forward's pieces."""
+        if not self.beside:
+            return
+        sched, state, phase = self.sched, self.state, self.phase
+        if self.grads is not None and self.grads.travel is Travel.BUNDLED:
+            sched.unit_grads_hop(state, k)
+        if sched.lookahead.paced:
+            sched.lookahead.pace(state, phase, self.engine.ring.size - k)
+        if k == self.engine.ring.size - 1:
+            sched.lookahead.start_next(state, phase)
+
+    def after_piece(self, k: int) -> None:
+        """After piece k's compute, before its wait: in the backward, the gradient rings of earlier layers that
+        have landed (lockstep: the previous layer's last hop, which had this first piece to land, waited for at
+        k = 0)."""
+        if self.phase == "backward":
+            self.sched.gradients.land(block=k == 0 and not self.sched.elastic)
+
+    def release(self) -> None:
+        self.sched.release(self.weights)  # (a kept weight is never pooled)
+
+    def finish(self) -> torch.Tensor | None:
+        spec = self.spec
+        return self.sched.gradients.finish(self.state, self.grads, spec.post, spec.dtypes, spec.train)

@@ -11,10 +11,10 @@ CommFuse idea itself against it, in one run:
   layer i computes; layer i's gradient reduce-scatter runs on the ring thread during layer i-1's backward, and all
   of them are waited for once, when autograd finishes the backward (the tail: nothing hides the last one).
 The order of layers is the one recorded in the previous step (the first step runs without prefetch).
-Compute is the fused layer's loop over the same pieces: ``weights`` hands it the whole gathered ``(N, numel)``
-buffer with nothing left to travel (``WeightRing.in_shard_order``: runs of ``piece_shards`` shards in shard
-order), ``grads`` an ``(N, numel)`` buffer of partials (``WholeGrads``) that ``finish_grads`` reduce-scatters, so
-the two schedules differ only in when communication happens.
+Compute is the fused layer's loop over the same pieces (``layer_call.py``): its weight ring is the whole gathered
+``(N, numel)`` buffer with nothing left to travel (``WeightRing.in_shard_order``: runs of ``piece_shards`` shards
+in shard order), its gradients an ``(N, numel)`` buffer of partials (``WholeGrads``) that the call reduce-scatters
+when it closes (``SlicingCall.finish``), so the two schedules differ only in when communication happens.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ..ring.transport import RingCommError
 from .engine import Engine
 from .gradients import Gradients, Lands, WholeGrads
 from .group import FusedGroupState
+from .layer_call import GradSpec, ScheduledCall
 from .layer_rings import WeightRing
 from .step import StepState
 
@@ -68,22 +69,6 @@ class SlicingScheduler:
     def start_first(self, phase: str) -> None:
         """(Fused schedule only: here each layer's gather prefetches the next one's.)"""
 
-    def before_piece(self, state: FusedGroupState, phase: str, k: int, grads=None) -> None:
-        """(Nothing goes beside a piece: a layer's gather is whole, requested one layer ahead by ``weights``.)"""
-
-    def after_piece(self, state: FusedGroupState, phase: str, k: int) -> None:
-        """(Nothing lands between pieces: the reduce-scatters land when the backward ends.)"""
-
-    def backward_begins(self, state: FusedGroupState) -> None:
-        """(Nothing to start: the gradients of a layer travel whole, after its pieces.)"""
-
-    def keeps_weight(self, state: FusedGroupState) -> bool:
-        """(The last layer's gather is kept for its backward by ``weights`` itself.)"""
-        return False
-
-    def release(self, weights: WeightRing) -> None:
-        """(A gathered buffer is dropped with its layer.)"""
-
     def reset(self) -> None:
         """Drop everything of an aborted step: in-flight gathers and reduce-scatters are waited for (every rank
         started them alike) and their results dropped; the layer order is forgotten."""
@@ -107,7 +92,7 @@ class SlicingScheduler:
         self.gathers += 1
         packed = state.layout.pack(state.pairs(params), dtype)
         flat = packed.new_empty(ring.size, state.layout.numel)
-        op = self.steps.ring_op(state.op, phase)
+        op = self.steps.ring_op(state.owner, phase)
         work = ring_all_gather(flat.view(-1), packed, ring.group, async_op=True, tag=op.tag, label=op,
                                stats=self.engine.stats, **self.engine.config.ring_kwargs)
         return Gathered(work, flat)
@@ -119,15 +104,33 @@ class SlicingScheduler:
         if work is not None:
             work.wait()
 
-    def entered(self, state: FusedGroupState, needs_dx: bool) -> None:
-        """A fused group's forward begins (not one recomputed in the backward): record the order for the next
-        step's prefetch, and whether its backward will need its weight again (not when its input needs no
-        grad)."""
-        self._current.append(state)
-        self._backward_gathers[id(state)] = needs_dx
+    # -- one layer call ------------------------------------------------------------------------------------
 
-    def weights(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
-                recompute: bool = False) -> WeightRing:
+    def forward(self, state: FusedGroupState, params, compute_dtype: torch.dtype, needs_dx: bool,
+                recompute: bool = False) -> SlicingCall:
+        """The call of ``state``'s forward: its weight gathered whole, its order recorded for the next step's
+        prefetch with whether its backward will need the weight again (``needs_dx``; not for a forward
+        recomputed in the backward)."""
+        if not recompute:
+            self._current.append(state)
+            self._backward_gathers[id(state)] = needs_dx
+        return SlicingCall(self, state, "forward", self._gathered(state, params, compute_dtype, "forward", recompute))
+
+    def backward(self, state: FusedGroupState, params, compute_dtype: torch.dtype, needs_dx: bool,
+                 full: WeightRing | None, spec: GradSpec | None) -> SlicingCall:
+        """The call of ``state``'s backward: its weight gathered whole where dx is needed (``full`` is always None:
+        the last layer's gather is kept by ``_gathered`` itself), its partials in one ``(N, numel)`` buffer
+        (``WholeGrads``, always zeroed) reduce-scattered when the call closes; ``spec.accumulates``: in the
+        background, put into ``.grad`` when the backward ends (``Lands.LATER``), else at once."""
+        weights = self._gathered(state, params, compute_dtype, "backward") if needs_dx else None
+        grads = None
+        if spec is not None:
+            grads = WholeGrads(self.engine, spec.numel, spec.dtype, spec.device,
+                               Lands.LATER if spec.accumulates else Lands.NOW)
+        return SlicingCall(self, state, "backward", weights, grads, spec)
+
+    def _gathered(self, state: FusedGroupState, params, compute_dtype: torch.dtype, phase: str,
+                  recompute: bool = False) -> WeightRing:
         """Every rank's shards of ``state``'s group, landed: prefetched if the previous step's order predicted it,
         and the next group's gather of this phase started before returning. ``recompute``: a forward recomputed
         in the backward (activation checkpointing), which prefetches nothing."""
@@ -157,20 +160,23 @@ class SlicingScheduler:
                 return None
         return None
 
-    # -- reduce-scatter in the background, landed when the backward ends ------------------------------------
-
-    def grads(self, state: FusedGroupState, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
-              communicates: bool, weights: WeightRing | None, accumulates: bool) -> WholeGrads:
-        """The partials of one backward of ``state`` (always zeroed); ``accumulates``: reduce-scattered in the
-        background and put into ``.grad`` when the backward ends (``Lands.LATER``), else at once."""
-        return WholeGrads(self.engine, numel, reduce_dtype, device, Lands.LATER if accumulates else Lands.NOW)
-
-    def finish_grads(self, state: FusedGroupState, grads: WholeGrads, post: float, dtypes: tuple,
-                     train: tuple) -> torch.Tensor | None:
-        """After a synced backward's pieces: the partials' reduce-scatter starts, then ``Gradients.finish``."""
-        grads.reduce_scatter(self.steps.ring_op(state.op, "backward"))
-        return self.gradients.finish(state, grads, post, dtypes, train)
+    # -- reduce-scatters in the background, landed when the backward ends ------------------------------------
 
     def end_backward(self) -> None:
         """At the end of the backward (``StepState``'s callback): the reduce-scatters land in the grads."""
         self.gradients.finish_backward()
+
+
+class SlicingCall(ScheduledCall):
+    """A fused group's call under the slicing schedule: nothing beside its pieces (its weight landed whole before
+    them); closing starts the partials' reduce-scatter, then ``Gradients.finish``."""
+
+    def __init__(self, sched: SlicingScheduler, state: FusedGroupState, phase: str, weights: WeightRing | None,
+                 grads: WholeGrads | None = None, spec: GradSpec | None = None) -> None:
+        super().__init__(state, phase, weights, grads, spec)
+        self.sched = sched
+
+    def finish(self) -> torch.Tensor | None:
+        spec, sched = self.spec, self.sched
+        self.grads.reduce_scatter(sched.steps.ring_op(self.state.owner, "backward"))
+        return sched.gradients.finish(self.state, self.grads, spec.post, spec.dtypes, spec.train)

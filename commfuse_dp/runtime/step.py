@@ -17,6 +17,7 @@ it). ``begin_step`` calls it by itself when the previous step did not finish its
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -24,7 +25,7 @@ from typing import Protocol
 import torch
 
 from .engine import Engine, RingOp
-from .grads import accumulate_grad
+from .accumulate import accumulate_grad
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -41,9 +42,9 @@ _IDENTIFIED = 1 << 29
 class Schedule(Protocol):
     """When the hops of a step's fused layers run: ``FusedSchedule`` (elastic or lockstep, ``schedule.py``) and
     ``SlicingScheduler`` (``slicing.py``). ``fused.step_state`` picks one from the config; the step state drives it
-    at the step's edges, and the one fused layer loop (``fused/linear.py``) through the rest: a layer's rings
-    (``weights``, ``grads``), what goes beside each compute piece (``before_piece``, ``after_piece``) and what
-    happens at the layer's end (``release``, ``finish_grads``). Nothing downstream asks which one it is."""
+    at the step's edges, and each fused layer's forward and backward asks it for its call ([Note: one layer call],
+    ``layer_call.py``), which owns the call's rings, what goes beside each of its pieces and its close. Nothing
+    downstream asks which schedule it is."""
 
     dtype_hint: torch.dtype | None  # the compute dtype under autocast, for buffers requested ahead of a layer
 
@@ -67,37 +68,23 @@ class Schedule(Protocol):
 
     # -- one layer call ----------------------------------------------------------------------------------------
 
-    def entered(self, state, needs_dx: bool) -> None:
-        """A fused group's forward begins (not a recomputed one): record the layer order for the next step."""
+    def forward(self, state, params, compute_dtype: torch.dtype, needs_dx: bool, recompute: bool = False):
+        """The call (``layer_call.ScheduledCall``) of ``state``'s forward with its local shards ``params``;
+        ``needs_dx``: its backward will need the weight; ``recompute``: a forward recomputed in the backward (no
+        part of the layer order). Its ``kept`` is handed back to ``backward`` as ``full``."""
 
-    def keeps_weight(self, state) -> bool:
-        """Whether ``state``'s forward keeps its gathered weight for its backward (handed back as ``full``)."""
+    def backward(self, state, params, compute_dtype: torch.dtype, needs_dx: bool, full, spec):
+        """The call of ``state``'s backward: a weight ring where ``needs_dx``, gradient partials where ``spec``
+        (``layer_call.GradSpec``) says what they are."""
 
-    def backward_begins(self, state) -> None:
-        """A fused group's backward begins, before its rings are asked for."""
 
-    def weights(self, state, params, compute_dtype: torch.dtype, phase: str, keep: bool = False,
-                recompute: bool = False):
-        """The layer's weight ring (``layer_rings.WeightRing``): what piece k computes with, and the hops that
-        bring it (none where it landed whole)."""
+class StepPhase(enum.Enum):
+    """Where a step of a sharded model stands (as FSDP2's ``TrainingState`` for its modules)."""
 
-    def grads(self, state, numel: int, reduce_dtype: torch.dtype, device: torch.device, zeroed: bool,
-              communicates: bool, weights, accumulates: bool):
-        """The layer's gradient partials (``GradRing``, ``WholeGrads``): where piece k writes, and its hops."""
-
-    def before_piece(self, state, phase: str, k: int, grads=None) -> None:
-        """Beside compute piece k of fused group ``state`` in ``phase``, after the piece's own hops were
-        requested: the hops this schedule requests there (rings ahead, a unit's gradients, the next layers')."""
-
-    def after_piece(self, state, phase: str, k: int) -> None:
-        """After piece k's compute, before the piece waits for its own hop: what has landed is taken in."""
-
-    def release(self, weights) -> None:
-        """The layer's weight ring is done: its buffer may serve a later one."""
-
-    def finish_grads(self, state, grads, post: float, dtypes: tuple, train: tuple) -> torch.Tensor | None:
-        """The layer's synced backward ended: its reduced gradient shard to return through autograd, or None
-        when the schedule puts it into the parameters' grads later."""
+    IDLE = "idle"  # no step open: before the first, after a backward, or after a forward without grad
+    FORWARD = "forward"  # the root's forward began and has not returned
+    AWAITING_BACKWARD = "awaiting backward"  # a forward with grad returned; its backward has not reached us
+    BACKWARD = "backward"  # a backward reached a fused layer and has not finished
 
 
 class StepState:
@@ -113,10 +100,9 @@ class StepState:
         self.states: list = []  # FusedGroupState: no-sync partials
         self.step = -1
         self._calls: dict[int, int] = {}
-        self.forward_open = False  # a forward of the root began and has not returned
-        self.backward_open = False  # a backward reached a fused layer and has not finished
+        self.phase = StepPhase.IDLE
+        self._end_queued = False  # ``_end_of_backward`` is queued on autograd's engine
         self.nonfinite = None  # NonfiniteCheck (``commfuse_dp/nonfinite.py``), set by shard() unless turned off
-        self.awaiting_backward = False  # a grad-enabled forward ended; its backward has not finished
         self.reads: dict[int, object] = {}  # id(fused parameter) -> its ParamRead (``reads.py``)
         self.read_cache: dict[int, torch.Tensor] = {}  # id(ParamRead) -> the full value gathered in this step
 
@@ -149,15 +135,14 @@ class StepState:
     def reads_gathered(self) -> bool:
         """Whether a read of a fused parameter from outside its fused forward gets the full value now
         (``reads.py``): inside the root's forward, and from a grad-enabled forward to the end of its backward."""
-        return self.forward_open or self.awaiting_backward
+        return self.phase is not StepPhase.IDLE
 
     def begin_step(self) -> bool:
         """The root module's forward begins. Returns True if the previous step was left unfinished (and reset)."""
-        aborted = self.forward_open or self.backward_open
+        aborted = self.phase is StepPhase.FORWARD or self.phase is StepPhase.BACKWARD
         if aborted:
             logger.warning("commfuse_dp: the previous %s did not finish (an exception?); its in-flight hops, "
-                           "deferred gradients and no-sync partials were dropped",
-                           "forward" if self.forward_open else "backward")
+                           "deferred gradients and no-sync partials were dropped", self.phase.value)
             self.reset()
         # Raises if the ranks issued different hops in the previous step (ring/fingerprint.py)
         self.engine.ring.fingerprint.begin_step(self.step + 1, self.engine.config.timeout_s)
@@ -165,23 +150,24 @@ class StepState:
         self.step += 1
         self._calls.clear()
         self.read_cache.clear()
-        self.awaiting_backward = False
-        self.forward_open = True
+        self.phase = StepPhase.FORWARD
         self.schedule.begin_step()
         for group in self.groups:
             group.reset()
         return aborted
 
     def end_forward(self) -> None:
-        self.forward_open = False
-        self.awaiting_backward = torch.is_grad_enabled()
-        if not self.awaiting_backward:
+        self.phase = StepPhase.AWAITING_BACKWARD if torch.is_grad_enabled() else StepPhase.IDLE
+        if self.phase is StepPhase.IDLE:
             self.read_cache.clear()
 
     def backward_begins(self) -> None:
-        """A fused backward runs: make sure the end of this backward is seen (``_end_of_backward``)."""
-        if not self.backward_open:
-            self.backward_open = True
+        """A fused backward runs: make sure the end of this backward is seen (``_end_of_backward``). (A backward
+        inside the root's forward leaves the step in its forward.)"""
+        if self.phase is not StepPhase.FORWARD:
+            self.phase = StepPhase.BACKWARD
+        if not self._end_queued:
+            self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -189,8 +175,9 @@ class StepState:
         replicas = self.engine.replicas
         if replicas is not None and self.engine.requires_grad_sync:  # HSDP: the shards cross the copies
             replicas.exchange(accumulate_grad)
-        self.backward_open = False
-        self.awaiting_backward = False
+        self._end_queued = False
+        if self.phase is not StepPhase.FORWARD:
+            self.phase = StepPhase.IDLE
         self.read_cache.clear()
         self.engine.ring.fingerprint.end_backward()  # raises if the ranks' previous steps differed
 
@@ -206,4 +193,5 @@ class StepState:
             state.take_unsynced()
         self._calls.clear()
         self.read_cache.clear()
-        self.forward_open = self.backward_open = self.awaiting_backward = False
+        self.phase = StepPhase.IDLE
+        self._end_queued = False
