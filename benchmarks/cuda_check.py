@@ -247,6 +247,7 @@ def part_shard(args) -> dict:
 def part_fake(args) -> dict:
     """Multi-rank CUDA code on a fake process group: it must run, and not synchronise the host inside a step."""
     import commfuse_dp as cf
+    from commfuse_dp.handle import engine_of
     import hf_models
 
     device = device_of(args)
@@ -269,7 +270,7 @@ def part_fake(args) -> dict:
         label = f"llama/{schedule}" + (f"/replicate={replicate}" if replicate > 1 else "")
         result[label] = {"ran_steps": len(losses), "host_syncs_in_steps_2_to_3": syncs,
                          "hops": stats.hops, "exposed_comm_s": stats.exposed_comm_s}
-        replicas = model._commfuse_engine.replicas
+        replicas = engine_of(model).replicas
         if replicas is not None and device.type == "cuda":
             # fused landings completed and sent across the copies on the replicate ring's stream, not by compute
             result[label]["landings_on_replicate_stream"] = replicas.on_stream

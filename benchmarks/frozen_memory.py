@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from commfuse_dp.cli_names import spelled
+from commfuse_dp.handle import handle_of
 
 
 def _resident_mib() -> float:
@@ -88,7 +89,7 @@ def _rank(out: str, frozen: str, layers: int, hidden: int) -> None:
     peak_mib = max(samples)
     # what the sharded reference keeps between steps besides its shards: the gathered-weight buffers that the CPU
     # schedule pools for the next step (runtime/layer_rings.py, SlotPool)
-    pool = getattr(getattr(getattr(trainer.ref_model, "_commfuse_steps", None), "schedule", None), "_pool", None)
+    pool = getattr(getattr(getattr(handle_of(trainer.ref_model), "steps", None), "schedule", None), "_pool", None)
     pooled = [b for bufs in (pool._free.values() if pool is not None else ()) for b in bufs]
     pooled_mib = sum(b.numel() * b.element_size() for b in pooled) / 2**20
     every = [None] * dist.get_world_size()

@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from .bench_model import MODEL_DEFAULTS, build_model, make_batch
 from .probes import MMAP_ENV, CollectorClock, peak_step_bytes, resident_bytes
+from commfuse_dp.handle import handle_of
 
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {}}  # --optimizer: AdamW's keyword arguments
 VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsdp2", "deepspeed_zero3", "ddp",
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 host[name].append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
                                    after.ru_minflt - before.ru_minflt, collector.take()))
-                engine = getattr(runner.model, "_commfuse_engine", None)
+                engine = getattr(handle_of(runner.model), "engine", None)
                 if engine is not None and not (runner.accelerator is not None and runner.accelerator.host_ahead):
                     # (with the host ahead of an emulated device, time blocked on rings is the host's, not the
                     # device's: not recorded)
@@ -500,8 +501,8 @@ def main(argv=None) -> int:
         result["compute"] = args.compute if args.compute == "real" else f"emulated at {args.tflops:g} TFLOP/s"
         result["lookahead_mb"] = args.lookahead_mb  # the fused variant's (fused_lockstep: 0)
         result["optimizer"] = f"AdamW ({args.optimizer})"
-        result["chosen"] = {name: runner.model._commfuse_choice.as_dict() for name, runner in runners.items()
-                            if getattr(runner.model, "_commfuse_choice", None) is not None}
+        result["chosen"] = {name: handle_of(runner.model).choice.as_dict() for name, runner in runners.items()
+                            if getattr(handle_of(runner.model), "choice", None) is not None}
         result["timelines"] = {name: [g["timelines"].get(name, []) for g in gathered]
                                for name in TIMELINE_VARIANTS if name in names and args.timeline}
         with open(args.out, "w") as f:

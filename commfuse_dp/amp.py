@@ -20,15 +20,18 @@ from typing import Any
 
 import torch.nn as nn
 
+from .handle import handle_of
+
 
 def autocast_root(model: nn.Module, make_context: Callable[[], AbstractContextManager] | None,
                   convert_outputs: Callable[[Any], Any] | None = None) -> None:
     """Run every forward of ``model`` inside ``make_context()`` (a new context per call, e.g. ``lambda:
     torch.autocast("cuda", dtype=torch.bfloat16)``), and pass its outputs through ``convert_outputs`` (e.g.
     accelerate's ``convert_to_fp32``). Calling it again replaces the previous setting; ``None`` removes it."""
-    for handle in getattr(model, "_commfuse_autocast_hooks", ()):
-        handle.remove()
-    model._commfuse_autocast_hooks = ()
+    state = handle_of(model, create=True)
+    for hook in state.autocast_hooks:
+        hook.remove()
+    state.autocast_hooks = ()
     if make_context is None:
         return
     entered: list[AbstractContextManager] = []  # a stack: the root may be called again inside its own forward
@@ -46,5 +49,5 @@ def autocast_root(model: nn.Module, make_context: Callable[[], AbstractContextMa
             return convert_outputs(output)
         return None
 
-    model._commfuse_autocast_hooks = (model.register_forward_pre_hook(enter),
-                                      model.register_forward_hook(leave, always_call=True))
+    state.autocast_hooks = (model.register_forward_pre_hook(enter),
+                            model.register_forward_hook(leave, always_call=True))

@@ -6,7 +6,7 @@
 
 The report is read off the sharded model itself: fused linears carry ``_cf_group`` / ``_cf_index``
 (``fused/modules.py``), ring embeddings ``_cf_embedding``, FSDP2 units are ``FSDPModule`` s, the world size is
-that of ``model._commfuse_engine.ring`` and the excluded modules are ``model._commfuse_excluded``.
+that of the engine's ring and the excluded modules are the model's handle's (``handle_of(model)``).
 
 Bytes are those one rank *sends* in one training step (forward + backward, gradient sync on); it receives as many.
 With N ranks, for
@@ -48,6 +48,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .config import CommFuseConfig
+from .handle import engine_of, handle_of
 from .ring.fsdp_comm import param_groups
 from .runtime.layout import conv1d_class
 from .wire import row_bytes
@@ -168,14 +169,15 @@ class ShardReport:
 
 def describe(model: nn.Module) -> ShardReport:
     """The report of a model sharded by ``commfuse_dp.shard()`` (see the module docstring for the byte counts)."""
-    engine = getattr(model, "_commfuse_engine", None)
+    handle = handle_of(model)
+    engine = handle.engine if handle is not None else None
     if engine is None:
         raise ValueError("describe: this model was not sharded with commfuse_dp.shard(); call shard(model, config) "
                          "first")
     config: CommFuseConfig = engine.config
     world = engine.ring.size
-    choice = getattr(model, "_commfuse_choice", None)
-    report = ShardReport(world=world, schedule=config.schedule, excluded=dict(getattr(model, "_commfuse_excluded", {})),
+    choice = handle.choice
+    report = ShardReport(world=world, schedule=config.schedule, excluded=dict(handle.excluded),
                          choice=choice.as_dict() if choice is not None else {}, gather_format=config.gather_format,
                          reduce_format=config.reduce_format, feedback_dtype=config.feedback_dtype,
                          copies=engine.replicas.size if engine.replicas is not None else 1)
@@ -220,7 +222,7 @@ def warn_if_little_fused(model: nn.Module, config: CommFuseConfig, asked_schedul
     user's config named (``"auto"`` settles on fsdp2 where fusing is predicted to lose, so the setting names
     ``schedule='fused'`` then); ``predict(min_fuse_numel)``: the planner's ``Choice`` for the fused schedule with
     that threshold, whose predicted step the warning sets beside the one chosen now."""
-    engine = model._commfuse_engine
+    engine = engine_of(model)
     if engine.ring.rank != 0:
         return
     report = describe(model)
@@ -248,7 +250,7 @@ def warn_if_little_fused(model: nn.Module, config: CommFuseConfig, asked_schedul
 
 def _predicted(model: nn.Module, config: CommFuseConfig, predict: Callable[[int], Any] | None, least: int) -> str:
     """The planner's step with every linear fused against the step chosen now, where it predicted both."""
-    chosen = getattr(model, "_commfuse_choice", None)
+    chosen = handle_of(model).choice
     now = chosen.predicted_s.get(f"fused, piece_shards={config.piece_shards}") if chosen is not None else None
     lower = predict(least) if predict is not None and now is not None else None
     if lower is None or not lower.predicted_s:
@@ -335,7 +337,7 @@ def _padded_shard(p: torch.Tensor, world: int) -> int:
 def _small_linears(model: nn.Module, world: int, config: CommFuseConfig) -> list[int]:
     """Weight shard sizes of the plain linears that were not fused only for being below ``min_fuse_numel``."""
     kinds = tuple(k for k in (nn.Linear, conv1d_class()) if k is not None)
-    excluded = getattr(model, "_commfuse_excluded", {})
+    excluded = handle_of(model).excluded
     owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     sizes = []
     for name, m in model.named_modules():

@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from .handle import handle_of
+
 
 class Residuals:
     """The residuals of one model's lossy exchanges, by name; restored ones wait here until their exchange first
@@ -90,4 +92,5 @@ class Residuals:
 
 def residuals_of(model: torch.nn.Module) -> Residuals | None:
     """The model's residuals (``shard()`` or ``use_ring_collectives`` made them), or None."""
-    return getattr(model, "_commfuse_residuals", None)
+    handle = handle_of(model, through_wrapper=False)
+    return handle.residuals if handle is not None else None

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .handle import handle_of
+
 logger = logging.getLogger("commfuse_dp")
 
 
@@ -44,7 +46,8 @@ def materialise(model: nn.Module, device: torch.device) -> None:
     non-persistent buffers are recomputed, and a forward is refused until the weights are loaded."""
     model.to_empty(device=device)
     _init_buffers(model)
-    model._commfuse_empty_weights = model.register_forward_pre_hook(_refuse_empty_weights, prepend=True)
+    handle_of(model, create=True).empty_weights = model.register_forward_pre_hook(_refuse_empty_weights,
+                                                                                  prepend=True)
 
 
 def _init_buffers(model: nn.Module) -> None:

@@ -48,6 +48,7 @@ from .checks import CHECK_LABEL, check_not_sharded_elsewhere, check_ranks_agree
 from .planner.choose import Resolved, narrow_formats, resolve
 from .planner.choose_nodes import resolve_nodes
 from .feedback import Residuals
+from .handle import engine_of, handle_of
 from .node_layout import NodeLayout
 from .config import CommFuseConfig
 from .describe import warn_if_little_fused
@@ -104,7 +105,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
     # error feedback's, which checkpoints carry (feedback.py), kept in config.feedback_dtype
-    residuals = model._commfuse_residuals = Residuals(config.error_feedback, config.feedback_torch_dtype)
+    handle = handle_of(model, create=True)
+    residuals = handle.residuals = Residuals(config.error_feedback, config.feedback_torch_dtype)
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block,
                             config.error_feedback, residuals)
@@ -121,8 +123,8 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
         materialise(model, device)
     for state in steps.states:  # each group's local shards as views of one buffer that its rings send as it is
         state.adopt_packed()
-    model._commfuse_excluded = dict(fused.excluded.reasons)
-    model._commfuse_choice = choice
+    handle.excluded = dict(fused.excluded.reasons)
+    handle.choice = choice
     logger.info("commfuse_dp.shard: %d linears fused (%s schedule: %s), %d FSDP2 units + root, %d ranks",
                 len(fused.linears), config.schedule, choice.reason, len(plans), engine.ring.size)
     if config.schedule != "fsdp2":
@@ -135,7 +137,7 @@ def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh 
     """The device the model's shards live on, whether the model is on the meta device, the data-parallel mesh and
     the launch's nodes (``node_layout.read``); a model sharded already, on several devices, or on another device
     than the mesh is refused."""
-    if getattr(model, "_commfuse_engine", None) is not None:
+    if engine_of(model, through_wrapper=False) is not None:
         raise ValueError("shard: this model is sharded already; call shard() once per model")
     check_not_sharded_elsewhere(model)  # DeepSpeed or FSDP2 shards it already (checks.py)
     device = _single_device(model)
@@ -283,7 +285,7 @@ def step_stats(model: nn.Module) -> StepStats:
     """Timing of the last completed step of this rank (the current one if none completed yet). Steps count from 0,
     and a step lasts from one forward of the model to the next, so the step run last is complete only once the
     next forward begins: after three training steps this is step 1."""
-    engine = getattr(model, "_commfuse_engine", None)
+    engine = engine_of(model)
     if engine is None:
         raise ValueError("step_stats: this model was not sharded with commfuse_dp.shard()")
     if not engine.stats.enabled:
@@ -326,8 +328,8 @@ def _install(model: nn.Module, steps: StepState, bindings: ParamBindings, scalar
     model.__deepcopy__ = engine.__deepcopy__  # before FSDP2's own refusal, which does not say what to do
     if callable(getattr(model, "resize_token_embeddings", None)):
         model.resize_token_embeddings = _refuse_resize
-    model._commfuse_engine = engine
-    model._commfuse_steps = steps
+    handle = handle_of(model, create=True)
+    handle.engine, handle.steps = engine, steps
 
 
 def _install_step_hooks(model: nn.Module, steps: StepState, bindings: ParamBindings, scalars: ScalarParams,

@@ -17,6 +17,7 @@ import torch.nn as nn
 from commfuse_dp import CommFuseConfig
 from commfuse_dp.integrations.attach import Attachment, attach, attachments, resolve_config
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 
 def _foreign_models(world_size: int) -> dict[str, nn.Module]:
@@ -85,12 +86,12 @@ def _attached_once_worker(rank, world_size):
     torch.manual_seed(0)
     model = accelerator.prepare(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)))
     after_prepare = attachments(model)
-    engine = model._commfuse_engine
+    engine = handle_of(model).engine
     accelerator.prepare_model(model)
     args = types.SimpleNamespace(fsdp=[], deepspeed=None, save_strategy="no", process_index=rank)
     CommFuseCallback(CommFuseConfig(schedule="slicing")).on_init_end(args, None, None, model=model)
     return {"after_prepare": after_prepare, "after_all": attachments(model),
-            "same_engine": model._commfuse_engine is engine, "schedule": model._commfuse_engine.config.schedule}
+            "same_engine": handle_of(model).engine is engine, "schedule": handle_of(model).engine.config.schedule}
 
 
 def test_each_entry_point_is_recorded_and_nothing_is_sharded_twice():

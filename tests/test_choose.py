@@ -13,6 +13,7 @@ from commfuse_dp.planner import cli as plan_cli
 from commfuse_dp.planner.choose import MARGIN, choose
 from harness import run_ranks
 import hf_models
+from commfuse_dp.handle import handle_of
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)
@@ -90,7 +91,7 @@ def test_plan_recommends_what_the_defaults_run(ranks, gbps, tokens):
 def _describe_worker(rank, world_size):
     model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tokens_per_rank=24))
     text = str(cf.describe(model))
-    return model._commfuse_engine.config.schedule, model._commfuse_choice.schedule, text
+    return handle_of(model).engine.config.schedule, handle_of(model).choice.schedule, text
 
 
 def test_shard_runs_the_choice_and_describe_says_why():

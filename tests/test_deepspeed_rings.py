@@ -29,6 +29,7 @@ import time
 import pytest
 import torch
 from harness import free_port  # noqa: E402
+from commfuse_dp.handle import handle_of
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -300,5 +301,5 @@ def test_callback_with_deepspeed_leaves_sharding_to_deepspeed():
                                  hf_deepspeed_config=None)
     cb = CommFuseCallback(CommFuseConfig(schedule="fused"))
     cb.on_init_end(args, None, None, model=model)  # save_strategy is DeepSpeed's business here: no refusal
-    assert getattr(model, "_commfuse_engine", None) is None and not hasattr(model, "_is_accelerate_prepared")
+    assert getattr(handle_of(model), "engine", None) is None and not hasattr(model, "_is_accelerate_prepared")
     assert cb.rings is None and cb.on_train_begin.__name__ == "on_train_begin" and "on_train_begin" in vars(cb)

@@ -10,6 +10,7 @@ import torch.nn as nn
 import commfuse_dp as cf
 import hf_models
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 
 def _describe_worker(rank, world_size):
@@ -26,7 +27,7 @@ def _describe_worker(rank, world_size):
     peer = cf.describe(cf.shard(hf_models.build("llama", num_hidden_layers=3), cf.CommFuseConfig(schedule="fsdp2")))
     hinted = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(link_gbps=1.0, ring_latency_us=50, tflops=0.05,
                                                                  tokens_per_rank=24, min_fuse_numel=0))
-    inputs = (quiet._commfuse_choice.machine, hinted._commfuse_choice.machine, links, len(measure._LINKS))
+    inputs = (handle_of(quiet).choice.machine, handle_of(hinted).choice.machine, links, len(measure._LINKS))
     return report.as_dict(), str(report), excluding.as_dict(), quiet_text, peer.as_dict(), inputs
 
 

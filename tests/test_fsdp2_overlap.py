@@ -12,6 +12,7 @@ from commfuse_dp import CommFuseConfig, fsdp_units
 from commfuse_dp.integrations.fsdp import RingAllGather, RingReduceScatter, use_ring_collectives
 from harness import run_ranks
 import hf_models
+from commfuse_dp.handle import handle_of
 
 STEPS = 4
 
@@ -86,7 +87,7 @@ def _schedule_worker(rank, world_size, overlap):
         layer.register_full_backward_pre_hook(
             lambda m, g, i=i: events.append(("backward", f"layer{i}", len(deferred.pending) if deferred else 0)))
     model.register_forward_hook(lambda m, a, o: events.append(("forward ends", None, None)), prepend=True)
-    deferred = model._commfuse_deferred_reductions
+    deferred = handle_of(model).deferred_reductions
     model(**hf_models.batch(rank, 1))  # gradients on, outputs dropped: no backward follows, nothing is gathered for it
     dropped = list(events)
     events.clear()

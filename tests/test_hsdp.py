@@ -14,6 +14,7 @@ import commfuse_dp as cf
 from harness import run_ranks
 from test_checkpoint import _full, _trained
 from test_shard_parity import assert_parity, run_case
+from commfuse_dp.handle import handle_of
 
 
 def _hsdp_worker(rank, world_size, cases):
@@ -58,7 +59,7 @@ def _placements_worker(rank, world_size):
 
     model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(schedule="fused", min_fuse_numel=0, replicate=2))
     q = model.model.layers[0].self_attn.q_proj.weight
-    engine = model._commfuse_engine
+    engine = handle_of(model).engine
     return (tuple(q.placements), tuple(q.device_mesh.shape), engine.ring.size, engine.replicas.size,
             engine.world_ring.size)
 

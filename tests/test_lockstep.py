@@ -14,6 +14,7 @@ from transformers.modeling_outputs import CausalLMOutput
 import commfuse_dp as cf
 from commfuse_dp import data_dependence
 from harness import log_messages, run_ranks
+from commfuse_dp.handle import handle_of
 
 VOCAB, HIDDEN, FFN, EXPERTS, SEQ, STEPS = 64, 16, 24, 4, 8, 4
 FP32 = dict(rtol=1e-5, atol=1e-5)
@@ -210,8 +211,8 @@ def _layerdrop_worker(rank, world_size):
     assert type(model.lm_head).__name__ == "RingLinear" and type(model.embed).__name__ == "RingEmbedding"
     assert all(type(layer.up) is nn.Linear and not isinstance(layer, FSDPModule) for layer in model.layers)
     assert model._get_fsdp_state()._fsdp_param_groups[0].reduce_scatter_unused_params
-    assert set(model._commfuse_excluded) == {"layers.0", "layers.1", "layers.2"}
-    assert model._commfuse_excluded["layers.0"] == "LayerDrop (config.layerdrop=0.5)"
+    assert set(handle_of(model).excluded) == {"layers.0", "layers.1", "layers.2"}
+    assert handle_of(model).excluded["layers.0"] == "LayerDrop (config.layerdrop=0.5)"
 
     def ours(step):
         model.skip = _skipped(rank, step)
@@ -316,8 +317,8 @@ def _exclusion_worker(rank, world_size):
         assert type(layer.self_attn.q_proj).__name__ == "RingLinear"
         assert all(type(getattr(layer.mlp, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
     assert type(llama.lm_head) is nn.Linear
-    assert llama._commfuse_excluded["model.layers.1.mlp.down_proj"] == "exclude pattern '*.mlp.*'"
-    assert llama._commfuse_excluded["lm_head"] == "exclude pattern 'lm_head'"
+    assert handle_of(llama).excluded["model.layers.1.mlp.down_proj"] == "exclude pattern '*.mlp.*'"
+    assert handle_of(llama).excluded["lm_head"] == "exclude pattern 'lm_head'"
     about = [m for m in messages if "CommFuseConfig.exclude" in m and "stay out of the fused path" in m]
     assert len(about) == 1 and about[0].startswith("commfuse_dp: 9 modules matching CommFuseConfig.exclude"), messages
     loss = llama(**hf_models.batch(rank, 0)).loss
@@ -334,7 +335,7 @@ def _exclusion_worker(rank, world_size):
     for layer in anyway.layers:
         assert all(type(e.up).__name__ == "RingLinear" and type(e.down).__name__ == "RingLinear"
                    for e in layer.moe.experts)
-    assert anyway._commfuse_excluded == {}
+    assert handle_of(anyway).excluded == {}
 
     from transformers.distributed.fsdp import is_fsdp_managed_module
 

@@ -13,6 +13,7 @@ from commfuse_dp.planner import nodes, plan, cli as plan_cli
 from commfuse_dp.planner.costs import Cluster, units_for
 from harness import run_ranks
 from test_shard_parity import assert_parity, run_case
+from commfuse_dp.handle import handle_of
 
 
 def _launched(rank: int, per_node: int) -> None:
@@ -28,8 +29,8 @@ def _defaults_worker(rank, world_size, per_node, replicate):
     result = run_case(rank, world_size, "llama", "auto", config=config)
     assert_parity(result, label=f"{world_size // per_node}x{per_node}, replicate={replicate}")
     model = result["model"]
-    choice = model._commfuse_choice
-    engine = model._commfuse_engine
+    choice = handle_of(model).choice
+    engine = handle_of(model).engine
     copies = engine.replicas.size if engine.replicas is not None else 1
     return choice.as_dict(), copies, engine.ring.size, cf.describe(model).choice
 

@@ -14,6 +14,7 @@ import torch
 from harness import log_messages, run_ranks
 
 import commfuse_dp as cf
+from commfuse_dp.handle import handle_of
 
 BIG = 1 << 30  # min_fuse_numel: nothing fused, no ring embedding: every parameter in FSDP2's root unit
 
@@ -150,7 +151,7 @@ def _skip_worker(rank, world_size, schedule, min_fuse_numel, optimizer):
         assert state_after[key].keys() == entry.keys()
         for k, v in entry.items():
             torch.testing.assert_close(torch.as_tensor(state_after[key][k]), torch.as_tensor(v), rtol=0, atol=0)
-    skipped_after_bad = model._commfuse_engine.stats.current().skipped_steps  # step 1's figures, still running
+    skipped_after_bad = handle_of(model).engine.stats.current().skipped_steps  # step 1's figures, still running
     for m, o in ((model, opt), (ref, ref_opt)):
         _step(m, o, rank, 2)
     _assert_same_params(model, ref, "after the clean step")

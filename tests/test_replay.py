@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 SETTINGS = {
     "elastic, auto budget": {},
@@ -35,12 +36,12 @@ def _order_worker(rank, world_size, settings):
 
     with transport.observe_sent(sent):
         model(**hf_models.batch(rank, 1)).loss.backward()
-    steps = model._commfuse_steps
+    steps = handle_of(model).steps
     order = steps.schedule.order.groups  # the fused groups in the forward order the step recorded
     groups = [Group(state.name, state.layout.numel * world_size, 0.0, state.unit) for state in order]
     first = any(isinstance(m, RingEmbedding) for m in model.modules())  # it requests the first layers' rings
     assert first
-    config = model._commfuse_engine.config
+    config = handle_of(model).engine.config
     predicted = traced(groups, world_size, config, first=first).order
     return recorded, predicted, len(order)
 

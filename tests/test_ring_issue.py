@@ -11,6 +11,7 @@ import commfuse_dp as cf
 from commfuse_dp.ring import get_ring, observe_ring, ring_all_gather, ring_reduce_scatter
 from commfuse_dp.stats import StatsRecorder
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 BUCKET_MB = 64 * 4 / 2**20  # 64 fp32 elements a bucket
 
@@ -105,13 +106,13 @@ def _slicing_worker(rank, world_size, schedule):
     # closed already: counted, not folded; it is off here so that both count the same hops)
     cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, direct_kb=0, bucket_mb=BUCKET_MB,
                                       nonfinite_grads="off"))
-    ring = model._commfuse_engine.ring
+    ring = handle_of(model).engine.ring
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     for step in range(3):
         issued = []
         with observe_ring(lambda event, op, k: issued.append(op) if event == "issued" else None):
             model(x).square().sum().backward()
-        counted = model._commfuse_engine.stats.current().hops  # this step's, so far
+        counted = handle_of(model).engine.stats.current().hops  # this step's, so far
         folded = len(ring.fingerprint.requests)
         assert issued and counted == len(issued) == folded, (step, counted, len(issued), folded)
     return counted

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import commfuse_dp as cf
 from commfuse_dp.ring import observe_ring
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 
 def _fused_worker(rank, world_size, steps=1, prefetch_next=True, lookahead_mb=0):
@@ -132,7 +133,7 @@ def _slicing_worker(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     cf.shard(model, cf.CommFuseConfig(schedule="slicing", min_fuse_numel=0))
-    scheduler = model._commfuse_steps.schedule
+    scheduler = handle_of(model).steps.schedule
     counts = []
     for _ in range(3):
         model(torch.randn(4, 16)).sum().backward()
@@ -214,7 +215,7 @@ def _blocks_worker(rank, world_size, lookahead_mb, forward_bundles=True):
             model(x).square().sum().backward()
     starts = {phase: sum(1 for e in events if e[0] == "start" and e[1] == phase) for phase in ("forward", "backward")}
     if lookahead_mb != 0:  # the gathered-weight buffers of finished rings served later rings (CPU pool)
-        assert model._commfuse_steps.schedule.rings._pool.reused > 0
+        assert handle_of(model).steps.schedule.rings._pool.reused > 0
     return starts, [p.grad.full_tensor() for p in model.parameters()]
 
 

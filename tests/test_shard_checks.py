@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import commfuse_dp as cf
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 
 def _llama(hidden=32, layers=2):
@@ -23,7 +24,7 @@ def _refused(model, config):
     try:
         cf.shard(model, config)
     except ValueError as err:
-        assert getattr(model, "_commfuse_engine", None) is None
+        assert getattr(handle_of(model), "engine", None) is None
         from torch.distributed.fsdp import FSDPModule
 
         converted = [n for n, m in model.named_modules()

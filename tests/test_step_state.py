@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import commfuse_dp as cf
 from harness import run_ranks
+from commfuse_dp.handle import handle_of
 
 
 def _stack(seed=0):
@@ -118,7 +119,7 @@ def _untagged_divergent_worker(rank, world_size, schedule):
     torch.manual_seed(0)
     model = Branches()
     cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, timeout_s=TIMEOUT_S))
-    assert not model._commfuse_engine.ring.tagged  # paired by order alone, as NCCL pairs its messages
+    assert not handle_of(model).engine.ring.tagged  # paired by order alone, as NCCL pairs its messages
     x = torch.randn(4, 16)
     model(x, True).sum().backward()  # step 0, in lockstep
     model(x, rank == 0).sum().backward()  # step 1: rank 0 runs left_branch, the others right_branch, same sizes

@@ -39,6 +39,7 @@ def run(out: str, mode: str, precision: str) -> None:
 
     from commfuse_dp import CommFuseConfig
 
+    from commfuse_dp.handle import handle_of
     from commfuse_dp.integrations.attach import attachments
     from commfuse_dp.integrations.transformers import CommFuseCallback, CommFuseTrainer
 
@@ -105,7 +106,7 @@ def run(out: str, mode: str, precision: str) -> None:
                 "steps": [e["step"] for e in logs], "logs": logs, "eval_loss": metrics["eval_loss"],
                 "no_sync_calls": no_sync_calls[0], "eval_batch_sizes": all_eval_sizes,
                 "attachments": attachments(trainer.model), **extra,
-                "machine": getattr(getattr(trainer.model, "_commfuse_choice", None), "machine", None),
+                "machine": getattr(getattr(handle_of(trainer.model), "choice", None), "machine", None),
             }, f, indent=1)
 
 

@@ -7,15 +7,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..handle import engine_of, handle_of
+
 
 def is_sharded(model: Any) -> bool:
     """True for a model (or a wrapper with ``.module``) that :func:`commfuse_dp.shard` sharded."""
-    return getattr(model, "_commfuse_engine", None) is not None \
-        or getattr(getattr(model, "module", None), "_commfuse_engine", None) is not None
+    return engine_of(model) is not None
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model if getattr(model, "_commfuse_engine", None) is not None else getattr(model, "module", model)
+    own = handle_of(model, through_wrapper=False)
+    return model if own is not None and own.engine is not None else getattr(model, "module", model)
 
 
 def _rank() -> int:

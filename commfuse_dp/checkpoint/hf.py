@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from ..handle import handle_of
 from .common import _barrier, _rank, _unwrap
 from .slices import _named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _write_safetensors
 
@@ -80,10 +81,11 @@ def load_pretrained_weights(model: torch.nn.Module, folder: str | os.PathLike, *
 def mark_initialised(model: torch.nn.Module) -> None:
     """Declares the parameters of a model sharded on the meta device set (``shard()`` refuses a forward until
     then). The loaders call it; call it yourself only after initialising the shards some other way."""
-    inner = _unwrap(model)
-    handle = inner.__dict__.pop("_commfuse_empty_weights", None)
-    if handle is not None:
-        handle.remove()
+    state = handle_of(_unwrap(model), through_wrapper=False)
+    hook = state.empty_weights if state is not None else None
+    if hook is not None:
+        state.empty_weights = None
+        hook.remove()
 
 
 def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is_main_process: bool | None = None,

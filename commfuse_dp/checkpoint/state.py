@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ..feedback import Residuals, residuals_of
+from ..handle import handle_of
 from .common import _barrier, _rank, _unwrap
 from .hf import mark_initialised
 from .markers import (CheckpointError, _failures, _files, _gather_digests, _incomplete_message, _previous, is_complete,
@@ -62,7 +63,8 @@ _CHOICE = "commfuse_choice_{}"  # what model i's "auto" settings ran as, in word
 
 def _chose(model: torch.nn.Module) -> str | None:
     """What ``shard()``'s ``"auto"`` settings became for ``model``: schedule, piece width, copies, collectives."""
-    choice = getattr(model, "_commfuse_choice", None) or getattr(_unwrap(model), "_commfuse_choice", None)
+    handle = handle_of(model)
+    choice = handle.choice if handle is not None else None
     if choice is None:
         return None
     copies = choice.replicate if choice.replicate is not None else "as given"

@@ -72,6 +72,7 @@ from accelerate.utils import DistributedType, convert_to_fp32, get_mixed_precisi
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.amp import autocast_root
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.handle import engine_of
 from commfuse_dp.integrations.attach import attach, resolve_config
 from commfuse_dp.ring.topology import drain_gloo_workers
 
@@ -165,7 +166,7 @@ def frozen_config(config: CommFuseConfig, trained: torch.nn.Module) -> CommFuseC
     """The config a frozen model is sharded with: ``config`` (what ``trained`` was sharded with) with the schedule,
     piece width and fsdp2 collectives chosen for ``trained``, so that a reference copy of it is laid out as it is (TRL's
     ``sync_ref_model`` mixes the two parameter by parameter)."""
-    engine = getattr(trained, "_commfuse_engine", None)
+    engine = engine_of(trained)
     if engine is None:
         return config
     return config.replace(schedule=engine.config.schedule, piece_shards=engine.config.piece_shards,

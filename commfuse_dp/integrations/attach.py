@@ -29,7 +29,7 @@ What :func:`attach` decides for all of them, by ``backend``:
    ``deepspeed_backend.ring_config``).
 3. The install: ``commfuse_dp.shard``; DeepSpeed's backend replaced on the engine's data-parallel groups (now, or
    at :meth:`Attachment.start` without an engine); ``use_ring_collectives`` on the FSDP2 units.
-4. The record: every successful call appends ``(who, backend)`` to the model's ``_commfuse_attachments``
+4. The record: every successful call appends ``(who, backend)`` to the model's handle (``handle_of(model).attachments``)
    (:func:`attachments`), so a run can tell which entry put a model on the rings, and how often.
 """
 
@@ -44,6 +44,7 @@ import torch
 from commfuse_dp.checkpoint import is_sharded
 from commfuse_dp.checks import check_not_sharded_elsewhere
 from commfuse_dp.config import CommFuseConfig, with_parallelism
+from commfuse_dp.handle import engine_of, handle_of
 from commfuse_dp.integrations import deepspeed_backend as ds
 from commfuse_dp.ring.fsdp_comm import use_ring_collectives
 from commfuse_dp.shard import shard
@@ -51,7 +52,6 @@ from commfuse_dp.shard import shard
 __all__ = ["BACKENDS", "Attachment", "Parallelism", "attach", "attachments", "resolve_config"]
 
 BACKENDS = ("shard", "deepspeed", "fsdp2")
-_RECORD = "_commfuse_attachments"
 
 
 def resolve_config(commfuse: CommFuseConfig | Mapping | None) -> CommFuseConfig:
@@ -129,13 +129,14 @@ def attach(model: torch.nn.Module, config: CommFuseConfig | Mapping[str, Any] | 
 
 def attachments(model: Any) -> list[tuple[str, str]]:
     """``(who, backend)`` of every :func:`attach` call that put ``model`` on the rings, in order."""
-    return list(getattr(model, _RECORD, []))
+    handle = handle_of(model)
+    return list(handle.attachments) if handle is not None else []
 
 
 def _attach_shard(model, config, who: str, parallelism: Parallelism | None, place) -> Attachment:
     config = _config(config) or CommFuseConfig()
     if is_sharded(model):  # shard() ran already (the script's own call, or another entry): nothing to do twice
-        engine = getattr(model, "_commfuse_engine", None) or model.module._commfuse_engine   # (or its wrapper's)
+        engine = engine_of(model)   # (or its wrapper's)
         return Attachment(who, "shard", engine.config, "the model's shard()")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"{who} got a DistributedDataParallel model; pass the plain module")
@@ -173,8 +174,5 @@ def _config(config: CommFuseConfig | Mapping[str, Any] | None) -> CommFuseConfig
 
 
 def _record(model: Any, done: Attachment) -> None:
-    records = getattr(model, _RECORD, None)
-    if records is None:
-        records = []
-        object.__setattr__(model, _RECORD, records)  # a plain attribute, whatever the module's __setattr__ does
-    records.append((done.who, done.backend))
+    handle = handle_of(model) or handle_of(model, create=True)  # (the wrapped model's, where it has one)
+    handle.attachments.append((done.who, done.backend))

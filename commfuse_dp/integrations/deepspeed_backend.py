@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.handle import engine_of
 from commfuse_dp.ring.collectives import ring_all_gather, ring_reduce_scatter
 from commfuse_dp.ring.topology import get_ring, register_exit_drain
 
@@ -378,7 +379,7 @@ def require_deepspeed_comm() -> None:
 
 
 def refuse_commfuse_sharded(module: Any, who: str) -> None:
-    if getattr(module, "_commfuse_engine", None) is not None:
+    if engine_of(module) is not None:
         raise ValueError(f"{who}: this model was sharded by commfuse_dp.shard(), and DeepSpeed ZeRO shards it too; "
                          f"one model cannot be sharded twice. Either give DeepSpeed the plain (unsharded) model and "
                          f"let enable_ring_collectives switch DeepSpeed's collectives to the rings, or drop DeepSpeed "

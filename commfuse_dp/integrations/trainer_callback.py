@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.checks import check_same_layout
+from commfuse_dp.handle import engine_of
 from commfuse_dp.planner.choose import batch_tokens
 from commfuse_dp.config import CommFuseConfig
 from commfuse_dp.integrations.accelerate import frozen_config, prepare_sharded, shard_frozen_models
@@ -196,7 +197,7 @@ class CommFuseCallback(TrainerCallback):
         return self.cfg if parallelism is None else parallelism.apply(self.cfg)
 
     def _add_micro_batch(self, model) -> None:
-        engine = getattr(model if model is not None else self.model, "_commfuse_engine", None)
+        engine = engine_of(model if model is not None else self.model)
         if engine is None or not engine.stats.enabled:
             return
         stats = engine.stats.current().as_dict()   # the micro-batch whose backward just finished

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..config import CommFuseConfig
+from ..handle import handle_of
 from .measure import Measured, layer_shapes, measure_machine
 from .plan import MARGIN, UNPLAYED, decide, peer_step, with_formats
 from .costs import CPU_HOST_FIT, H200_HOST_FIT, H200_PIECE_FIT, Cluster, Unit, peer_host_on_cpu, placed, units_for
@@ -125,7 +126,8 @@ def tokens_of(model: nn.Module, config: CommFuseConfig) -> tuple[int, str]:
     assumed: ``DEFAULT_BATCH`` sequences of the model's context, at most ``DEFAULT_TOKENS_CAP``."""
     if config.tokens_per_rank is not None:
         return config.tokens_per_rank, "given"
-    from_batch = getattr(model, BATCH_TOKENS, None)
+    handle = handle_of(model, through_wrapper=False)
+    from_batch = handle.batch_tokens if handle is not None else None
     if from_batch is not None:
         return from_batch
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -135,13 +137,10 @@ def tokens_of(model: nn.Module, config: CommFuseConfig) -> tuple[int, str]:
     return 2048, "assumed"
 
 
-BATCH_TOKENS = "_commfuse_batch_tokens"  # (tokens, where from): set on a model by the Trainer integrations
-
-
 def batch_tokens(model: nn.Module, tokens: int, where: str) -> None:
     """Tell ``shard()``'s defaults a rank's tokens per step, read off a batch (``where`` says which), for a model
     about to be sharded with ``tokens_per_rank`` unset."""
-    setattr(model, BATCH_TOKENS, (int(tokens), where))
+    handle_of(model, create=True).batch_tokens = (int(tokens), where)
 
 
 def needs_machine(config: CommFuseConfig, ranks: int, model: nn.Module, device: torch.device) -> tuple[bool, bool]:

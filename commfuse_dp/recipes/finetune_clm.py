@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from commfuse_dp.handle import handle_of
 from commfuse_dp.recipes import common
 
 EOS = "<|endoftext|>"
@@ -283,7 +284,7 @@ def _summary(trainer, result, before: float, after: float, model_dir: str, paths
         "step_wall_s": common.mean_recent(history, "commfuse/wall_s", 10),
         "model_dir": model_dir, **paths,
         # what CommFuseConfig's "auto" settings became, and why (commfuse_dp/planner/choose.py)
-        "schedule": getattr(getattr(trainer.model, "_commfuse_choice", None), "as_dict", lambda: None)(),
+        "schedule": getattr(getattr(handle_of(trainer.model), "choice", None), "as_dict", lambda: None)(),
         "generate": f"python -m commfuse_dp.recipes.generate {model_dir} --prompt \"The assert statement\"",
     }
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from commfuse_dp.handle import engine_of
 from commfuse_dp.launch import bootstrap
 from commfuse_dp.recipes import common
 from commfuse_dp.recipes.finetune_clm import ClmArguments, prepare_inputs
@@ -209,7 +210,7 @@ def run(args, model, tokenizer, train, evaluation, cfg, info) -> int:
     from commfuse_dp.ring.topology import drain_gloo_workers
 
     accelerator, model, optimizer, train_loader, eval_loader, scheduler = _prepared(args, model, train, evaluation, cfg)
-    sharded = getattr(model, "_commfuse_engine", None) is not None
+    sharded = engine_of(model) is not None
     accelerator.print(f"{type(accelerator).__name__}, {accelerator.num_processes} process(es), "
                       f"{'commfuse-sharded' if sharded else 'not sharded'} model")
     step = 0

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import CommFuseConfig
 from ..feedback import Residuals, residuals_of
+from ..handle import engine_of, handle_of
 from ..stats import StatsRecorder
 from ..wire import RowFormat
 from .all_reduce import RingReplicaGroup
@@ -316,7 +317,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
     deferred = DeferredReductions() if overlap else None
     residuals = residuals_of(model)  # (shard() made them already; again here: the same, kept)
     if residuals is None:
-        residuals = model._commfuse_residuals = Residuals()
+        residuals = handle_of(model, create=True).residuals = Residuals()
     residuals.enabled, residuals.dtype = config.error_feedback, config.feedback_torch_dtype
     gathering = _install_rings(units, config, recorder, from_shard, deferred, residuals)
     _install_schedule(model, gathering, overlap, deferred)
@@ -326,7 +327,7 @@ def use_ring_collectives(model: nn.Module, config: CommFuseConfig | None = None,
 def _refuse_shard_models(model: nn.Module) -> None:
     """A model that ``commfuse_dp.shard()`` sharded (or holds one) runs its rings already: refused."""
     for name, module in model.named_modules():
-        if getattr(module, "_commfuse_engine", None) is not None:
+        if engine_of(module, through_wrapper=False) is not None:
             where = f"submodule '{name}'" if name else "this model"
             raise ValueError(
                 f"use_ring_collectives: {where} was sharded by commfuse_dp.shard(), which already runs every "
@@ -389,16 +390,16 @@ def _install_rings(units: list, config: CommFuseConfig, recorder: StatsRecorder 
 def _install_schedule(model: nn.Module, gathering: list[nn.Module], overlap: bool,
                       deferred: DeferredReductions | None) -> None:
     """FSDP2's GPU schedule on the units (``overlap``), or FSDP2's own settings back where an earlier call set it."""
-    if overlap or getattr(model, "_commfuse_deferred_reductions", None) is not None:  # (un)install the schedule
+    handle = handle_of(model, create=True)
+    if overlap or handle.deferred_reductions is not None:  # (un)install the schedule
         for module, following in zip(gathering, gathering[1:] + [None]):
             module._set_unshard_async_op(overlap)
             module.set_modules_to_forward_prefetch([following] if overlap and following is not None else [])
-    hook = getattr(model, "_commfuse_backward_gather", None)
-    if hook is not None:
-        hook.remove()
-    model._commfuse_backward_gather = (model.register_forward_hook(_gather_for_backward)
-                                       if overlap and isinstance(model, FSDPModule) else None)
-    model._commfuse_deferred_reductions = deferred
+    if handle.backward_gather is not None:
+        handle.backward_gather.remove()
+    handle.backward_gather = (model.register_forward_hook(_gather_for_backward)
+                              if overlap and isinstance(model, FSDPModule) else None)
+    handle.deferred_reductions = deferred
 
 
 def _gather_for_backward(root: nn.Module, args, output) -> None:
