@@ -142,3 +142,29 @@ def test_ranks_that_diverge_without_tags_raise_one_step_later(schedule):
         assert "issued different hops in step 1: request 1 differs" in message, message
         assert "rank 0: left_branch forward (call 1)" in message, message
         assert "rank 1: right_branch forward (call 1)" in message, message
+
+
+def _phases_worker(rank, world_size, schedule):
+    from commfuse_dp.runtime.step import StepPhase
+
+    model = _stack()
+    cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0))
+    steps = handle_of(model).steps
+    seen = [steps.phase]
+    with torch.no_grad():
+        model(_data(rank, 0))
+    seen.append(steps.phase)  # a forward without grad: no backward awaited
+    out = model(_data(rank, 1))
+    seen.append(steps.phase)
+    out.pow(2).sum().backward()
+    seen.append(steps.phase)
+    # what commfuse_dp keeps on the model is its handle, one attribute
+    pinned = sorted(k for k in vars(model) if k.startswith(("_commfuse", "_cf_")))
+    return [p.value for p in seen], pinned, StepPhase.IDLE.value
+
+
+@pytest.mark.parametrize("schedule", ["fused", pytest.param("slicing", marks=pytest.mark.slow)])
+def test_a_step_goes_through_its_phases_and_the_model_holds_one_handle(schedule):
+    for seen, pinned, idle in run_ranks(_phases_worker, 2, (schedule,)):
+        assert seen == [idle, idle, "awaiting backward", idle]
+        assert pinned == ["_commfuse"]

@@ -88,3 +88,24 @@ def test_every_folder_of_code_is_its_package():
     ``benchmarks`` package of a checkout, not installed; ``commfuse_dp/integrations`` is
     ``commfuse_dp.integrations``)."""
     assert structure.stray_folders(ROOT) == []
+
+
+def test_the_piece_loop_lives_in_one_place():
+    """Every ring fused with compute pieces runs ``LayerCall.run`` (runtime/layer_call.py): no other module
+    requests a piece's hops itself, and the schedules' hooks beside a piece are the calls' own."""
+    import ast
+
+    callers = []
+    for folder, _, names in os.walk(os.path.join(ROOT, "commfuse_dp")):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    if called in ("piece_hops", "before_piece", "after_piece"):
+                        callers.append(os.path.relpath(path, ROOT))
+    assert set(callers) == {os.path.join("commfuse_dp", "runtime", "layer_call.py")}, callers
