@@ -1,0 +1,68 @@
+"""Sequence-parallel TP on rings (fused/tp.py): a column-parallel then a row-parallel linear, their activation rings
+run by the layer call loop beside the GEMM pieces, give one process's outputs and gradients."""
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+TOKENS, HIDDEN, INNER = 12, 8, 16
+
+
+def _full(seed=0):
+    # float64: what is compared is the order of the sums, not float32's rounding of them
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((TOKENS, HIDDEN), (INNER, HIDDEN), (INNER,), (HIDDEN, INNER), (HIDDEN,), (TOKENS, HIDDEN))
+    return tuple(torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in shapes)
+
+
+def _reference():
+    x, w1, b1, w2, b2, target = _full()
+    leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    x, w1, b1, w2, b2 = leaves
+    out = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+    ((out - target) ** 2).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _tp_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commfuse_dp import CommFuseConfig
+    from commfuse_dp.fused.tp import ColumnParallelFn, RowParallelFn, TPState
+    from commfuse_dp.ring import get_ring, observe_ring
+    from commfuse_dp.runtime.engine import Engine
+    from commfuse_dp.runtime.schedule import FusedSchedule
+    from commfuse_dp.runtime.step import StepState
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    engine = Engine(get_ring(mesh.get_group(0), caller="test"), mesh, CommFuseConfig(schedule="fused"))
+    steps = StepState(engine, FusedSchedule)
+    column, row = TPState(steps, "mlp.up (tp)"), TPState(steps, "mlp.down (tp)")
+    x, w1, b1, w2, b2, target = _full()
+    rows, cols = TOKENS // world_size, INNER // world_size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    feats = slice(rank * cols, (rank + 1) * cols)
+    leaves = [t.clone().requires_grad_() for t in (x[mine], w1[feats], b1[feats], w2[:, feats], b2)]
+    x_l, w1_l, b1_l, w2_l, b2_l = leaves
+    events = []
+    with observe_ring(lambda event, op, k: events.append(event)):
+        hidden = torch.nn.functional.gelu(ColumnParallelFn.apply(x_l, column, w1_l, b1_l))
+        out = RowParallelFn.apply(hidden, row, w2_l, b2_l)
+        ((out - target[mine]) ** 2).sum().backward()
+    # (the replicated bias: every rank's gradient is the sum over the whole sequence, gathered)
+    return out.detach(), [t.grad for t in leaves], events.count("compute")
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_column_then_row_parallel_match_one_process(world_size):
+    out, grads = _reference()
+    x, w1, b1, w2, b2 = grads
+    rows, cols = TOKENS // world_size, INNER // world_size
+    for rank, (got, got_grads, pieces) in enumerate(run_ranks(_tp_worker, world_size)):
+        mine, feats = slice(rank * rows, (rank + 1) * rows), slice(rank * cols, (rank + 1) * cols)
+        want = [x[mine], w1[feats], b1[feats], w2[:, feats], b2]
+        torch.testing.assert_close(got, out[mine], rtol=1e-12, atol=1e-12)
+        for g, w in zip(got_grads, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        assert pieces == 4 * world_size  # every hop beside a piece of its GEMM: four rings of N pieces
