@@ -8,7 +8,8 @@
 Each version is a ``git worktree`` of its commit in ``--work-dir``; each run is ``commfuse-dp bench ARGS`` from
 that worktree (its ``commfuse_dp`` and ``benchmarks`` first on ``PYTHONPATH``, for the bench and its ranks). The
 file keeps every run's bench file whole and, per version, the median, lowest and highest over its runs of the
-fused step, of the fused step over ``compute_only`` and of the peer (``fsdp2_overlap``) over the fused step.
+step of each variant, of the fused step over ``compute_only`` and of the peer (``fsdp2_overlap``) over the fused
+step.
 Run it on an otherwise idle machine; alternating spreads what drifts over the run evenly on both versions.
 """
 
@@ -55,11 +56,11 @@ def bench(tree: str, args: list[str], out: str) -> dict:
 
 
 def figures(result: dict) -> dict[str, float]:
-    """The fused step, fused over compute_only and the peer over fused, from one bench file (first rate)."""
+    """Each variant's step, fused over compute_only and the peer over fused, from one bench file (first rate)."""
     steps: dict[str, float] = {}
     for record in result["records"]:
         steps.setdefault(record["schedule"], record["step_s"])
-    out = {"fused_step_s": steps["fused"]}
+    out = {f"{name}_step_s": step for name, step in steps.items() if name != "compute_only"}
     if "compute_only" in steps:
         out["fused_over_compute_only"] = steps["fused"] / steps["compute_only"]
     if "fsdp2_overlap" in steps:

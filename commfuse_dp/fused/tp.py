@@ -16,8 +16,10 @@ column-parallel linear leaves it) reduce-scatters its partial outputs to sequenc
 rows this rank keeps. Its backward all-gathers the output gradient's rows beside the pieces of ``dy[R_s] = g_s
 W_r`` and of ``dW += g_sᵀ y[R_s]``.
 
-The rows a ring carries are activations, every rank's the same shape (tokens divisible by N); ``TPState`` is a
-ring owner over the group (its engine's ring is the tensor-parallel group).
+The sequence is the second to last dimension (``(..., S, features)``, a batch of sequences each sharded into
+N equal parts); one column-parallel call carries several members beside one gather (q, k and v; gate and up).
+The rows a ring carries are activations, every rank's the same shape; ``TPState`` is a ring owner over the
+group (its engine's ring is the tensor-parallel group).
 """
 
 from __future__ import annotations
@@ -36,91 +38,120 @@ class TPState:
         self.owner = steps.register(name)
 
 
-def _rows(x: torch.Tensor, world: int, what: str) -> int:
-    if x.shape[0] % world:
-        raise ValueError(f"{what}: {x.shape[0]} tokens do not divide into {world} sequence shards; pad the "
-                         f"sequence to a multiple of the tensor-parallel size")
-    return x.shape[0] // world
+def _seq(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """``x`` (..., S, features) as a contiguous ``(B, S, features)``, its leading shape, and S."""
+    lead = tuple(x.shape[:-2])
+    return x.contiguous().view(-1, x.shape[-2], x.shape[-1]), lead, x.shape[-2]
 
 
 class ColumnParallelFn(torch.autograd.Function):
-    """``y = ColumnParallelFn.apply(x_local, state, weight, bias)``: ``x_local`` this rank's ``(T/N, in)`` rows,
-    ``weight`` its ``(out/N, in)`` rows of W, ``bias`` its ``(out/N,)`` or None; ``y`` is ``(T, out/N)``."""
+    """``ys = ColumnParallelFn.apply(x_local, state, w_1, b_1, w_2, b_2, ...)``: ``x_local`` this rank's sequence
+    shard ``(..., S/N, in)``; each member ``i`` (q, k and v, or gate and up: one gather for all of them) its rows
+    ``w_i`` ``(out_i/N, in)`` of its weight and ``b_i`` ``(out_i/N,)`` or None. ``ys``: one ``(..., S, out_i/N)`` per
+    member, the whole sequence."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, state: TPState, weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(ctx, x: torch.Tensor, state: TPState, *params):
         ring = state.engine.ring
-        x = x.contiguous()
-        rows = x.shape[0]
-        gathered = x.new_empty(ring.size, x.numel())
-        gathered[ring.rank].copy_(x.view(-1))
-        y = x.new_empty(ring.size * rows, weight.shape[0])
+        x3, lead, rows = _seq(x)
+        batch, width = x3.shape[0], x3.shape[2]
+        gathered = x3.new_empty(ring.size, batch * rows * width)
+        gathered[ring.rank].view(batch, rows, width).copy_(x3)
+        members = list(zip(params[0::2], params[1::2]))
+        ys = [x3.new_empty(batch, ring.size, rows, w.shape[0]) for w, _ in members]
 
         def piece(s: int) -> None:
-            x_s = gathered[s].view(rows, -1)
-            if bias is not None:
-                torch.addmm(bias, x_s, weight.t(), out=y[s * rows:(s + 1) * rows])
-            else:
-                torch.mm(x_s, weight.t(), out=y[s * rows:(s + 1) * rows])
+            x_s = gathered[s].view(batch * rows, width)
+            for (w, b), y in zip(members, ys):
+                if batch == 1 and b is not None:  # the output rows of shard s are one block: computed in place
+                    torch.addmm(b, x_s, w.t(), out=y[0, s])
+                elif batch == 1:
+                    torch.mm(x_s, w.t(), out=y[0, s])
+                else:
+                    got = torch.addmm(b, x_s, w.t()) if b is not None else torch.mm(x_s, w.t())
+                    y[:, s].copy_(got.view(batch, rows, -1))
 
         gather_into(state, gathered, "forward", piece)
-        ctx.state, ctx.rows, ctx.has_bias = state, rows, bias is not None
-        ctx.save_for_backward(gathered, weight)
-        return y
+        ctx.state, ctx.shape, ctx.lead = state, (batch, rows, width), lead
+        ctx.biased = [b is not None for _, b in members]
+        ctx.save_for_backward(gathered, *params[0::2])
+        return tuple(y.view(*lead, ring.size * rows, y.shape[-1]) for y in ys)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        gathered, weight = ctx.saved_tensors
-        state, rows = ctx.state, ctx.rows
-        dy = dy.contiguous()
-        dw = torch.zeros_like(weight)
+    def backward(ctx, *dys: torch.Tensor):
+        gathered, *weights = ctx.saved_tensors
+        state, (batch, rows, width) = ctx.state, ctx.shape
+        ring = state.engine.ring
+        dys = [None if dy is None else dy.contiguous().view(batch, ring.size, rows, -1) for dy in dys]
+        dws = [torch.zeros_like(w) for w in weights]
 
         def piece(t: int, part: torch.Tensor) -> None:
-            dy_t = dy[t * rows:(t + 1) * rows]
-            torch.mm(dy_t, weight, out=part)
-            dw.addmm_(dy_t.t(), gathered[t].view(rows, -1))
+            part = part.view(batch * rows, width)
+            x_t = gathered[t].view(batch * rows, width)
+            first = True
+            for dy, w, dw in zip(dys, weights, dws):
+                if dy is None:
+                    continue
+                dy_t = dy[:, t].reshape(batch * rows, -1)
+                if first:
+                    torch.mm(dy_t, w, out=part)
+                    first = False
+                else:
+                    part.addmm_(dy_t, w)
+                dw.addmm_(dy_t.t(), x_t)
+            if first:
+                part.zero_()
 
-        dx = reduce(state, (rows, weight.shape[1]), dy.dtype, dy.device, piece, "backward")
-        return dx, None, dw, dy.sum(0) if ctx.has_bias else None
+        dx = reduce(state, (batch, rows, width), gathered.dtype, gathered.device, piece, "backward")
+        grads = []
+        for dy, dw, biased in zip(dys, dws, ctx.biased):
+            grads += [dw if dy is not None else None,
+                      dy.sum((0, 1, 2)) if biased and dy is not None else None]
+        return (dx.view(*ctx.lead, rows, width), None, *grads)
 
 
 class RowParallelFn(torch.autograd.Function):
-    """``out_local = RowParallelFn.apply(y, state, weight, bias)``: ``y`` the ``(T, in/N)`` input a column-parallel
-    linear leaves, ``weight`` this rank's ``(out, in/N)`` columns of W, ``bias`` the whole ``(out,)`` (replicated)
-    or None; ``out_local`` is this rank's ``(T/N, out)`` rows."""
+    """``out_local = RowParallelFn.apply(y, state, weight, bias)``: ``y`` the ``(..., S, in/N)`` input a
+    column-parallel linear leaves, ``weight`` this rank's ``(out, in/N)`` columns of W, ``bias`` the whole
+    ``(out,)`` (replicated) or None; ``out_local`` is this rank's sequence shard ``(..., S/N, out)``."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, state: TPState, weight: torch.Tensor, bias: torch.Tensor | None):
         ring = state.engine.ring
-        y = y.contiguous()
-        rows = _rows(y, ring.size, "RowParallelFn")
+        y3, lead, seq = _seq(y)
+        if seq % ring.size:
+            raise ValueError(f"RowParallelFn: a sequence of {seq} tokens does not divide into {ring.size} shards; "
+                             f"pad the sequence to a multiple of the tensor-parallel size")
+        batch, rows = y3.shape[0], seq // ring.size
+        y4 = y3.view(batch, ring.size, rows, -1)
 
         def piece(t: int, part: torch.Tensor) -> None:
-            torch.mm(y[t * rows:(t + 1) * rows], weight.t(), out=part)
+            torch.mm(y4[:, t].reshape(batch * rows, -1), weight.t(), out=part.view(batch * rows, -1))
 
-        out = reduce(state, (rows, weight.shape[0]), y.dtype, y.device, piece, "forward")
+        out = reduce(state, (batch, rows, weight.shape[0]), y.dtype, y.device, piece, "forward")
         if bias is not None:
             out = out + bias
-        ctx.state, ctx.rows, ctx.has_bias = state, rows, bias is not None
-        ctx.save_for_backward(y, weight)
-        return out
+        ctx.state, ctx.shape, ctx.has_bias = state, (batch, rows), bias is not None
+        ctx.save_for_backward(y4, weight)
+        return out.view(*lead, rows, weight.shape[0])
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        y, weight = ctx.saved_tensors
-        state, rows = ctx.state, ctx.rows
+        y4, weight = ctx.saved_tensors
+        state, (batch, rows) = ctx.state, ctx.shape
         ring = state.engine.ring
-        dout = dout.contiguous()
-        gathered = dout.new_empty(ring.size, dout.numel())
-        gathered[ring.rank].copy_(dout.view(-1))
-        dy = y.new_empty(y.shape)
+        width = weight.shape[0]
+        gathered = dout.new_empty(ring.size, batch * rows * width)
+        gathered[ring.rank].view(batch, rows, width).copy_(dout.contiguous().view(batch, rows, width))
+        dy = y4.new_empty(y4.shape)
         dw = torch.zeros_like(weight)
 
         def piece(s: int) -> None:
-            g_s = gathered[s].view(rows, -1)
-            torch.mm(g_s, weight, out=dy[s * rows:(s + 1) * rows])
-            dw.addmm_(g_s.t(), y[s * rows:(s + 1) * rows])
+            g_s = gathered[s].view(batch * rows, width)
+            dy[:, s].copy_(torch.mm(g_s, weight).view(batch, rows, -1))
+            dw.addmm_(g_s.t(), y4[:, s].reshape(batch * rows, -1))
 
         gather_into(state, gathered, "backward", piece)
-        db = gathered.view(ring.size * rows, -1).sum(0) if ctx.has_bias else None
-        return dy, None, dw, db
+        db = gathered.view(-1, width).sum(0) if ctx.has_bias else None
+        lead = dout.shape[:-2]
+        return dy.view(*lead, ring.size * rows, -1), None, dw, db
