@@ -48,8 +48,8 @@ def main(out: str) -> None:
                 "distributed_type": str(accelerator.distributed_type),
                 "accelerator_class": type(accelerator).__name__,
                 "model_type": type(model).__name__,
-                # what commfuse_dp.integrations.attach recorded (read as an attribute: no commfuse import here)
-                "attachments": getattr(model, "_commfuse_attachments", []),
+                # what commfuse_dp.integrations.attach recorded on the model's handle (read as attributes: no commfuse import)
+                "attachments": getattr(getattr(model, "_commfuse", None), "attachments", []),
                 "param_types": sorted({type(p.data).__name__ for p in params}),
                 "optimizer_param_types": sorted({type(p.data).__name__ for g in optimizer.param_groups
                                                  for p in g["params"]}),

@@ -41,8 +41,8 @@ def main(out: str) -> None:
                 "accelerator_class": type(trainer.accelerator).__name__,
                 "callbacks": [type(cb).__name__ for cb in trainer.callback_handler.callbacks],
                 "model_type": type(trainer.model_wrapped).__name__,
-                # what commfuse_dp.integrations.attach recorded (read as an attribute: no commfuse import here)
-                "attachments": getattr(trainer.model, "_commfuse_attachments", []),
+                # what commfuse_dp.integrations.attach recorded on the model's handle (read as attributes: no commfuse import)
+                "attachments": getattr(getattr(trainer.model, "_commfuse", None), "attachments", []),
                 "param_types": sorted({type(p.data).__name__ for p in params}),
                 "placements": sorted({str(getattr(p, "placements", None)) for p in params}),
                 "optimizer_state_types": sorted({type(v).__name__ for s in trainer.optimizer.state.values()
