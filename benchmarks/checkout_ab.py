@@ -42,10 +42,25 @@ def checkout(commit: str, work: str, name: str) -> tuple[str, str]:
     return path, full
 
 
-def bench(tree: str, args: list[str], out: str) -> dict:
-    """``commfuse-dp bench ARGS --json out`` from the worktree ``tree``; its results file."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    command = [sys.executable, "-m", "commfuse_dp.cli", "bench", *args, "--json", out,
+def venv(tree: str) -> str:
+    """A virtual environment beside ``tree`` that sees this interpreter's packages, with ``tree`` installed
+    editable (for versions whose ``benchmarks`` a ``package-dir`` mapping installed as ``commfuse_dp.benchmarks``);
+    returns its python."""
+    path = tree + "-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", path], check=True)
+    python = os.path.join(path, "bin", "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "-e", tree],
+                   check=True, capture_output=True)
+    return python
+
+
+def bench(tree: str, args: list[str], out: str, python: str | None = None) -> dict:
+    """``commfuse-dp bench ARGS --json out`` from the worktree ``tree`` (``python``: a venv's, which has it
+    installed; else this one, with ``tree`` first on ``PYTHONPATH``); its results file."""
+    env = dict(os.environ)
+    if python is None:
+        env["PYTHONPATH"] = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    command = [python or sys.executable, "-m", "commfuse_dp.cli", "bench", *args, "--json", out,
                "--out-dir", out.removesuffix(".json") + "-out"]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -81,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where the worktrees and the runs go (default: a temporary "
                                                           "folder)")
     parser.add_argument("--json", required=True, help="the results file to write")
+    parser.add_argument("--venvs", action="store_true", help="install each version into a virtual environment of "
+                                                             "its own (versions older than the package's folder layout)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the arguments of commfuse-dp bench")
     args = parser.parse_args(argv)
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -91,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     began = time.perf_counter()
     try:
+        pythons = {name: venv(tree) if args.venvs else None for name, (tree, _) in trees.items()}
         for i in range(1, args.alternations + 1):
             for name in ("a", "b"):
                 out = os.path.join(work, f"{name}-{i}.json")
                 print(f"checkout_ab: {name}-{i} ({trees[name][1][:7]}) ...", flush=True)
-                runs[f"{name}-{i}"] = bench(trees[name][0], bench_args, out)
+                runs[f"{name}-{i}"] = bench(trees[name][0], bench_args, out, pythons[name])
                 print(f"checkout_ab: {name}-{i}: " + ", ".join(f"{k} {v:.4g}" for k, v in
                                                              figures(runs[f'{name}-{i}']).items()), flush=True)
     finally:
