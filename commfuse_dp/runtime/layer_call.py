@@ -22,6 +22,7 @@ parallelism's activations run through it as the weights do.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -133,7 +134,11 @@ class ScheduledCall(LayerCall):
                  spec: GradSpec | None = None, keep: bool = False) -> None:
         super().__init__(state.engine, phase, weights, grads)
         self.state, self.spec, self.keep = state, spec, keep
-        self.runs = ShardRuns(self.engine, weights)  # the landed shards each piece computes
+
+    @functools.cached_property
+    def runs(self) -> ShardRuns:
+        """The landed shards each piece computes (from the weight ring the call holds when first asked)."""
+        return ShardRuns(self.engine, self.weights)
 
     @property
     def kept(self) -> WeightRing | None:

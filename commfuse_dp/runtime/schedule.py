@@ -97,8 +97,9 @@ class FusedSchedule:
         if not recompute:
             self.entered(state, needs_dx)
         keep = self.engine.ring.size > 1 and not recompute and self.keeps_weight(state)
-        weights = self.weight_ring(state, params, compute_dtype, "forward", keep, recompute)
-        return FusedCall(self, state, "forward", weights, keep=keep, beside=not recompute)
+        call = FusedCall(self, state, "forward", None, keep=keep, beside=not recompute)
+        call.weights = self.weight_ring(state, params, compute_dtype, "forward", keep, recompute)
+        return call
 
     def backward(self, state: FusedGroupState, params, compute_dtype: torch.dtype, needs_dx: bool,
                  full: WeightRing | None, spec: GradSpec | None) -> FusedCall:
