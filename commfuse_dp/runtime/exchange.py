@@ -69,9 +69,8 @@ def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable
     engine = state.engine
     ring = engine.ring
     weights = WeightRing(engine, state.steps.ring_op(state.owner, phase) if ring.size > 1 else None, out)
-    last = max(ring.size - 2, 0)
-    LayerCall(engine, phase, weights, beside=(lambda k: then() if k == last else None) if then is not None else None
-              ).run((lambda k: piece(ring.shard_held(k))) if piece is not None else _nothing)
+    compute = (lambda k: piece(ring.shard_held(k))) if piece is not None else _nothing
+    LayerCall(engine, phase, weights, beside=_at(max(ring.size - 2, 0), then)).run(compute)
 
 
 def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -85,9 +84,14 @@ def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device:
     numel = math.prod(shape)
     op = state.steps.ring_op(state.owner, phase) if world > 1 else None
     grads = GradRing(engine, op, numel, dtype, device, zeroed=False, travel=Travel.WITH_PIECES)
-    LayerCall(engine, phase, None, grads, beside=(lambda k: then() if k == world - 1 else None) if then is not None
-              else None).run(lambda k: piece(engine.ring.shard_reduced(k), grads.part(k).view(shape)))
+    LayerCall(engine, phase, None, grads, beside=_at(world - 1, then)).run(
+        lambda k: piece(engine.ring.shard_reduced(k), grads.part(k).view(shape)))
     return grads.final().view(shape)
+
+
+def _at(last: int, then: Callable[[], None] | None) -> Callable[[int], None] | None:
+    """``then()`` beside piece ``last`` (right after that piece's hop was requested), or nothing."""
+    return None if then is None else (lambda k: then() if k == last else None)
 
 
 def _nothing(k: int) -> None:
