@@ -30,6 +30,7 @@ class CommFuseHandle:
     backward_gather: Any = None  # FSDP2 on rings: the hook that gathers the root's weights for the backward
     batch_tokens: tuple | None = None  # (tokens, where from): what the Trainer integrations told the defaults
     attachments: list = field(default_factory=list)  # (who, backend) of every ring attachment (attach.py)
+    tp: Any = None  # tp.parallelize.TensorParallel: the tensor-parallel group and what it split (tensor_parallel())
 
 
 def handle_of(model: Any, *, create: bool = False, through_wrapper: bool = True) -> CommFuseHandle | None:

@@ -1,4 +1,4 @@
-"""Sequence-parallel TP on rings (fused/tp.py): a column-parallel then a row-parallel linear, their activation rings
+"""Sequence-parallel TP on rings (tp/rings.py): a column-parallel then a row-parallel linear, their activation rings
 run by the layer call loop beside the GEMM pieces, give one process's outputs and gradients."""
 
 import pytest
@@ -29,7 +29,7 @@ def _tp_worker(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     from commfuse_dp import CommFuseConfig
-    from commfuse_dp.fused.tp import ColumnParallelFn, RowParallelFn, TPState
+    from commfuse_dp.tp.rings import ColumnParallelFn, RowParallelFn, TPState
     from commfuse_dp.ring import get_ring, observe_ring
     from commfuse_dp.runtime.engine import Engine
     from commfuse_dp.runtime.schedule import FusedSchedule
@@ -47,8 +47,8 @@ def _tp_worker(rank, world_size):
     x_l, w1_l, b1_l, w2_l, b2_l = leaves
     events = []
     with observe_ring(lambda event, op, k: events.append(event)):
-        hidden = torch.nn.functional.gelu(ColumnParallelFn.apply(x_l, column, w1_l, b1_l)[0])
-        out = RowParallelFn.apply(hidden, row, w2_l, b2_l)
+        hidden = torch.nn.functional.gelu(ColumnParallelFn.apply(x_l[None], column, TOKENS, w1_l, b1_l)[0])
+        out = RowParallelFn.apply(hidden, row, w2_l, b2_l)[0]
         ((out - target[mine]) ** 2).sum().backward()
     # (the replicated bias: every rank's gradient is the sum over the whole sequence, gathered)
     return out.detach(), [t.grad for t in leaves], events.count("compute")
@@ -81,7 +81,7 @@ def _mlp_worker(rank, world_size, batch):
     from torch.distributed.device_mesh import init_device_mesh
 
     from commfuse_dp import CommFuseConfig
-    from commfuse_dp.fused.tp import ColumnParallelFn, RowParallelFn, TPState
+    from commfuse_dp.tp.rings import ColumnParallelFn, RowParallelFn, TPState
     from commfuse_dp.ring import get_ring
     from commfuse_dp.runtime.engine import Engine
     from commfuse_dp.runtime.schedule import FusedSchedule
@@ -100,7 +100,7 @@ def _mlp_worker(rank, world_size, batch):
     leaves = [t.detach().clone().requires_grad_() for t in
               (x[:, mine], mlp.gate_proj.weight[feats], mlp.up_proj.weight[feats], mlp.down_proj.weight[:, feats])]
     x_l, gate_l, up_l, down_l = leaves
-    gate, up = ColumnParallelFn.apply(x_l, gate_up, gate_l, None, up_l, None)  # one gather for both
+    gate, up = ColumnParallelFn.apply(x_l, gate_up, TOKENS, gate_l, None, up_l, None)  # one gather for both
     out = RowParallelFn.apply(mlp.act_fn(gate) * up, down, down_l, None)
     ((out - target[:, mine]) ** 2).sum().backward()
     return out.detach(), [t.grad for t in leaves]

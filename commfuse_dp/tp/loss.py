@@ -1,0 +1,64 @@
+"""The cross-entropy of logits split over the vocabulary (each tensor-parallel rank holds the logits of its rows
+of the lm_head), so that no rank holds the full logits: per token, the maximum, the sum of exponentials and the
+target's logit are reduced over the group (two all-reduces of one number a token), and the gradient is each
+rank's own softmax rows less the target's one-hot.
+
+``causal_lm_loss(tp)`` is the model's ``loss_function`` (transformers' ``ForCausalLMLoss``, shift and
+reduction included: a sum over ``num_items_in_batch`` where it is given, else the mean over counted tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class VocabCrossEntropyFn(torch.autograd.Function):
+    """``loss = VocabCrossEntropyFn.apply(logits, target, start, group, ignore_index)``: ``logits`` ``(T, V_r)``
+    float, this rank's vocabulary rows ``start:start+V_r``; ``target`` ``(T,)``. ``loss`` ``(T,)``: each token's
+    cross-entropy, 0 where the target is ``ignore_index``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, group, ignore_index: int):
+        top = logits.max(-1).values
+        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+        exp = (logits - top[:, None]).exp_()
+        local = target - start
+        held = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~held, 0)
+        sums = torch.stack([exp.sum(-1), logits.gather(1, local[:, None]).squeeze(1) * held])
+        dist.all_reduce(sums, group=group)
+        counted = target != ignore_index
+        loss = (sums[0].log() + top - sums[1]) * counted
+        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, held & counted, counted)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss: torch.Tensor):
+        softmax, local, hit, counted = ctx.saved_tensors
+        grad = softmax * (dloss * counted)[:, None]  # (not in place: a second backward reads it again)
+        rows = hit.nonzero().squeeze(1)
+        grad[rows, local[rows]] -= dloss[rows]
+        return grad, None, None, None, None
+
+
+def causal_lm_loss(tp):
+    """A ``loss_function`` for a causal LM whose lm_head ``tp`` split over the vocabulary (``TensorParallel``):
+    what ``ForCausalLMLoss`` computes from the full logits."""
+
+    def loss_function(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                      shift_labels=None, **kwargs):
+        logits = logits.float()
+        if shift_labels is None:
+            labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:].contiguous()
+        target = shift_labels.reshape(-1).to(logits.device)
+        loss = VocabCrossEntropyFn.apply(logits.reshape(-1, logits.shape[-1]), target, tp.vocab_start,
+                                         tp.group, ignore_index).sum()
+        if num_items_in_batch is None:
+            return loss / (target != ignore_index).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
+
+    return loss_function

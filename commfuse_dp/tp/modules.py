@@ -1,0 +1,122 @@
+"""The tensor-parallel modules a Hugging Face decoder's own are replaced with (``parallelize.py``): attention with
+its heads split, the MLP, the vocabulary-parallel embedding and lm_head. Each keeps the original's parameter
+names (``q_proj.weight`` ... hold this rank's rows or columns), so that optimizers, state dicts and PEFT see the
+model they expect. Between them the hidden states are this rank's rows of the sequence ([Note: TPSP on rings]
+in ``rings.py``); the norms in between run on those rows unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+
+from .rings import ColumnParallelFn, RowParallelFn, TPState, VocabEmbeddingFn
+
+
+class TPAttention(nn.Module):
+    """A decoder's self-attention with this rank's heads: q, k and v column-parallel in one gather, rotary and
+    the attention function (``config._attn_implementation``) on the whole sequence of these heads, o
+    row-parallel. In: this rank's rows ``(B, |R_r|, H)``; out: the same rows and the attention weights of this
+    rank's heads (or None)."""
+
+    COPIED = ("config", "layer_idx", "head_dim", "num_key_value_groups", "scaling", "attention_dropout",
+              "is_causal", "layer_type")
+
+    def __init__(self, attn: nn.Module, tp, name: str, extra: dict) -> None:
+        super().__init__()
+        for attr in self.COPIED:
+            if hasattr(attn, attr):
+                setattr(self, attr, getattr(attn, attr))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.tp, self.extra = tp, extra  # extra: the keywords the family's attention passes (sliding_window)
+        self.qkv_ring, self.o_ring = TPState(tp.steps, f"{name}.qkv (tp)"), TPState(tp.steps, f"{name}.o_proj (tp)")
+        family = sys.modules[type(attn).__module__]
+        self._rotary, self._eager = family.apply_rotary_pos_emb, family.eager_attention_forward
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        batch, seq = hidden_states.shape[0], self.tp.seq
+        q, k, v = ColumnParallelFn.apply(hidden_states, self.qkv_ring, seq,
+                                         *_wb(self.q_proj), *_wb(self.k_proj), *_wb(self.v_proj))
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        cos, sin = position_embeddings
+        q, k = self._rotary(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        out, weights = attention(self, q, k, v, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout,
+                                 scaling=self.scaling, **self.extra, **kwargs)
+        out = out.reshape(batch, seq, -1).contiguous()
+        return RowParallelFn.apply(out, self.o_ring, self.o_proj.weight, self.o_proj.bias), weights
+
+
+class TPMLP(nn.Module):
+    """A gated MLP (``down(act(gate(x)) * up(x))``): gate and up column-parallel in one gather, down
+    row-parallel."""
+
+    def __init__(self, mlp: nn.Module, tp, name: str) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.tp = tp
+        self.gate_up_ring = TPState(tp.steps, f"{name}.gate_up (tp)")
+        self.down_ring = TPState(tp.steps, f"{name}.down_proj (tp)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = ColumnParallelFn.apply(x, self.gate_up_ring, self.tp.seq, *_wb(self.gate_proj), *_wb(self.up_proj))
+        return RowParallelFn.apply(self.act_fn(gate) * up, self.down_ring, self.down_proj.weight,
+                                   self.down_proj.bias)
+
+
+class TPEmbedding(nn.Module):
+    """The token embedding with this rank's rows of the table (``weight``: rows ``tp.vocab_start`` on), looked up
+    beside the reduce-scatter that leaves each rank its rows of the sequence. Returns the whole ``(B, S, H)``
+    frame, this rank's rows filled and the others zero, so that the model's masks and positions see the
+    sequence's length; the first decoder layer takes this rank's rows from it (``parallelize.py``). A scale the
+    original multiplies by (Gemma's ``embed_scale``) is kept."""
+
+    def __init__(self, embedding: nn.Embedding, tp, name: str) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        self.padding_idx = embedding.padding_idx
+        self.embedding_dim = embedding.embedding_dim
+        self.num_embeddings = tp.vocab_size
+        if hasattr(embedding, "embed_scale"):
+            self.embed_scale = embedding.embed_scale
+        self.tp = tp
+        self.ring = TPState(tp.steps, f"{name} (tp)")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mine = VocabEmbeddingFn.apply(input_ids, self.ring, self.weight, self.tp.vocab_start, self.padding_idx)
+        if getattr(self, "embed_scale", None) is not None:
+            mine = mine * self.embed_scale.to(self.weight.dtype)
+        start, rows = self.tp.rows_of(input_ids.shape[1])
+        return nn.functional.pad(mine, (0, 0, start, input_ids.shape[1] - start - rows))
+
+
+class TPLMHead(nn.Module):
+    """The lm_head with this rank's rows of the vocabulary: column-parallel over the sequence's rows, giving this
+    rank's ``(B, S, V_r)`` logits (the loss is ``loss.causal_lm_loss``)."""
+
+    def __init__(self, head: nn.Linear, tp, name: str) -> None:
+        super().__init__()
+        self.weight, self.bias = head.weight, head.bias
+        self.in_features, self.out_features = head.in_features, tp.vocab_size
+        self.tp = tp
+        self.ring = TPState(tp.steps, f"{name} (tp)")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = self.tp.rows_of(self.tp.seq)[1]
+        if hidden_states.shape[1] != rows:
+            raise ValueError(f"the tensor-parallel lm_head got {hidden_states.shape[1]} rows of the sequence where "
+                             f"this rank holds {rows}: logits_to_keep (generation) is not supported under "
+                             f"tensor parallelism; call the model with the whole sequence")
+        return ColumnParallelFn.apply(hidden_states, self.ring, self.tp.seq, self.weight, self.bias)[0]
+
+
+def _wb(linear: nn.Linear) -> tuple:
+    return linear.weight, linear.bias

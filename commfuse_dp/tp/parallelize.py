@@ -1,0 +1,225 @@
+"""``tensor_parallel(model, group)``: a Hugging Face decoder made sequence-parallel tensor-parallel over
+``group``, its activation rings beside the GEMM pieces ([Note: TPSP on rings] in ``rings.py``).
+
+What changes in the model: every decoder layer's ``self_attn`` and ``mlp`` become ``TPAttention`` / ``TPMLP``
+holding this rank's heads (q, k, v rows and o columns) and this rank's part of the MLP's inner size; the
+token embedding and the lm_head hold this rank's rows of the vocabulary (one table where they are tied); the
+norms stay whole, run on this rank's rows of the sequence, and their gradients are summed over the group as
+each backward produces them. The model's ``loss_function`` becomes the vocabulary-parallel cross-entropy
+(``loss.py``), so ``model(input_ids, labels=labels).loss`` is one process's loss on every rank, while its
+``logits`` are this rank's vocabulary rows of them and its last hidden states this rank's rows of the sequence.
+
+Families: those whose attention and MLP this module reproduces exactly (``FAMILIES``); any other is refused.
+Heads must divide over the group (also the key/value heads: they are not replicated); the sequence and the
+vocabulary need not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..handle import handle_of
+from .loss import causal_lm_loss
+from .modules import TPAttention, TPEmbedding, TPLMHead, TPMLP
+from .rings import seq_split
+
+# model_type -> the keywords its attention passes to the attention function beyond Llama's
+FAMILIES = {
+    "llama": lambda attn: {},
+    "gemma": lambda attn: {},
+    "mistral": lambda attn: {"sliding_window": getattr(attn.config, "sliding_window", None)},
+    "qwen2": lambda attn: {"sliding_window": attn.sliding_window},
+}
+NORMS = ("RMSNorm", "LayerNorm")  # the modules whose weights stay whole (their class names end so)
+
+
+class TensorParallel:
+    """A model's tensor-parallel group: its ring engine and step state, the rows of the vocabulary this rank
+    holds, the sequence's length in the step that runs, and which parameters are split (``sharded``: name ->
+    (dim, start, count) of the whole) or whole (``replicated``)."""
+
+    def __init__(self, group, vocab_size: int, config=None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ..config import CommFuseConfig
+        from ..ring import get_ring
+        from ..runtime.engine import Engine
+        from ..runtime.schedule import FusedSchedule
+        from ..runtime.step import StepState
+
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        mesh = DeviceMesh.from_group(group, device_type=device)
+        self.engine = Engine(get_ring(group, caller="tensor_parallel"), mesh, config or CommFuseConfig())
+        self.steps = StepState(self.engine, FusedSchedule)
+        self.vocab_size = vocab_size
+        counts, offsets = seq_split(vocab_size, self.size)
+        self.vocab_start, self.vocab_rows = offsets[self.rank], counts[self.rank]
+        self.seq: int | None = None
+        self.sharded: dict[str, tuple[int, int, int]] = {}
+        self.replicated: list[str] = []
+
+    def rows_of(self, seq: int) -> tuple[int, int]:
+        """(offset, count) of this rank's rows of a sequence of ``seq`` tokens."""
+        counts, offsets = seq_split(seq, self.size)
+        return offsets[self.rank], counts[self.rank]
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` (the 2-norm) of the whole model's gradients: the split parameters'
+        squares summed over the group, the whole ones counted once. Returns the total norm."""
+        named = dict(model.named_parameters())
+        split = [named[n].grad for n in self.sharded if named[n].grad is not None]
+        whole = [named[n].grad for n in self.replicated if named[n].grad is not None]
+        sq = torch.stack([g.detach().double().pow(2).sum() for g in split]).sum() if split else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(sq, group=self.group)
+        if whole:
+            sq = sq + torch.stack([g.detach().double().pow(2).sum() for g in whole]).sum()
+        total = sq.sqrt().float()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in split + whole:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+
+def tensor_parallel(model: nn.Module, group=None, config=None) -> nn.Module:
+    """Make ``model`` (a Hugging Face causal LM of ``FAMILIES``) sequence-parallel tensor-parallel over ``group``
+    (default: every rank) in place, and return it. Every rank must give the same model (same weights), and then
+    every rank's forward the same batch: each keeps its part."""
+    group = group if group is not None else dist.group.WORLD
+    cfg = model.config
+    if cfg.model_type not in FAMILIES:
+        raise ValueError(f"tensor_parallel: model type {cfg.model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(FAMILIES))} (their attention and MLP are reproduced exactly)")
+    size = dist.get_world_size(group)
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if heads % size or kv % size:
+        raise ValueError(f"tensor_parallel: {heads} attention heads and {kv} key/value heads do not both divide over "
+                         f"{size} tensor-parallel ranks; key/value heads are not replicated: choose a "
+                         f"tensor-parallel size that divides {math.gcd(heads, kv)}")
+    tp = TensorParallel(group, cfg.vocab_size, config)
+    names = {id(m): n for n, m in model.named_modules()}
+    base = model.get_decoder()
+    embed, head = base.embed_tokens, getattr(model, "lm_head", None)
+    tied = head is not None and head.weight is embed.weight
+    for layer in base.layers:
+        _split_attention(tp, layer, names, FAMILIES[cfg.model_type])
+        _split_mlp(tp, layer, names)
+    _keep(tp, embed, names[id(embed)], 0, tp.vocab_start, tp.vocab_rows)
+    base.embed_tokens = TPEmbedding(embed, tp, names[id(embed)])
+    if head is not None:
+        if tied:
+            head.weight = embed.weight
+        else:
+            _keep(tp, head, names[id(head)], 0, tp.vocab_start, tp.vocab_rows)
+        model.lm_head = TPLMHead(head, tp, names[id(head)])
+        model.loss_function = causal_lm_loss(tp)
+    _sum_whole_gradients(tp, model)
+    base.layers[0].register_forward_pre_hook(_first_layer_rows(tp), with_kwargs=True)
+    model.register_forward_pre_hook(_begin_step(tp))
+    model.register_forward_hook(_end_forward(tp))
+    handle_of(model, create=True).tp = tp
+    return model
+
+
+def _split_attention(tp: TensorParallel, layer: nn.Module, names: dict, family) -> None:
+    attn = layer.self_attn
+    name = names[id(attn)]
+    head_dim = attn.head_dim
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        rows = proj.weight.shape[0] // tp.size
+        _keep(tp, proj, names[id(proj)], 0, tp.rank * rows, rows)
+    cols = attn.o_proj.weight.shape[1] // tp.size
+    assert cols % head_dim == 0
+    _keep(tp, attn.o_proj, names[id(attn.o_proj)], 1, tp.rank * cols, cols)
+    layer.self_attn = TPAttention(attn, tp, name, family(attn))
+
+
+def _split_mlp(tp: TensorParallel, layer: nn.Module, names: dict) -> None:
+    mlp = layer.mlp
+    missing = [p for p in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, p)]
+    if missing:
+        raise ValueError(f"tensor_parallel: {names[id(mlp)]} ({type(mlp).__name__}) has no {missing}: only gated "
+                         f"MLPs (down(act(gate(x)) * up(x))) are supported")
+    counts, offsets = seq_split(mlp.gate_proj.weight.shape[0], tp.size)
+    start, rows = offsets[tp.rank], counts[tp.rank]
+    for proj in (mlp.gate_proj, mlp.up_proj):
+        _keep(tp, proj, names[id(proj)], 0, start, rows)
+    _keep(tp, mlp.down_proj, names[id(mlp.down_proj)], 1, start, rows)
+    layer.mlp = TPMLP(mlp, tp, names[id(mlp)])
+
+
+def _keep(tp: TensorParallel, module: nn.Module, name: str, dim: int, start: int, count: int) -> None:
+    """Keep ``start:start+count`` of ``module``'s weight along ``dim`` (and of its bias where it is split with
+    it: ``dim`` 0), recorded in ``tp.sharded``."""
+    weight = module.weight
+    module.weight = nn.Parameter(weight.detach().narrow(dim, start, count).clone(), requires_grad=weight.requires_grad)
+    tp.sharded[f"{name}.weight"] = (dim, start, count)
+    bias = getattr(module, "bias", None)
+    if bias is not None and dim == 0:
+        module.bias = nn.Parameter(bias.detach().narrow(0, start, count).clone(), requires_grad=bias.requires_grad)
+        tp.sharded[f"{name}.bias"] = (0, start, count)
+    if isinstance(module, nn.Linear):
+        module.out_features, module.in_features = module.weight.shape
+    elif isinstance(module, nn.Embedding):
+        module.num_embeddings = count
+
+
+def _sum_whole_gradients(tp: TensorParallel, model: nn.Module) -> None:
+    """The parameters left whole: each rank's gradient covers its rows of the sequence only, so it is summed over
+    the group as each backward produces it (before it is accumulated into ``.grad``). Only norms may be left."""
+    owners = {f"{prefix}.{p}" if prefix else p: m
+              for prefix, m in model.named_modules() for p, _ in m.named_parameters(recurse=False)}
+    for name, param in model.named_parameters():
+        if name in tp.sharded:
+            continue
+        owner = owners[name]
+        if not type(owner).__name__.endswith(NORMS) and not _row_bias(name):
+            raise ValueError(f"tensor_parallel: {name} ({type(owner).__name__}) would stay whole, and only norms "
+                             f"and the biases of row-parallel linears may; this model is not supported")
+        tp.replicated.append(name)
+        if param.requires_grad and not _row_bias(name):
+            param.register_hook(_summed(tp.group))
+
+
+def _row_bias(name: str) -> bool:
+    """A row-parallel linear's bias: whole, its gradient complete on every rank (from the gathered rows)."""
+    return name.endswith(("o_proj.bias", "down_proj.bias"))
+
+
+def _summed(group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+    return hook
+
+
+def _begin_step(tp: TensorParallel):
+    def hook(module, args) -> None:
+        tp.steps.begin_step()
+    return hook
+
+
+def _end_forward(tp: TensorParallel):
+    def hook(module, args, out) -> None:
+        tp.steps.end_forward()
+    return hook
+
+
+def _first_layer_rows(tp: TensorParallel):
+    """The first decoder layer's pre-hook: the sequence's length for this step, and this rank's rows of the
+    whole-sequence hidden states (the embedding's frame, or ``inputs_embeds`` given whole)."""
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        tp.seq = hidden.shape[1]
+        start, rows = tp.rows_of(tp.seq)
+        mine = hidden[:, start:start + rows]
+        if args:
+            return (mine, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": mine}
+    return hook

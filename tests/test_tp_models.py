@@ -1,0 +1,106 @@
+"""Hugging Face decoders made tensor-parallel (``commfuse_dp.tp.tensor_parallel``): Llama, Qwen2, Mistral and a
+tied Gemma at TP 2 and 4 (and 3, a sequence and a vocabulary that do not divide) give one process's losses and
+gradients over 5 AdamW steps with gradient accumulation and clipping; a model whose key/value heads do not divide
+is refused on every rank."""
+
+import pytest
+import torch
+
+from harness import run_ranks
+
+STEPS, MICRO, BATCH, VOCAB = 5, 2, 2, 101
+
+
+def _model(family: str, heads: int, kv: int, seed: int = 0, attention: str = "sdpa"):
+    import transformers
+
+    kinds = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
+             "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"tie_word_embeddings": True})}
+    config_cls, model_cls, extra = kinds[family]
+    config = config_cls(vocab_size=VOCAB, hidden_size=4 * heads, intermediate_size=40, num_hidden_layers=2,
+                        num_attention_heads=heads, num_key_value_heads=kv, head_dim=4, max_position_embeddings=64,
+                        pad_token_id=0, attn_implementation=attention, **extra)
+    torch.manual_seed(seed)
+    return model_cls(config)
+
+
+def _batches(seq: int):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS * MICRO):
+        ids = torch.randint(1, VOCAB, (BATCH, seq), generator=gen)
+        labels = ids.clone()
+        labels[:, :2] = -100  # (some tokens not counted)
+        out.append((ids, labels))
+    return out
+
+
+def _train(model, seq, clip):
+    """5 AdamW steps of 2 micro-batches each; the losses and each step's clipped gradients."""
+    # (a fine-tuning rate: at 1e-2, AdamW's per-element normalisation lifts the float32 reordering of the group's
+    # sums past 1e-5 in a few gradient elements by the third step)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = iter(_batches(seq))
+    losses, grads = [], []
+    for _ in range(STEPS):
+        for _ in range(MICRO):
+            ids, labels = next(batches)
+            loss = model(input_ids=ids, labels=labels).loss
+            (loss / MICRO).backward()
+            losses.append(loss.item())
+        clip()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _tp_worker(rank, world_size, family, heads, kv, seq, attention):
+    from commfuse_dp.handle import handle_of
+    from commfuse_dp.tp import tensor_parallel
+
+    model = tensor_parallel(_model(family, heads, kv, attention=attention))
+    tp = handle_of(model).tp
+    losses, grads = _train(model, seq, lambda: tp.clip_grad_norm_(model, 1.0))
+    return losses, grads, dict(tp.sharded)
+
+
+CASES = [("llama", 2, 8, 4, 12, "sdpa"), ("qwen2", 2, 8, 4, 12, "sdpa"), ("mistral", 2, 8, 4, 12, "sdpa"),
+         ("gemma", 2, 8, 4, 12, "sdpa"), ("llama", 2, 8, 4, 12, "eager"), ("llama", 4, 8, 4, 12, "sdpa"),
+         ("gemma", 4, 8, 4, 12, "sdpa"), ("qwen2", 3, 6, 3, 13, "sdpa")]
+FAST = {CASES[0], CASES[3]}
+
+
+@pytest.mark.parametrize("family,world_size,heads,kv,seq,attention", [
+    c if c in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
+def test_tensor_parallel_model_trains_as_one_process(family, world_size, heads, kv, seq, attention):
+    reference = _model(family, heads, kv, attention=attention)
+    want_losses, want_grads = _train(reference, seq,
+                                     lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0))
+    for losses, grads, sharded in run_ranks(_tp_worker, world_size, (family, heads, kv, seq, attention), timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
+        assert set(grads[0]) == set(want_grads[0])
+        for step, (got, want) in enumerate(zip(grads, want_grads)):
+            for name, g in got.items():
+                w = want[name]
+                if name in sharded:
+                    dim, start, count = sharded[name]
+                    w = w.narrow(dim, start, count)
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+
+
+def _refused_worker(rank, world_size):
+    from commfuse_dp.tp import tensor_parallel
+
+    try:
+        tensor_parallel(_model("llama", 8, 2))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_key_value_heads_that_do_not_divide_are_refused_on_every_rank():
+    for message in run_ranks(_refused_worker, 4):
+        assert message is not None and "2 key/value heads" in message and "not replicated" in message
