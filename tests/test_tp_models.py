@@ -59,11 +59,11 @@ def _train(model, seq, clip):
 
 def _tp_worker(rank, world_size, family, heads, kv, seq, attention):
     from commfuse_dp.handle import handle_of
-    from commfuse_dp.tp import tensor_parallel
+    from commfuse_dp.tp import clip_grad_norm_, tensor_parallel
 
     model = tensor_parallel(_model(family, heads, kv, attention=attention))
     tp = handle_of(model).tp
-    losses, grads = _train(model, seq, lambda: tp.clip_grad_norm_(model, 1.0))
+    losses, grads = _train(model, seq, lambda: clip_grad_norm_(model, 1.0))
     return losses, grads, dict(tp.sharded)
 
 
@@ -104,3 +104,26 @@ def _refused_worker(rank, world_size):
 def test_key_value_heads_that_do_not_divide_are_refused_on_every_rank():
     for message in run_ranks(_refused_worker, 4):
         assert message is not None and "2 key/value heads" in message and "not replicated" in message
+
+
+def _reference_schedule_worker(rank, world_size):
+    from commfuse_dp.tp import tensor_parallel
+
+    fused = tensor_parallel(_model("llama", 8, 4))
+    plain = tensor_parallel(_model("llama", 8, 4), fused=False)
+    ids, labels = _batches(13)[0]
+    out = []
+    for model in (fused, plain):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    return out
+
+
+def test_fused_rings_match_the_reference_schedule():
+    """The fused schedule (each hop beside a GEMM piece) against the reference on the same rings (every gather
+    waited for before its GEMM, every reduce-scatter after it), at TP 2 on a sequence that does not divide."""
+    for (loss, grads), (want_loss, want_grads) in run_ranks(_reference_schedule_worker, 2):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want_grads[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -296,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--min-fuse-numel must be at least 0")
     if args.overhead and not args.calibrate:
         parser.error("--overhead is read with --calibrate FILE only (it corrects the calibration's host work)")
+    if args.tp is not None:
+        return _tensor_parallel(parser, args)
     if args.calibrate:  # (the bench file says what min_fuse_numel it ran with)
         return calibrate(args.calibrate, args.latency_us, args.overhead)
     if args.latency_us is None:
@@ -338,6 +340,27 @@ def main(argv: list[str] | None = None) -> int:
         print_nodes(args, model, cl, machines_checked(parser, args), codec, said)
         return 0
     print_predictions(args, model, cl, codec, said)
+    return 0
+
+
+def _tensor_parallel(parser: argparse.ArgumentParser, args) -> int:
+    """``--tp N``: the TP play (``planner/tp.py``), or its calibration against a TP bench file."""
+    from . import tp
+
+    if args.tp < 2:
+        parser.error(f"--tp {args.tp}: give at least 2 ranks of tensor parallelism")
+    if args.calibrate:
+        return tp.calibrate(args.calibrate, args.latency_us)
+    latency = 15.0 if args.latency_us is None else args.latency_us
+    model = load_model(args.model)
+    heads, kv = model[3], model[4]
+    if heads % args.tp or kv % args.tp:
+        parser.error(f"--tp {args.tp}: {args.model} has {heads} heads and {kv} key/value heads; both must divide "
+                     f"over the TP ranks (tensor_parallel() refuses it otherwise)")
+    clusters = {f"{label} ({gbps:g} GB/s a rank)": tp.TPCluster(args.tp, gbps * 1e9, latency * 1e-6,
+                                                                args.tflops * 1e12, args.dtype_bytes)
+                for label, gbps in (("NVLink", 450.0), ("PCIe", 25.0), ("--link-gbps", args.link_gbps))}
+    tp.print_play(args.model, model, args.tokens, args.seq, clusters)
     return 0
 
 
@@ -409,6 +432,11 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
 def _mode_arguments(parser: argparse.ArgumentParser) -> None:
     """What to print instead of one cluster's predictions: calibration, sweeps, narrow formats."""
     parser.add_argument("--calibrate", metavar="BENCH_JSON", help="compare with a `commfuse-dp bench --json` file")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="play sequence-parallel tensor parallelism over N ranks instead (fused against DTensor's "
+                             "schedule; --tokens-per-rank is then the TP group's tokens a step) on NVLink (450 GB/s "
+                             "a GPU), PCIe (25 GB/s) and --link-gbps; with --calibrate, FILE is a "
+                             "benchmarks/tp_bench.py results file")
     parser.add_argument("--overhead", metavar="JSON",
                         help="--calibrate: each schedule's own work per step on the bench's machine, from "
                              "benchmarks/step_overhead.py --fake-worlds W --bench-model real|emulated --json JSON")

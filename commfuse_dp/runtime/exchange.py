@@ -74,18 +74,19 @@ def gather_into(state: RingOwner, out: torch.Tensor, phase: str, piece: Callable
 
 
 def reduce(state: RingOwner, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-           piece: Callable[[int, torch.Tensor], None], phase: str, then: Callable[[], None] | None = None
-           ) -> torch.Tensor:
+           piece: Callable[[int, torch.Tensor], None], phase: str, then: Callable[[], None] | None = None,
+           by_piece: bool = False) -> torch.Tensor:
     """Reduce-scatter ring (lockstep): ``piece(t, part)`` writes this rank's contribution for rank t into
-    ``part`` beside the hop that brings the partial sum for t; returns the complete sum for this rank.
-    ``then()`` runs right after the last hop was requested."""
+    ``part`` beside the hop that brings the partial sum for t (``by_piece``: ``piece(k, part)``, k the piece,
+    whose part is for ``ring.shard_reduced(k)``); returns the complete sum for this rank. ``then()`` runs right
+    after the last hop was requested."""
     engine = state.engine
     world = engine.ring.size
     numel = math.prod(shape)
     op = state.steps.ring_op(state.owner, phase) if world > 1 else None
     grads = GradRing(engine, op, numel, dtype, device, zeroed=False, travel=Travel.WITH_PIECES)
     LayerCall(engine, phase, None, grads, beside=_at(world - 1, then)).run(
-        lambda k: piece(engine.ring.shard_reduced(k), grads.part(k).view(shape)))
+        lambda k: piece(k if by_piece else engine.ring.shard_reduced(k), grads.part(k).view(shape)))
     return grads.final().view(shape)
 
 

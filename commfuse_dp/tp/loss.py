@@ -23,23 +23,32 @@ class VocabCrossEntropyFn(torch.autograd.Function):
         top = logits.max(-1).values
         dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
         exp = (logits - top[:, None]).exp_()
-        local = target - start
-        held = (local >= 0) & (local < logits.shape[-1])
-        local = local.masked_fill(~held, 0)
+        local, held, counted = _targets(target, start, logits.shape[-1], ignore_index)
         sums = torch.stack([exp.sum(-1), logits.gather(1, local[:, None]).squeeze(1) * held])
         dist.all_reduce(sums, group=group)
-        counted = target != ignore_index
         loss = (sums[0].log() + top - sums[1]) * counted
-        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, held & counted, counted)
+        ctx.start, ctx.ignore_index = start, ignore_index
+        # (the rest is found again from the target, kept narrow where the vocabulary allows)
+        narrow = target.to(torch.int32) if start + logits.shape[-1] < 2 ** 31 else target
+        ctx.save_for_backward(exp.div_(sums[0][:, None]), narrow)
         return loss
 
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
-        softmax, local, hit, counted = ctx.saved_tensors
+        softmax, target = ctx.saved_tensors
+        local, held, counted = _targets(target.long(), ctx.start, softmax.shape[-1], ctx.ignore_index)
         grad = softmax * (dloss * counted)[:, None]  # (not in place: a second backward reads it again)
-        rows = hit.nonzero().squeeze(1)
+        rows = (held & counted).nonzero().squeeze(1)
         grad[rows, local[rows]] -= dloss[rows]
         return grad, None, None, None, None
+
+
+def _targets(target: torch.Tensor, start: int, rows: int, ignore_index: int):
+    """Each target's column in this rank's logits (0 where another rank holds it), where this rank holds it, and
+    which targets count (not ``ignore_index``)."""
+    local = target - start
+    held = (local >= 0) & (local < rows)
+    return local.masked_fill(~held, 0), held, target != ignore_index
 
 
 def causal_lm_loss(tp):

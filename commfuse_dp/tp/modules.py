@@ -31,7 +31,7 @@ class TPAttention(nn.Module):
                 setattr(self, attr, getattr(attn, attr))
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.tp, self.extra = tp, extra  # extra: the keywords the family's attention passes (sliding_window)
-        self.qkv_ring, self.o_ring = TPState(tp.steps, f"{name}.qkv (tp)"), TPState(tp.steps, f"{name}.o_proj (tp)")
+        self.qkv_ring, self.o_ring = TPState(tp.steps, f"{name}.qkv (tp)", tp.fused), TPState(tp.steps, f"{name}.o_proj (tp)", tp.fused)
         family = sys.modules[type(attn).__module__]
         self._rotary, self._eager = family.apply_rotary_pos_emb, family.eager_attention_forward
 
@@ -63,8 +63,8 @@ class TPMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
         self.tp = tp
-        self.gate_up_ring = TPState(tp.steps, f"{name}.gate_up (tp)")
-        self.down_ring = TPState(tp.steps, f"{name}.down_proj (tp)")
+        self.gate_up_ring = TPState(tp.steps, f"{name}.gate_up (tp)", tp.fused)
+        self.down_ring = TPState(tp.steps, f"{name}.down_proj (tp)", tp.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = ColumnParallelFn.apply(x, self.gate_up_ring, self.tp.seq, *_wb(self.gate_proj), *_wb(self.up_proj))
@@ -88,7 +88,7 @@ class TPEmbedding(nn.Module):
         if hasattr(embedding, "embed_scale"):
             self.embed_scale = embedding.embed_scale
         self.tp = tp
-        self.ring = TPState(tp.steps, f"{name} (tp)")
+        self.ring = TPState(tp.steps, f"{name} (tp)", tp.fused)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         mine = VocabEmbeddingFn.apply(input_ids, self.ring, self.weight, self.tp.vocab_start, self.padding_idx)
@@ -107,7 +107,7 @@ class TPLMHead(nn.Module):
         self.weight, self.bias = head.weight, head.bias
         self.in_features, self.out_features = head.in_features, tp.vocab_size
         self.tp = tp
-        self.ring = TPState(tp.steps, f"{name} (tp)")
+        self.ring = TPState(tp.steps, f"{name} (tp)", tp.fused)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = self.tp.rows_of(self.tp.seq)[1]
@@ -116,6 +116,45 @@ class TPLMHead(nn.Module):
                              f"this rank holds {rows}: logits_to_keep (generation) is not supported under "
                              f"tensor parallelism; call the model with the whole sequence")
         return ColumnParallelFn.apply(hidden_states, self.ring, self.tp.seq, self.weight, self.bias)[0]
+
+
+class TPNorm(nn.Module):
+    """A norm on this rank's rows of the sequence, its weight whole: the original norm's own forward, run with
+    its weight passed through ``SummedGrad`` (``torch.func.functional_call``), so that the weight's gradient is
+    summed over the group in the backward, where autograd makes it (exact under accumulation, whoever then holds
+    the parameter). The original's parameters and buffers are this module's, under the same names."""
+
+    def __init__(self, norm: nn.Module, tp) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        for name, buffer in norm.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in norm._non_persistent_buffers_set)
+        self.tp = tp
+        self._norm = (norm,)  # (not a child: its weight is this module's)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (norm,) = self._norm
+        return torch.func.functional_call(norm, {"weight": SummedGrad.apply(self.weight, self.tp.group)}, (x,))
+
+    def extra_repr(self) -> str:
+        return f"{type(self._norm[0]).__name__}: {self._norm[0].extra_repr()}"
+
+
+class SummedGrad(torch.autograd.Function):
+    """The identity, whose gradient is summed over ``group`` (a whole weight used on each rank's rows)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group):
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _wb(linear: nn.Linear) -> tuple:

@@ -4,8 +4,8 @@
 What changes in the model: every decoder layer's ``self_attn`` and ``mlp`` become ``TPAttention`` / ``TPMLP``
 holding this rank's heads (q, k, v rows and o columns) and this rank's part of the MLP's inner size; the
 token embedding and the lm_head hold this rank's rows of the vocabulary (one table where they are tied); the
-norms stay whole, run on this rank's rows of the sequence, and their gradients are summed over the group as
-each backward produces them. The model's ``loss_function`` becomes the vocabulary-parallel cross-entropy
+norms stay whole (``TPNorm``: the original's forward on this rank's rows of the sequence), and their weights'
+gradients are summed over the group as each backward produces them. The model's ``loss_function`` becomes the vocabulary-parallel cross-entropy
 (``loss.py``), so ``model(input_ids, labels=labels).loss`` is one process's loss on every rank, while its
 ``logits`` are this rank's vocabulary rows of them and its last hidden states this rank's rows of the sequence.
 
@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..handle import handle_of
 from .loss import causal_lm_loss
-from .modules import TPAttention, TPEmbedding, TPLMHead, TPMLP
+from .modules import TPAttention, TPEmbedding, TPLMHead, TPMLP, TPNorm
 from .rings import seq_split
 
 # model_type -> the keywords its attention passes to the attention function beyond Llama's
@@ -42,7 +42,7 @@ class TensorParallel:
     holds, the sequence's length in the step that runs, and which parameters are split (``sharded``: name ->
     (dim, start, count) of the whole) or whole (``replicated``)."""
 
-    def __init__(self, group, vocab_size: int, config=None) -> None:
+    def __init__(self, group, vocab_size: int, config=None, fused: bool = True) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         from ..config import CommFuseConfig
@@ -58,6 +58,7 @@ class TensorParallel:
         self.engine = Engine(get_ring(group, caller="tensor_parallel"), mesh, config or CommFuseConfig())
         self.steps = StepState(self.engine, FusedSchedule)
         self.vocab_size = vocab_size
+        self.fused = fused
         counts, offsets = seq_split(vocab_size, self.size)
         self.vocab_start, self.vocab_rows = offsets[self.rank], counts[self.rank]
         self.seq: int | None = None
@@ -86,10 +87,12 @@ class TensorParallel:
         return total
 
 
-def tensor_parallel(model: nn.Module, group=None, config=None) -> nn.Module:
+def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = True) -> nn.Module:
     """Make ``model`` (a Hugging Face causal LM of ``FAMILIES``) sequence-parallel tensor-parallel over ``group``
     (default: every rank) in place, and return it. Every rank must give the same model (same weights), and then
-    every rank's forward the same batch: each keeps its part."""
+    every rank's forward the same batch: each keeps its part. ``fused=False``: the reference schedule, each
+    gather waited for before its GEMM and each reduce-scatter started after it (DTensor's schedule on the same
+    rings)."""
     group = group if group is not None else dist.group.WORLD
     cfg = model.config
     if cfg.model_type not in FAMILIES:
@@ -101,7 +104,7 @@ def tensor_parallel(model: nn.Module, group=None, config=None) -> nn.Module:
         raise ValueError(f"tensor_parallel: {heads} attention heads and {kv} key/value heads do not both divide over "
                          f"{size} tensor-parallel ranks; key/value heads are not replicated: choose a "
                          f"tensor-parallel size that divides {math.gcd(heads, kv)}")
-    tp = TensorParallel(group, cfg.vocab_size, config)
+    tp = TensorParallel(group, cfg.vocab_size, config, fused)
     names = {id(m): n for n, m in model.named_modules()}
     base = model.get_decoder()
     embed, head = base.embed_tokens, getattr(model, "lm_head", None)
@@ -124,6 +127,16 @@ def tensor_parallel(model: nn.Module, group=None, config=None) -> nn.Module:
     model.register_forward_hook(_end_forward(tp))
     handle_of(model, create=True).tp = tp
     return model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients of a model made tensor-parallel by ``tensor_parallel`` to a total 2-norm of
+    ``max_norm``, the norm taken over the whole model (every rank's parts); returns the norm before clipping."""
+    handle = handle_of(model)
+    if handle is None or handle.tp is None:
+        raise ValueError("clip_grad_norm_: this model was not made tensor-parallel by commfuse_dp.tensor_parallel(); "
+                         "use torch.nn.utils.clip_grad_norm_")
+    return handle.tp.clip_grad_norm_(model, max_norm)
 
 
 def _split_attention(tp: TensorParallel, layer: nn.Module, names: dict, family) -> None:
@@ -170,33 +183,30 @@ def _keep(tp: TensorParallel, module: nn.Module, name: str, dim: int, start: int
 
 
 def _sum_whole_gradients(tp: TensorParallel, model: nn.Module) -> None:
-    """The parameters left whole: each rank's gradient covers its rows of the sequence only, so it is summed over
-    the group as each backward produces it (before it is accumulated into ``.grad``). Only norms may be left."""
-    owners = {f"{prefix}.{p}" if prefix else p: m
-              for prefix, m in model.named_modules() for p, _ in m.named_parameters(recurse=False)}
-    for name, param in model.named_parameters():
+    """The parameters left whole: each rank's gradient covers its rows of the sequence only, so each norm becomes
+    a ``TPNorm`` that sums its weight's gradient over the group. Only norms and row-parallel biases (whose
+    gradients the gathered rows make whole) may be left."""
+    norms = [(prefix, m) for prefix, m in model.named_modules()
+             if type(m).__name__.endswith(NORMS) and isinstance(getattr(m, "weight", None), nn.Parameter)]
+    owned = {f"{prefix}.weight" for prefix, _ in norms}
+    for name, _ in model.named_parameters():
         if name in tp.sharded:
             continue
-        owner = owners[name]
-        if not type(owner).__name__.endswith(NORMS) and not _row_bias(name):
-            raise ValueError(f"tensor_parallel: {name} ({type(owner).__name__}) would stay whole, and only norms "
-                             f"and the biases of row-parallel linears may; this model is not supported")
+        if name not in owned and not _row_bias(name):
+            raise ValueError(f"tensor_parallel: {name} would stay whole, and only norms' weights and the biases of "
+                             f"row-parallel linears may; this model is not supported")
         tp.replicated.append(name)
-        if param.requires_grad and not _row_bias(name):
-            param.register_hook(_summed(tp.group))
+    for prefix, norm in norms:
+        if list(norm.named_parameters(recurse=False)) != [("weight", norm.weight)]:
+            raise ValueError(f"tensor_parallel: {prefix} ({type(norm).__name__}) has parameters beside its weight; "
+                             f"only such norms are supported")
+        parent, _, attr = prefix.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, TPNorm(norm, tp))
 
 
 def _row_bias(name: str) -> bool:
     """A row-parallel linear's bias: whole, its gradient complete on every rank (from the gathered rows)."""
     return name.endswith(("o_proj.bias", "down_proj.bias"))
-
-
-def _summed(group):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-    return hook
 
 
 def _begin_step(tp: TensorParallel):
@@ -218,7 +228,7 @@ def _first_layer_rows(tp: TensorParallel):
         hidden = args[0] if args else kwargs["hidden_states"]
         tp.seq = hidden.shape[1]
         start, rows = tp.rows_of(tp.seq)
-        mine = hidden[:, start:start + rows]
+        mine = hidden[:, start:start + rows].clone()  # (its own storage: the frame is not kept for the backward)
         if args:
             return (mine, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": mine}

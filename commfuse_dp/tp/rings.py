@@ -41,9 +41,10 @@ class TPState:
     """A tensor-parallel layer's ring owner: the engine whose ring is the tensor-parallel group, the step state
     that names its ring operations, and its owner index there."""
 
-    def __init__(self, steps, name: str) -> None:
+    def __init__(self, steps, name: str, fused: bool = True) -> None:
         self.engine, self.steps, self.name = steps.engine, steps, name
         self.owner = steps.register(name)
+        self.fused = fused  # False: the reference schedule (``_gather``, ``_reduce``)
 
 
 def seq_split(seq: int, size: int) -> tuple[list[int], list[int]]:
@@ -99,7 +100,7 @@ class ColumnParallelFn(torch.autograd.Function):
                     got = torch.addmm(b, x_s, w.t()) if b is not None else torch.mm(x_s, w.t())
                     y[:, offsets[s]:offsets[s] + counts[s]].copy_(got.view(batch, counts[s], -1))
 
-        gather_into(state, gathered, "forward", piece)
+        _gather(state, gathered, "forward", piece)
         ctx.state, ctx.split, ctx.shape = state, (counts, offsets), (batch, width)
         ctx.biased = [b is not None for _, b in members]
         ctx.save_for_backward(gathered, *params[0::2])
@@ -113,12 +114,17 @@ class ColumnParallelFn(torch.autograd.Function):
         dys = [None if dy is None else dy.contiguous() for dy in dys]
         dws = [torch.zeros_like(w) for w in weights]
 
-        def piece(t: int, part: torch.Tensor) -> None:
-            rows = batch * counts[t]
-            part = _filled(part, rows, width, counts[t] < counts[0])
-            x_t = gathered[t, :rows * width].view(rows, width)
+        def weight_grads(t: int) -> None:
+            x_t = gathered[t, :batch * counts[t] * width].view(-1, width)
+            for dy, dw in zip(dys, dws):
+                if dy is not None:
+                    dw.addmm_(_rows(dy, offsets[t], counts[t]).t(), x_t)
+
+        def piece(k: int, part: torch.Tensor) -> None:
+            t = ring.shard_reduced(k)
+            part = _filled(part, batch * counts[t], width, counts[t] < counts[0])
             first = True
-            for dy, w, dw in zip(dys, weights, dws):
+            for dy, w in zip(dys, weights):
                 if dy is None:
                     continue
                 dy_t = _rows(dy, offsets[t], counts[t])
@@ -127,11 +133,16 @@ class ColumnParallelFn(torch.autograd.Function):
                     first = False
                 else:
                     part.addmm_(dy_t, w)
-                dw.addmm_(dy_t.t(), x_t)
             if first:
                 part.zero_()
+            # the weight gradient of the shard before, beside this piece's hop (piece 0 has none beside it: only
+            # its input gradient, which the first hop carries); the last piece also its own shard's
+            if k > 0:
+                weight_grads(ring.shard_reduced(k - 1))
+            if k == ring.size - 1:
+                weight_grads(t)
 
-        dx = reduce(state, (gathered.shape[1],), gathered.dtype, gathered.device, piece, "backward")
+        dx = _reduce(state, (gathered.shape[1],), gathered.dtype, gathered.device, piece, "backward", by_piece=True)
         grads = []
         for dy, dw, biased in zip(dys, dws, ctx.biased):
             grads += [dw if dy is not None else None,
@@ -156,7 +167,7 @@ class RowParallelFn(torch.autograd.Function):
             out = _filled(part, batch * counts[t], width, counts[t] < counts[0])
             torch.mm(_rows(y, offsets[t], counts[t]), weight.t(), out=out)
 
-        out = _mine(reduce(state, (batch * counts[0] * width,), y.dtype, y.device, piece, "forward"),
+        out = _mine(_reduce(state, (batch * counts[0] * width,), y.dtype, y.device, piece, "forward"),
                     batch, counts[ring.rank], width)
         if bias is not None:
             out = out + bias
@@ -181,7 +192,7 @@ class RowParallelFn(torch.autograd.Function):
             if db is not None:
                 db.add_(g_s.sum(0))
 
-        gather_into(state, gathered, "backward", piece)
+        _gather(state, gathered, "backward", piece)
         return dy, None, dw, db
 
 
@@ -204,7 +215,7 @@ class VocabEmbeddingFn(torch.autograd.Function):
             torch.mul(torch.nn.functional.embedding(local[:, rows].reshape(-1), weight),
                       held[:, rows].reshape(-1, 1), out=out)
 
-        out = _mine(reduce(state, (batch * counts[0] * width,), weight.dtype, weight.device, piece, "forward"),
+        out = _mine(_reduce(state, (batch * counts[0] * width,), weight.dtype, weight.device, piece, "forward"),
                     batch, counts[ring.rank], width)
         ctx.state, ctx.split, ctx.padding_idx, ctx.start = state, (counts, offsets), padding_idx, start
         ctx.save_for_backward(ids, weight)
@@ -227,8 +238,37 @@ class VocabEmbeddingFn(torch.autograd.Function):
             g_s = gathered[s, :batch * counts[s] * width].view(-1, width)
             dw.index_add_(0, local[:, rows].reshape(-1)[keep], g_s[keep])
 
-        gather_into(state, gathered, "backward", piece)
+        _gather(state, gathered, "backward", piece)
         return None, None, dw, None, None
+
+
+def _gather(state: TPState, gathered: torch.Tensor, phase: str, piece) -> None:
+    """The all-gather of ``gathered``'s slots with ``piece(s)`` on each: fused, each piece beside the hop that
+    brings the next slot; the reference (``state.fused`` False, DTensor's schedule on the same rings), every piece
+    after the whole gather."""
+    if state.fused:
+        gather_into(state, gathered, phase, piece)
+        return
+    gather_into(state, gathered, phase)
+    for s in range(state.engine.ring.size):
+        piece(s)
+
+
+def _reduce(state: TPState, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, piece,
+            phase: str, by_piece: bool = False) -> torch.Tensor:
+    """The reduce-scatter of the parts ``piece(t, part)`` writes for rank t (``by_piece``: ``piece(k, part)``, k
+    the piece, whose part is for ``ring.shard_reduced(k)``): fused, each beside the hop that carries the one
+    before; the reference, every part first and then the whole reduce-scatter."""
+    ring = state.engine.ring
+    if state.fused:
+        if by_piece:
+            return reduce(state, shape, dtype, device, piece, phase, by_piece=True)
+        return reduce(state, shape, dtype, device, piece, phase)
+    parts = torch.empty(ring.size, *shape, dtype=dtype, device=device)
+    for k in range(ring.size):
+        t = ring.shard_reduced(k)
+        piece(k if by_piece else t, parts[t])
+    return reduce(state, shape, dtype, device, lambda t, part: part.copy_(parts[t]), phase)
 
 
 def _held(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
