@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .config import CommFuseConfig
+from .handle import handle_of
 from .ring.collectives import ring_all_gather
 from .ring.topology import get_ring
 
@@ -45,7 +46,8 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
     its order), the same config and a model with the same parameters (names, shapes, dtypes, ``requires_grad``).
     With ``chosen`` (``choose.Choice``), after the ``"auto"`` settings were chosen: unless every rank chose the same
     schedule, piece width and collectives (ranks that planned from different inputs, their own batch's tokens,
-    would run different collectives). Collective over the world."""
+    would run different collectives). A tensor-parallel model's (``commfuse_dp.tensor_parallel``) groups may
+    instead partition the world (one per TP position), each group's models alike. Collective over the world."""
     if chosen is not None:
         mine = (chosen.schedule, chosen.piece_shards, chosen.collectives, chosen.machine)
         everyone = gather_objects(mine, config.timeout_s, CHECK_LABEL)
@@ -59,23 +61,31 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
     mine = (list(ranks), config.to_dict(), _digest(params))
     everyone = gather_objects(mine, config.timeout_s, CHECK_LABEL)
     groups = [g for g, _, _ in everyone]
-    if any(g != groups[0] for g in groups):
+    handle = handle_of(model, through_wrapper=False)
+    tensor_parallel = handle is not None and handle.tp is not None
+    if any(g != groups[0] for g in groups) and not (tensor_parallel and _partition(groups)):
         detail = "; ".join(f"rank {r}: {g}" for r, g in enumerate(groups))
         raise ValueError(f"shard: the ranks passed different data-parallel groups ({detail}); every rank must "
                          f"pass the same mesh / process group")
-    members = [r for r in groups[0] if r < len(everyone)]
-    configs = {r: everyone[r][1] for r in members}
+    configs = {r: everyone[r][1] for r in range(len(everyone))}
     differing = config_differences(configs)
     if differing:
         raise ValueError(f"shard: the ranks passed different CommFuseConfigs: {'; '.join(differing)}. Pass the same "
                          f"config on every rank (build it from the same YAML file, the same COMMFUSE_* environment "
                          f"or the same arguments everywhere)")
-    if len({everyone[r][2] for r in members}) > 1:
+    differ = [g for g in {tuple(g) for g in groups} if len({everyone[r][2] for r in g}) > 1]
+    if differ:
         lists = gather_objects(params, config.timeout_s, CHECK_LABEL)  # every rank saw the same digests: all gather again
         raise ValueError(f"shard: the ranks are sharding different models: "
-                         f"{'; '.join(model_differences({r: lists[r] for r in members}))}. Build the same model on "
+                         f"{'; '.join(model_differences({r: lists[r] for r in sorted(differ)[0]}))}. Build the same model on "
                          f"every rank (same architecture config, same checkpoint, same adapters and frozen "
                          f"parameters) before shard()")
+
+
+def _partition(groups: list[list[int]]) -> bool:
+    """Whether the data-parallel groups the ranks passed are one group, or groups that partition the world (the
+    data-parallel groups beside tensor parallelism): each rank in its own, and every member of it passing it."""
+    return all(r in g and all(m < len(groups) and groups[m] == g for m in g) for r, g in enumerate(groups))
 
 
 CHECK_LABEL = ("shard()'s check that every rank passed the same group, config and model (every rank of the world "

@@ -178,6 +178,14 @@ class CommFuseConfig:
     (``commfuse_dp/planner/choose_nodes.py``; HSDP unless the flat ring wins by 2 %). An integer: that many copies. Passing
     ``shard(model, config, mesh=<2-D DeviceMesh>)`` sets the groups instead."""
 
+    tp_size: int = 1
+    """Tensor parallelism (accelerate's ``ParallelismConfig.tp_size``): groups of ``tp_size`` consecutive ranks
+    (inside a node) share each layer, sequence-parallel, their activation rings beside the GEMM's pieces
+    (``commfuse_dp.tensor_parallel``, ``docs/tensor_parallel.md``), and ``shard()`` shards each TP rank's part
+    over the ranks of the same TP position (the mesh ``("dp_shard", "tp")``; not yet with HSDP: ``replicate`` 1).
+    1 (default): none. The model must be one ``tensor_parallel`` supports, with its weights loaded (not on the
+    meta device)."""
+
     fsdp2_collectives: str = "auto"
     """What the ``"fsdp2"`` schedule's units all-gather and reduce-scatter with: ``"rings"`` (this library's, with
     FSDP2's GPU schedule run on any device: ``use_ring_collectives(overlap=True)``) or ``"torch"`` (FSDP2 exactly as
@@ -358,6 +366,10 @@ class CommFuseConfig:
             if self.replicate < 1:
                 raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be \"auto\" or an integer >= 1 "
                                  f"(the number of model copies; 1: no HSDP)")
+        self.tp_size = _number("tp_size", self.tp_size, int)
+        if self.tp_size < 1:
+            raise ValueError(f"CommFuseConfig.tp_size={self.tp_size!r}: must be an integer >= 1 (1: no tensor "
+                             f"parallelism)")
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
@@ -570,10 +582,10 @@ def _parse_env(name: str, raw: str) -> Any:
     if name in ("link_gbps", "ring_latency_us", "tflops", "tokens_per_rank") and text.lower() in ("none", ""):
         return None
     if name in ("bucket_mb", "direct_kb", "timeout_s", "min_fuse_numel", "prefetch_depth", "lookahead_mb", "replicate",
-                "piece_shards", "link_gbps", "ring_latency_us", "tflops", "tokens_per_rank", "format_block"):
+                "piece_shards", "link_gbps", "ring_latency_us", "tflops", "tokens_per_rank", "format_block", "tp_size"):
         try:
             return float(text) if name not in ("min_fuse_numel", "prefetch_depth", "replicate", "piece_shards",
-                                               "tokens_per_rank", "format_block") else int(float(text))
+                                               "tokens_per_rank", "format_block", "tp_size") else int(float(text))
         except ValueError:
             raise ValueError(f"{var}={raw!r}: must be a number") from None
     return text  # strings and dtype names

@@ -110,6 +110,7 @@ class ShardReport:
     reduce_format: str = "exact"
     error_feedback_bytes: int = 0  # residuals kept on this rank (CommFuseConfig.error_feedback)
     feedback_dtype: str = "bfloat16"  # what they are kept in (CommFuseConfig.feedback_dtype)
+    tensor_parallel: dict[str, Any] = field(default_factory=dict)  # CommFuseConfig.tp_size (tp.TensorParallel.report)
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes this rank sends per training step, per part and in all."""
@@ -135,6 +136,7 @@ class ShardReport:
         lines = [f"commfuse_dp: {self.world} ranks{copies}, {self.schedule} schedule; "
                  f"{_size(self.fused_param_bytes)} of {_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
                  f"embeddings; bytes sent per rank per training step"]
+        lines += _tensor_parallel_lines(self.tensor_parallel)
         if (self.gather_format, self.reduce_format) != ("exact", "exact"):
             lines.append(f"on the wire: gathers {self.gather_format}, gradients {self.reduce_format} (2-D parameters; "
                          f"1-D ones and ring embeddings as they are)" + (
@@ -180,7 +182,8 @@ def describe(model: nn.Module) -> ShardReport:
     report = ShardReport(world=world, schedule=config.schedule, excluded=dict(handle.excluded),
                          choice=choice.as_dict() if choice is not None else {}, gather_format=config.gather_format,
                          reduce_format=config.reduce_format, feedback_dtype=config.feedback_dtype,
-                         copies=engine.replicas.size if engine.replicas is not None else 1)
+                         copies=engine.replicas.size if engine.replicas is not None else 1,
+                         tensor_parallel=handle.tp.report() if handle.tp is not None else {})
     named = list(model.named_modules())
     fused_params: set[int] = set()
     groups: dict[int, list[tuple[int, str, nn.Module]]] = {}
@@ -388,6 +391,18 @@ def _group_name(names: list[str]) -> str:
         leaves = ",".join(n.rpartition(".")[2] for n in names)
         return f"{parent}.{{{leaves}}}" if parent else f"{{{leaves}}}"
     return ", ".join(names)
+
+
+def _tensor_parallel_lines(tp: dict[str, Any]) -> list[str]:
+    """The mesh and the TP layers' rings (``CommFuseConfig.tp_size``)."""
+    if not tp:
+        return []
+    mesh = " x ".join(f"{name} {size}" for name, size in tp["mesh"].items())
+    schedule = "each hop beside a GEMM piece" if tp["fused"] else "the reference schedule (fused=False)"
+    return [f"tensor parallel: {tp['size']} ranks, sequence-parallel, {schedule}; mesh {mesh}; this rank's TP group "
+            f"{tp['group']} (the data-parallel rings below run over the ranks at its TP position)",
+            *_table(f"TP layers ({len(tp['layers'])})", ("module", "this rank holds", "forward rings",
+                                                         "backward rings"), [tuple(r) for r in tp["layers"]])]
 
 
 def _table(title: str, head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:

@@ -66,6 +66,7 @@ from .scalars import ScalarParams
 from .selection import (bundle_units, fusable_linears, ring_embeddings, shared_input_groups, tied_tables, unfused_numel,
                         unit_modules_of)
 from .stats import StepStats
+from .tp.parallelize import data_parallel_mesh
 
 logger = logging.getLogger("commfuse_dp")
 
@@ -144,6 +145,8 @@ def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
                            "init_process_group(...) first (torchrun / accelerate launch set it up)")
+    if config.tp_size > 1:  # each TP rank's part of the model, sharded over the ranks at its TP position
+        mesh = data_parallel_mesh(model, config, mesh, device.type)
     on_meta = device.type == "meta"
     if on_meta:
         device = materialise_device(requested, mesh)

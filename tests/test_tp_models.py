@@ -26,28 +26,28 @@ def _model(family: str, heads: int, kv: int, seed: int = 0, attention: str = "sd
     return model_cls(config)
 
 
-def _batches(seq: int):
+def _batches(seq: int, batch: int = BATCH):
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS * MICRO):
-        ids = torch.randint(1, VOCAB, (BATCH, seq), generator=gen)
+        ids = torch.randint(1, VOCAB, (batch, seq), generator=gen)
         labels = ids.clone()
         labels[:, :2] = -100  # (some tokens not counted)
         out.append((ids, labels))
     return out
 
 
-def _train(model, seq, clip):
-    """5 AdamW steps of 2 micro-batches each; the losses and each step's clipped gradients."""
+def _train(model, seq, clip, rows=slice(None), batch=BATCH):
+    """5 AdamW steps of 2 micro-batches each (``rows`` of each); the losses and each step's clipped gradients."""
     # (a fine-tuning rate: at 1e-2, AdamW's per-element normalisation lifts the float32 reordering of the group's
     # sums past 1e-5 in a few gradient elements by the third step)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = iter(_batches(seq))
+    batches = iter(_batches(seq, batch))
     losses, grads = [], []
     for _ in range(STEPS):
         for _ in range(MICRO):
             ids, labels = next(batches)
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(input_ids=ids[rows], labels=labels[rows]).loss
             (loss / MICRO).backward()
             losses.append(loss.item())
         clip()
@@ -127,3 +127,111 @@ def test_fused_rings_match_the_reference_schedule():
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
         for name, g in grads.items():
             torch.testing.assert_close(g, want_grads[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _tp_dp_worker(rank, world_size, family):
+    """TP 2 x data parallel 2: ``tensor_parallel`` over the TP group, then ``shard()`` over the data-parallel one;
+    each data-parallel rank its half of every micro-batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commfuse_dp import CommFuseConfig, shard
+    from commfuse_dp.handle import handle_of
+    from commfuse_dp.tp import clip_grad_norm_, tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = tensor_parallel(_model(family, 8, 4), mesh["tp"].get_group())
+    shard(model, CommFuseConfig(schedule="fused"), mesh=mesh["dp"])
+    half = mesh["dp"].get_local_rank()
+    losses, grads = _train(model, 12, lambda: clip_grad_norm_(model, 1.0), rows=slice(half, half + 1))
+    whole = [{n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in step.items()} for step in grads]
+    return losses, whole, dict(handle_of(model).tp.sharded)
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma", marks=pytest.mark.slow)])
+def test_tensor_parallel_beside_data_parallel_trains_as_one_process(family):
+    """Each data-parallel rank's loss is the mean over its half of the batch, and the gradients are averaged over
+    the data-parallel group: one process's gradients of the mean of the two halves' losses."""
+    reference = _model(family, 8, 4)
+    halves = [_train_halves(reference, 12)]
+    want_losses, want_grads = halves[0]
+    for rank, (losses, grads, sharded) in enumerate(run_ranks(_tp_dp_worker, 4, (family,), timeout=300)):
+        half = rank // 2
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses[half::2]), rtol=1e-5, atol=1e-5)
+        for step, (got, want) in enumerate(zip(grads, want_grads)):
+            for name, g in got.items():
+                w = want[name]
+                if name in sharded:
+                    dim, start, count = sharded[name]
+                    w = w.narrow(dim, start, count)
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+
+
+def _train_halves(model, seq, parts=2):
+    """One process's run of what ``parts`` data-parallel ranks do: each micro-batch's rows, one a rank, their
+    losses averaged (the losses of every part are returned, interleaved)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = iter(_batches(seq, parts))
+    losses, grads = [], []
+    for _ in range(STEPS):
+        for _ in range(MICRO):
+            ids, labels = next(batches)
+            halves = [model(input_ids=ids[h:h + 1], labels=labels[h:h + 1]).loss for h in range(parts)]
+            (sum(halves) / parts / MICRO).backward()
+            losses += [h.item() for h in halves]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _tp_size_worker(rank, world_size, replicate):
+    from commfuse_dp import CommFuseConfig, describe, shard
+    from commfuse_dp.handle import handle_of
+    from commfuse_dp.tp import clip_grad_norm_
+
+    model = shard(_model("llama", 8, 4), CommFuseConfig(schedule="fused", tp_size=2, replicate=replicate))
+    tp = handle_of(model).tp
+    part, parts = rank // 2, world_size // 2  # (consecutive ranks share a TP group)
+    losses, grads = _train(model, 12, lambda: clip_grad_norm_(model, 1.0), rows=slice(part, part + 1), batch=parts)
+    whole = [{n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in step.items()} for step in grads]
+    return losses, whole, dict(tp.sharded), str(describe(model))
+
+
+@pytest.mark.parametrize("world_size,replicate", [(4, 1)])
+def test_shard_with_tp_size_builds_the_mesh_and_trains_as_one_process(world_size, replicate):
+    """``shard(model, CommFuseConfig(tp_size=2))`` on 4 ranks: TP over consecutive pairs, the data-parallel engine
+    over the ranks of each TP position; describe() shows both."""
+    parts = world_size // 2
+    reference = _model("llama", 8, 4)
+    want_losses, want_grads = _train_halves(reference, 12, parts)
+    results = run_ranks(_tp_size_worker, world_size, (replicate,), timeout=300)
+    for rank, (losses, grads, sharded, text) in enumerate(results):
+        part = rank // 2
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses[part::parts]), rtol=1e-5,
+                                   atol=1e-5)
+        for step, (got, want) in enumerate(zip(grads, want_grads)):
+            for name, g in got.items():
+                w = want[name]
+                if name in sharded:
+                    dim, start, count = sharded[name]
+                    w = w.narrow(dim, start, count)
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+        assert "tensor parallel: 2 ranks" in text and f"this rank's TP group [{rank - rank % 2}, " in text, text
+
+
+def _tp_size_refused_worker(rank, world_size, changes):
+    from commfuse_dp import CommFuseConfig, shard
+
+    try:
+        shard(_model("llama", 8, 4), CommFuseConfig(schedule="fused", **changes))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("changes,says", [({"tp_size": 3}, "does not divide the 4 ranks"),
+                                          ({"tp_size": 2, "replicate": 2}, "not supported yet")])
+def test_shard_refuses_a_tp_size_it_cannot_run_on_every_rank(changes, says):
+    for message in run_ranks(_tp_size_refused_worker, 4, (changes,)):
+        assert message is not None and says in message, message

@@ -62,8 +62,17 @@ class TensorParallel:
         counts, offsets = seq_split(vocab_size, self.size)
         self.vocab_start, self.vocab_rows = offsets[self.rank], counts[self.rank]
         self.seq: int | None = None
+        self.mesh = None  # shard()'s whole mesh, with tp_size (data_parallel_mesh)
+        self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.sharded: dict[str, tuple[int, int, int]] = {}
         self.replicated: list[str] = []
+
+    def report(self) -> dict:
+        """What ``describe()`` shows of the tensor parallelism."""
+        mesh = self.mesh
+        return {"size": self.size, "group": dist.get_process_group_ranks(self.group),
+                "mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else {"tp": self.size},
+                "fused": self.fused, "layers": [list(row) for row in self.layers]}
 
     def rows_of(self, seq: int) -> tuple[int, int]:
         """(offset, count) of this rank's rows of a sequence of ``seq`` tokens."""
@@ -72,17 +81,42 @@ class TensorParallel:
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` (the 2-norm) of the whole model's gradients: the split parameters'
-        squares summed over the group, the whole ones counted once. Returns the total norm."""
+        squares summed over the group, the whole ones counted once; gradients that are data-parallel shards
+        (DTensors, after ``shard()``) summed over their data-parallel mesh first. Returns the total norm."""
+        from torch.distributed.tensor import DTensor, Shard
+
         named = dict(model.named_parameters())
-        split = [named[n].grad for n in self.sharded if named[n].grad is not None]
-        whole = [named[n].grad for n in self.replicated if named[n].grad is not None]
-        sq = torch.stack([g.detach().double().pow(2).sum() for g in split]).sum() if split else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(sq, group=self.group)
-        if whole:
-            sq = sq + torch.stack([g.detach().double().pow(2).sum() for g in whole]).sum()
-        total = sq.sqrt().float()
+        # [split, whole] squares: of plain tensors (complete here), and of data-parallel shards (partial)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        complete = torch.zeros(2, dtype=torch.float64, device=device)
+        partial = torch.zeros(2, dtype=torch.float64, device=device)
+        dp_group = None
+        grads = []
+        for i, names in enumerate((self.sharded, self.replicated)):
+            for name in names:
+                g = named[name].grad
+                if g is None:
+                    continue
+                grads.append(g)
+                if isinstance(g, DTensor):
+                    local = g.to_local()
+                    if any(isinstance(p, Shard) for p in g.placements):
+                        dp_group = g.device_mesh.get_group(g.device_mesh.ndim - 1) if g.device_mesh.ndim == 1 else None
+                        if dp_group is None:
+                            raise NotImplementedError("clip_grad_norm_: gradients sharded over a mesh of more than "
+                                                      "one dimension (HSDP beside tensor parallelism)")
+                        partial[i] += local.detach().double().pow(2).sum()
+                        continue
+                    g = local
+                complete[i] += g.detach().double().pow(2).sum()
+        if dp_group is not None:
+            dist.all_reduce(partial, group=dp_group)
+        squares = complete + partial
+        split = squares[0:1].clone()
+        dist.all_reduce(split, group=self.group)
+        total = (split[0] + squares[1]).sqrt().float()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in split + whole:
+        for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
 
@@ -114,12 +148,16 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
         _split_mlp(tp, layer, names)
     _keep(tp, embed, names[id(embed)], 0, tp.vocab_start, tp.vocab_rows)
     base.embed_tokens = TPEmbedding(embed, tp, names[id(embed)])
+    tp.layers.append((names[id(embed)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows",
+                      "reduce-scatter to sequence rows", "gather"))
     if head is not None:
         if tied:
             head.weight = embed.weight
         else:
             _keep(tp, head, names[id(head)], 0, tp.vocab_start, tp.vocab_rows)
         model.lm_head = TPLMHead(head, tp, names[id(head)])
+        tp.layers.append((names[id(head)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows"
+                          + (" (tied)" if tied else ""), "gather", "reduce-scatter"))
         model.loss_function = causal_lm_loss(tp)
     _sum_whole_gradients(tp, model)
     base.layers[0].register_forward_pre_hook(_first_layer_rows(tp), with_kwargs=True)
@@ -127,6 +165,47 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
     model.register_forward_hook(_end_forward(tp))
     handle_of(model, create=True).tp = tp
     return model
+
+
+def data_parallel_mesh(model: nn.Module, config, mesh, device_type: str):
+    """``shard()`` with ``CommFuseConfig.tp_size`` > 1: the mesh ``("dp_shard", "tp")`` over the world,
+    consecutive ranks in a TP group; ``model`` made
+    tensor-parallel over its TP group (after every rank's model was checked the same); returns the data-parallel
+    mesh that ``shard()`` shards this rank's part over."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..checks import check_ranks_agree
+
+    size, world = config.tp_size, dist.get_world_size()
+    if mesh is not None:
+        raise ValueError(f"shard: CommFuseConfig.tp_size={size} builds the mesh itself; pass no mesh=, or leave "
+                         f"tp_size at 1 and call commfuse_dp.tensor_parallel(model, tp_group) before shard(model, "
+                         f"mesh=<the data-parallel mesh>)")
+    if world % size:
+        raise ValueError(f"shard: CommFuseConfig.tp_size={size} does not divide the {world} ranks")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local % size:
+        raise ValueError(f"shard: CommFuseConfig.tp_size={size} does not divide the {local} ranks of a node "
+                         f"(LOCAL_WORLD_SIZE); a TP group must stay inside one node")
+    if next(model.parameters()).device.type == "meta":
+        raise ValueError("shard: CommFuseConfig.tp_size needs the model's weights (each TP rank keeps its part of "
+                         "them); load the model before shard(), not on the meta device")
+    handle = handle_of(model)
+    if handle is not None and handle.tp is not None:
+        raise ValueError("shard: this model is tensor-parallel already (commfuse_dp.tensor_parallel); leave "
+                         "CommFuseConfig.tp_size at 1 and pass the data-parallel mesh")
+    check_ranks_agree(list(range(world)), config, model)  # the same whole model everywhere, before it is split
+    if config.replicate not in (1, "auto"):
+        raise ValueError(f"shard: CommFuseConfig.tp_size={size} with replicate={config.replicate} (HSDP beside "
+                         f"tensor parallelism) is not supported yet; leave replicate at 1 (\"auto\" is 1 with "
+                         f"tp_size): one data-parallel group per TP position")
+    full = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("dp_shard", "tp"))
+    dp = full["dp_shard"]
+    tensor_parallel(model, full["tp"].get_group(), config)
+    handle_of(model).tp.mesh = full
+    return dp
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -150,6 +229,8 @@ def _split_attention(tp: TensorParallel, layer: nn.Module, names: dict, family) 
     assert cols % head_dim == 0
     _keep(tp, attn.o_proj, names[id(attn.o_proj)], 1, tp.rank * cols, cols)
     layer.self_attn = TPAttention(attn, tp, name, family(attn))
+    tp.layers.append((name, f"{attn.q_proj.weight.shape[0] // head_dim} of the heads", "gather (q, k, v); "
+                      "reduce-scatter (o)", "reduce-scatter; gather"))
 
 
 def _split_mlp(tp: TensorParallel, layer: nn.Module, names: dict) -> None:
@@ -164,6 +245,8 @@ def _split_mlp(tp: TensorParallel, layer: nn.Module, names: dict) -> None:
         _keep(tp, proj, names[id(proj)], 0, start, rows)
     _keep(tp, mlp.down_proj, names[id(mlp.down_proj)], 1, start, rows)
     layer.mlp = TPMLP(mlp, tp, names[id(mlp)])
+    tp.layers.append((names[id(mlp)], f"{rows} of {sum(counts)} inner", "gather (gate, up); reduce-scatter (down)",
+                      "reduce-scatter; gather"))
 
 
 def _keep(tp: TensorParallel, module: nn.Module, name: str, dim: int, start: int, count: int) -> None:
