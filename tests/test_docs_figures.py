@@ -218,3 +218,28 @@ def test_readme_s_demo_output_is_its_results_file():
     assert len(data["rounds"]) >= 3
     chose = data["rounds"][0]["chose"]["schedule"]
     assert f"(here {chose})" in text, chose
+
+
+def test_tensor_parallel_table_equals_its_results_file():
+    """performance.md's TP table ("| TP | link GB/s"): each row's rate, every step's median and range and the
+    paired ratios against ``tp-emulated.json``."""
+    with open(DOC, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| TP | link GB/s"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    with open(os.path.join(ROOT, "benchmarks", "results", "tp-emulated.json")) as f:
+        runs = json.load(f)["runs"]
+    assert len(rows) == len(runs)
+    cell = lambda v: f"{v['median_s']:.3f} ({v['spread_s'][0]:.3f}-{v['spread_s'][1]:.3f})"  # noqa: E731
+    ratio = lambda r: f"{r['median']:.2f}x ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})"  # noqa: E731
+    for row, run in zip(rows, runs):
+        v = run["variants"]
+        want = [str(run["tp"]), f"{run['fraction']:g}x ({run['rate_mbit'] / 8000:.4g})", cell(v["fused"]),
+                cell(v["dtensor"]), cell(v["unfused"]), f"{v['compute_only']['median_s']:.3f}",
+                f"{v['comm_only']['median_s']:.3f}", ratio(run["dtensor_over_fused"]),
+                ratio(run["unfused_over_fused"]), f"{run['fused_over_limit']['median']:.2f}"]
+        assert row == want
