@@ -206,6 +206,8 @@ def _fuse(model: nn.Module, config: CommFuseConfig, engine: Engine, steps: StepS
     names = {id(m): name or "(root)" for name, m in model.named_modules()}
     data_dependent = data_dependence.data_dependent_modules(model)
     excluded = data_dependence.exclusions(model, config.exclude, data_dependent, config.exclude_data_dependent)
+    if handle_of(model).tp is not None:  # (tensor_parallel: the TP layers read their weights themselves)
+        excluded.reasons.update(handle_of(model).tp.exclusions())
     peer = config.schedule == "fsdp2"  # nothing fused: FSDP2's units and its GPU schedule on the rings
     tied = {} if peer else tied_tables(model, config, engine.ring.size, excluded)  # {id(table): (embedding, lm_head)}
     unit_modules = unit_modules_of(model, units, not_units=data_dependence.inside(model, data_dependent))

@@ -57,6 +57,18 @@ def _train(model, seq, clip, rows=slice(None), batch=BATCH):
     return losses, grads
 
 
+def _assert_grads(grads, want_grads, sharded):
+    """Each step's gradients of this rank against one process's, narrowed to this rank's parts."""
+    assert set(grads[0]) == set(want_grads[0])
+    for step, (got, want) in enumerate(zip(grads, want_grads)):
+        for name, g in got.items():
+            w = want[name]
+            if name in sharded:
+                dim, start, count = sharded[name]
+                w = w.narrow(dim, start, count)
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+
+
 def _tp_worker(rank, world_size, family, heads, kv, seq, attention):
     from commfuse_dp.handle import handle_of
     from commfuse_dp.tp import clip_grad_norm_, tensor_parallel
@@ -69,7 +81,8 @@ def _tp_worker(rank, world_size, family, heads, kv, seq, attention):
 
 CASES = [("llama", 2, 8, 4, 12, "sdpa"), ("qwen2", 2, 8, 4, 12, "sdpa"), ("mistral", 2, 8, 4, 12, "sdpa"),
          ("gemma", 2, 8, 4, 12, "sdpa"), ("llama", 2, 8, 4, 12, "eager"), ("llama", 4, 8, 4, 12, "sdpa"),
-         ("gemma", 4, 8, 4, 12, "sdpa"), ("qwen2", 3, 6, 3, 13, "sdpa")]
+         ("gemma", 4, 8, 4, 12, "sdpa"), ("qwen2", 4, 8, 4, 12, "sdpa"), ("mistral", 4, 8, 4, 12, "sdpa"),
+         ("qwen2", 3, 6, 3, 13, "sdpa")]
 FAST = {CASES[0], CASES[3]}
 
 
@@ -81,14 +94,7 @@ def test_tensor_parallel_model_trains_as_one_process(family, world_size, heads, 
                                      lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0))
     for losses, grads, sharded in run_ranks(_tp_worker, world_size, (family, heads, kv, seq, attention), timeout=300):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
-        assert set(grads[0]) == set(want_grads[0])
-        for step, (got, want) in enumerate(zip(grads, want_grads)):
-            for name, g in got.items():
-                w = want[name]
-                if name in sharded:
-                    dim, start, count = sharded[name]
-                    w = w.narrow(dim, start, count)
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+        _assert_grads(grads, want_grads, sharded)
 
 
 def _refused_worker(rank, world_size):
@@ -147,7 +153,8 @@ def _tp_dp_worker(rank, world_size, family):
     return losses, whole, dict(handle_of(model).tp.sharded)
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gemma", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", *(pytest.param(f, marks=pytest.mark.slow)
+                                               for f in ("gemma", "qwen2", "mistral"))])
 def test_tensor_parallel_beside_data_parallel_trains_as_one_process(family):
     """Each data-parallel rank's loss is the mean over its half of the batch, and the gradients are averaged over
     the data-parallel group: one process's gradients of the mean of the two halves' losses."""
@@ -157,13 +164,7 @@ def test_tensor_parallel_beside_data_parallel_trains_as_one_process(family):
     for rank, (losses, grads, sharded) in enumerate(run_ranks(_tp_dp_worker, 4, (family,), timeout=300)):
         half = rank // 2
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses[half::2]), rtol=1e-5, atol=1e-5)
-        for step, (got, want) in enumerate(zip(grads, want_grads)):
-            for name, g in got.items():
-                w = want[name]
-                if name in sharded:
-                    dim, start, count = sharded[name]
-                    w = w.narrow(dim, start, count)
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+        _assert_grads(grads, want_grads, sharded)
 
 
 def _train_halves(model, seq, parts=2):
@@ -190,7 +191,9 @@ def _tp_size_worker(rank, world_size, replicate):
     from commfuse_dp.handle import handle_of
     from commfuse_dp.tp import clip_grad_norm_
 
-    model = shard(_model("llama", 8, 4), CommFuseConfig(schedule="fused", tp_size=2, replicate=replicate))
+    # (min_fuse_numel=0: every linear big enough to fuse, so the TP layers must be kept off the fused path)
+    model = shard(_model("llama", 8, 4), CommFuseConfig(schedule="fused", tp_size=2, replicate=replicate,
+                                                        min_fuse_numel=0))
     tp = handle_of(model).tp
     part, parts = rank // 2, world_size // 2  # (consecutive ranks share a TP group)
     losses, grads = _train(model, 12, lambda: clip_grad_norm_(model, 1.0), rows=slice(part, part + 1), batch=parts)
@@ -210,14 +213,9 @@ def test_shard_with_tp_size_builds_the_mesh_and_trains_as_one_process(world_size
         part = rank // 2
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses[part::parts]), rtol=1e-5,
                                    atol=1e-5)
-        for step, (got, want) in enumerate(zip(grads, want_grads)):
-            for name, g in got.items():
-                w = want[name]
-                if name in sharded:
-                    dim, start, count = sharded[name]
-                    w = w.narrow(dim, start, count)
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+        _assert_grads(grads, want_grads, sharded)
         assert "tensor parallel: 2 ranks" in text and f"this rank's TP group [{rank - rank % 2}, " in text, text
+        assert "model.layers.1.mlp" in text and "tensor-parallel: its TP rings read its weights" in text, text
 
 
 def _tp_size_refused_worker(rank, world_size, changes):
@@ -235,3 +233,51 @@ def _tp_size_refused_worker(rank, world_size, changes):
 def test_shard_refuses_a_tp_size_it_cannot_run_on_every_rank(changes, says):
     for message in run_ranks(_tp_size_refused_worker, 4, (changes,)):
         assert message is not None and says in message, message
+
+
+def _checkpointing_worker(rank, world_size):
+    from commfuse_dp.tp import clip_grad_norm_, tensor_parallel
+
+    model = _model("llama", 8, 4)
+    model.activation_checkpointing_enable()
+    model.train()
+    tensor_parallel(model)
+    from commfuse_dp.handle import handle_of
+
+    return (*_train(model, 12, lambda: clip_grad_norm_(model, 1.0)), dict(handle_of(model).tp.sharded))
+
+
+def test_gradient_checkpointing_recomputes_the_tp_rings_exactly():
+    """transformers' gradient checkpointing re-runs each decoder layer's forward (its TP rings included, on every
+    rank in the same order) in the backward: one process's losses and gradients."""
+    reference = _model("llama", 8, 4)
+    reference.activation_checkpointing_enable()
+    reference.train()
+    want_losses, want_grads = _train(reference, 12, lambda: torch.nn.utils.clip_grad_norm_(reference.parameters(),
+                                                                                          1.0))
+    for losses, grads, sharded in run_ranks(_checkpointing_worker, 2):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5)
+        _assert_grads(grads, want_grads, sharded)
+
+
+def _lora_worker(rank, world_size):
+    import peft
+
+    from commfuse_dp.tp import tensor_parallel
+
+    model = tensor_parallel(_model("llama", 8, 4))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    ids, labels = _batches(12)[0]
+    try:
+        model(input_ids=ids, labels=labels)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_an_adapter_on_a_tp_projection_is_refused_on_every_rank():
+    """PEFT's LoRA replaces q_proj with its own module, which the TP layer would not call: refused, not skipped."""
+    pytest.importorskip("peft")
+    for message in run_ranks(_lora_worker, 2):
+        assert message is not None and "peft" in message.lower() and "not supported under tensor parallelism" in \
+            message, message

@@ -39,6 +39,7 @@ class TPAttention(nn.Module):
                 past_key_values=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        _called_as_is(self, self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         batch, seq = hidden_states.shape[0], self.tp.seq
         q, k, v = ColumnParallelFn.apply(hidden_states, self.qkv_ring, seq,
                                          *_wb(self.q_proj), *_wb(self.k_proj), *_wb(self.v_proj))
@@ -67,6 +68,7 @@ class TPMLP(nn.Module):
         self.down_ring = TPState(tp.steps, f"{name}.down_proj (tp)", tp.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _called_as_is(self, self.gate_proj, self.up_proj, self.down_proj)
         gate, up = ColumnParallelFn.apply(x, self.gate_up_ring, self.tp.seq, *_wb(self.gate_proj), *_wb(self.up_proj))
         return RowParallelFn.apply(self.act_fn(gate) * up, self.down_ring, self.down_proj.weight,
                                    self.down_proj.bias)
@@ -155,6 +157,20 @@ class SummedGrad(torch.autograd.Function):
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def _called_as_is(layer: nn.Module, *linears: nn.Module) -> None:
+    """Refuse a projection that is no longer a plain ``nn.Linear`` or that has hooks: the TP layer reads its
+    weight and bias and never calls it, so an adapter (PEFT's LoRA), a quantised linear or a hook would be
+    skipped without a word."""
+    for linear in linears:
+        if type(linear) is not nn.Linear or linear._forward_hooks or linear._forward_pre_hooks:
+            what = "has forward hooks" if type(linear) is nn.Linear else f"is a {type(linear).__module__}." \
+                                                                         f"{type(linear).__name__}"
+            raise RuntimeError(f"tensor_parallel: a projection of {type(layer).__name__} {what}; its TP rings read "
+                               f"the plain weight and bias and do not call the module, so that would be skipped. "
+                               f"Adapters (PEFT), quantised linears and hooks on the projections are not supported "
+                               f"under tensor parallelism")
 
 
 def _wb(linear: nn.Linear) -> tuple:

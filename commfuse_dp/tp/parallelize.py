@@ -74,6 +74,12 @@ class TensorParallel:
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else {"tp": self.size},
                 "fused": self.fused, "layers": [list(row) for row in self.layers]}
 
+    def exclusions(self) -> dict[str, str]:
+        """What ``shard()`` keeps off its fused path, and why: the TP layers, whose rings read their weights (in
+        the data-parallel dimension their weights go through FSDP2 units)."""
+        return {name: "tensor-parallel: its TP rings read its weights (sharded over data parallel in FSDP2 units)"
+                for name, *_ in self.layers}
+
     def rows_of(self, seq: int) -> tuple[int, int]:
         """(offset, count) of this rank's rows of a sequence of ``seq`` tokens."""
         counts, offsets = seq_split(seq, self.size)
