@@ -182,8 +182,8 @@ class CommFuseConfig:
     """Tensor parallelism (accelerate's ``ParallelismConfig.tp_size``): groups of ``tp_size`` consecutive ranks
     (inside a node) share each layer, sequence-parallel, their activation rings beside the GEMM's pieces
     (``commfuse_dp.tensor_parallel``, ``docs/tensor_parallel.md``), and ``shard()`` shards each TP rank's part
-    over the ranks of the same TP position (the mesh ``("dp_shard", "tp")``; not yet with HSDP: ``replicate`` 1).
-    1 (default): none. The model must be one ``tensor_parallel`` supports, with its weights loaded (not on the
+    over the ranks of the same TP position (the mesh ``("dp_shard", "tp")``; with ``replicate`` R > 1, HSDP beside
+    TP: ``("dp_replicate", "dp_shard", "tp")``, and ``"auto"`` is 1). 1 (default): none. The model must be one ``tensor_parallel`` supports, with its weights loaded (not on the
     meta device)."""
 
     fsdp2_collectives: str = "auto"

@@ -111,7 +111,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     if mesh.ndim == 2:
         replicas = Replicas(mesh.get_group(0), config.ring_kwargs, config.reduce_format, config.format_block,
                             config.error_feedback, residuals)
-    world_ring = get_ring(group if mesh.ndim == 1 else dist.group.WORLD, caller="shard")  # 2-D: every rank
+    world_ring = get_ring(group if mesh.ndim == 1 else _data_parallel_world(model), caller="shard")  # 2-D: all
     engine = Engine(get_ring(group, caller="shard"), mesh, config, world_ring, replicas, residuals)
     steps = step_state(engine)  # drives the schedule the config names
     fused = _fuse(model, config, engine, steps, units)
@@ -280,10 +280,17 @@ def _data_parallel_mesh(mesh: DeviceMesh | None, config: CommFuseConfig, device:
     if config.replicate not in (1, "auto") and (mesh.ndim != 2 or mesh.size(0) != config.replicate):
         raise ValueError(f"shard: CommFuseConfig.replicate={config.replicate} but the mesh passed has shape "
                          f"{tuple(mesh.shape)}; give one of them (the mesh's first dimension is the replicas)")
-    if mesh.ndim == 2 and mesh.size() != world:
+    if mesh.ndim == 2 and mesh.size() != world and config.tp_size == 1:
         raise ValueError(f"shard: a 2-D (HSDP) mesh must hold every rank of the world ({world}); it holds "
                          f"{mesh.size()}")
     return mesh
+
+
+def _data_parallel_world(model: nn.Module):
+    """The group of every rank an HSDP engine spans: the world, or beside TP (``CommFuseConfig.tp_size``) every
+    data-parallel rank at this rank's TP position."""
+    tp = handle_of(model).tp
+    return dist.group.WORLD if tp is None else tp.data_parallel
 
 
 def step_stats(model: nn.Module) -> StepStats:

@@ -201,10 +201,11 @@ def _tp_size_worker(rank, world_size, replicate):
     return losses, whole, dict(tp.sharded), str(describe(model))
 
 
-@pytest.mark.parametrize("world_size,replicate", [(4, 1)])
+@pytest.mark.parametrize("world_size,replicate", [(4, 1), pytest.param(8, 2, marks=pytest.mark.slow)])
 def test_shard_with_tp_size_builds_the_mesh_and_trains_as_one_process(world_size, replicate):
-    """``shard(model, CommFuseConfig(tp_size=2))`` on 4 ranks: TP over consecutive pairs, the data-parallel engine
-    over the ranks of each TP position; describe() shows both."""
+    """``shard(model, CommFuseConfig(tp_size=2))`` on 4 ranks (and with ``replicate=2`` on 8: HSDP beside TP):
+    TP over consecutive pairs, the data-parallel engine over the ranks of each TP position; describe() shows
+    both."""
     parts = world_size // 2
     reference = _model("llama", 8, 4)
     want_losses, want_grads = _train_halves(reference, 12, parts)
@@ -216,6 +217,8 @@ def test_shard_with_tp_size_builds_the_mesh_and_trains_as_one_process(world_size
         _assert_grads(grads, want_grads, sharded)
         assert "tensor parallel: 2 ranks" in text and f"this rank's TP group [{rank - rank % 2}, " in text, text
         assert "model.layers.1.mlp" in text and "tensor-parallel: its TP rings read its weights" in text, text
+        if replicate > 1:
+            assert "in each of 2 copies (HSDP)" in text and "dp_replicate 2 x dp_shard 2 x tp 2" in text, text
 
 
 def _tp_size_refused_worker(rank, world_size, changes):
@@ -229,7 +232,7 @@ def _tp_size_refused_worker(rank, world_size, changes):
 
 
 @pytest.mark.parametrize("changes,says", [({"tp_size": 3}, "does not divide the 4 ranks"),
-                                          ({"tp_size": 2, "replicate": 2}, "not supported yet")])
+                                          ({"tp_size": 2, "replicate": 4}, "does not divide the 2 data-parallel")])
 def test_shard_refuses_a_tp_size_it_cannot_run_on_every_rank(changes, says):
     for message in run_ranks(_tp_size_refused_worker, 4, (changes,)):
         assert message is not None and says in message, message

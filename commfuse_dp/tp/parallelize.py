@@ -63,6 +63,7 @@ class TensorParallel:
         self.vocab_start, self.vocab_rows = offsets[self.rank], counts[self.rank]
         self.seq: int | None = None
         self.mesh = None  # shard()'s whole mesh, with tp_size (data_parallel_mesh)
+        self.data_parallel = None  # and the group of every data-parallel rank at this rank's TP position
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.sharded: dict[str, tuple[int, int, int]] = {}
         self.replicated: list[str] = []
@@ -106,11 +107,12 @@ class TensorParallel:
                 grads.append(g)
                 if isinstance(g, DTensor):
                     local = g.to_local()
-                    if any(isinstance(p, Shard) for p in g.placements):
-                        dp_group = g.device_mesh.get_group(g.device_mesh.ndim - 1) if g.device_mesh.ndim == 1 else None
-                        if dp_group is None:
-                            raise NotImplementedError("clip_grad_norm_: gradients sharded over a mesh of more than "
-                                                      "one dimension (HSDP beside tensor parallelism)")
+                    dims = tuple(d for d, p in enumerate(g.placements) if isinstance(p, Shard))
+                    if dims:
+                        if len(dims) > 1:
+                            raise NotImplementedError("clip_grad_norm_: a gradient sharded over more than one mesh "
+                                                      "dimension")
+                        dp_group = g.device_mesh.get_group(dims[0])
                         partial[i] += local.detach().double().pow(2).sum()
                         continue
                     g = local
@@ -174,8 +176,8 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
 
 
 def data_parallel_mesh(model: nn.Module, config, mesh, device_type: str):
-    """``shard()`` with ``CommFuseConfig.tp_size`` > 1: the mesh ``("dp_shard", "tp")`` over the world,
-    consecutive ranks in a TP group; ``model`` made
+    """``shard()`` with ``CommFuseConfig.tp_size`` > 1: the mesh ``("dp_shard", "tp")`` over the world (with
+    ``replicate`` R > 1, ``("dp_replicate", "dp_shard", "tp")``), consecutive ranks in a TP group; ``model`` made
     tensor-parallel over its TP group (after every rank's model was checked the same); returns the data-parallel
     mesh that ``shard()`` shards this rank's part over."""
     import os
@@ -203,14 +205,21 @@ def data_parallel_mesh(model: nn.Module, config, mesh, device_type: str):
         raise ValueError("shard: this model is tensor-parallel already (commfuse_dp.tensor_parallel); leave "
                          "CommFuseConfig.tp_size at 1 and pass the data-parallel mesh")
     check_ranks_agree(list(range(world)), config, model)  # the same whole model everywhere, before it is split
-    if config.replicate not in (1, "auto"):
-        raise ValueError(f"shard: CommFuseConfig.tp_size={size} with replicate={config.replicate} (HSDP beside "
-                         f"tensor parallelism) is not supported yet; leave replicate at 1 (\"auto\" is 1 with "
-                         f"tp_size): one data-parallel group per TP position")
-    full = init_device_mesh(device_type, (world // size, size), mesh_dim_names=("dp_shard", "tp"))
-    dp = full["dp_shard"]
+    replicate, shards = (1 if config.replicate == "auto" else config.replicate), world // size
+    if shards % replicate:
+        raise ValueError(f"shard: CommFuseConfig.replicate={replicate} does not divide the {shards} data-parallel "
+                         f"ranks of each TP position (world {world} / tp_size {size})")
+    if replicate > 1:  # HSDP beside TP: the copies and the shards of each TP position
+        full = init_device_mesh(device_type, (replicate, shards // replicate, size),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp = full["dp_replicate", "dp_shard"]
+    else:
+        full = init_device_mesh(device_type, (shards, size), mesh_dim_names=("dp_shard", "tp"))
+        dp = full["dp_shard"]
+    # every data-parallel rank of this TP position, for the checks all of them must agree on (the HSDP engine's)
+    flat, _ = dist.new_subgroups_by_enumeration([list(range(p, world, size)) for p in range(size)])
     tensor_parallel(model, full["tp"].get_group(), config)
-    handle_of(model).tp.mesh = full
+    handle_of(model).tp.mesh, handle_of(model).tp.data_parallel = full, flat
     return dp
 
 
