@@ -284,3 +284,24 @@ def test_an_adapter_on_a_tp_projection_is_refused_on_every_rank():
     for message in run_ranks(_lora_worker, 2):
         assert message is not None and "peft" in message.lower() and "not supported under tensor parallelism" in \
             message, message
+
+
+def _different_batches_worker(rank, world_size, embeds):
+    from commfuse_dp.tp import tensor_parallel
+
+    model = tensor_parallel(_model("llama", 8, 4))
+    ids, labels = _batches(12)[rank]  # each rank its own batch: the mistake
+    try:
+        if embeds:
+            model(inputs_embeds=torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(rank)), labels=labels)
+        else:
+            model(input_ids=ids, labels=labels)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("embeds", [False, True])
+def test_tp_ranks_given_different_batches_are_refused_on_every_rank(embeds):
+    for message in run_ranks(_different_batches_worker, 2, (embeds,)):
+        assert message is not None and "every rank of a TP group must get the same batch" in message, message

@@ -93,6 +93,8 @@ class TPEmbedding(nn.Module):
         self.ring = TPState(tp.steps, f"{name} (tp)", tp.fused)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.tp.check_same_batch(input_ids, "token ids")
+        self.tp.embedded = True
         mine = VocabEmbeddingFn.apply(input_ids, self.ring, self.weight, self.tp.vocab_start, self.padding_idx)
         if getattr(self, "embed_scale", None) is not None:
             mine = mine * self.embed_scale.to(self.weight.dtype)

@@ -34,7 +34,8 @@ FAMILIES = {
     "mistral": lambda attn: {"sliding_window": getattr(attn.config, "sliding_window", None)},
     "qwen2": lambda attn: {"sliding_window": attn.sliding_window},
 }
-NORMS = ("RMSNorm", "LayerNorm")  # the modules whose weights stay whole (their class names end so)
+NORMS = ("RMSNorm", "LayerNorm")
+SAME_BATCH_CHECKS = 3  # the first forwards check that every TP rank got the same batch  # the modules whose weights stay whole (their class names end so)
 
 
 class TensorParallel:
@@ -64,6 +65,9 @@ class TensorParallel:
         self.seq: int | None = None
         self.mesh = None  # shard()'s whole mesh, with tp_size (data_parallel_mesh)
         self.data_parallel = None  # and the group of every data-parallel rank at this rank's TP position
+        self.embedded = False  # the embedding ran in this forward (and checked its token ids)
+        self.first_layer_next = False  # the root's forward began and the first decoder layer has not run yet
+        self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.sharded: dict[str, tuple[int, int, int]] = {}
         self.replicated: list[str] = []
@@ -74,6 +78,25 @@ class TensorParallel:
         return {"size": self.size, "group": dist.get_process_group_ranks(self.group),
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else {"tp": self.size},
                 "fused": self.fused, "layers": [list(row) for row in self.layers]}
+
+    def check_same_batch(self, batch: torch.Tensor, what: str) -> None:
+        """Raise on every rank of the group unless every rank's ``batch`` has the same shape and checksum (the
+        first ``SAME_BATCH_CHECKS`` forwards): a TP group computes one batch, and ranks given different ones
+        (a sampler over every rank instead of the data-parallel ones) would compute wrong numbers without a word,
+        or enter hops of different sizes."""
+        if self.checked >= SAME_BATCH_CHECKS:
+            return
+        self.checked += 1
+        flat = batch.detach().reshape(-1).double()
+        mine = [float(batch.dim()), *map(float, batch.shape), flat.sum().item(),
+                (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum().item()]
+        mine += [0.0] * (8 - len(mine))
+        both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=batch.device)
+        dist.all_reduce(both, dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(both[:8], -both[8:]):
+            raise ValueError(f"tensor_parallel: the ranks of a TP group got different {what} (shape or values); "
+                             f"every rank of a TP group must get the same batch: shard the data over the "
+                             f"data-parallel ranks (rank // tp_size), not over every rank")
 
     def exclusions(self) -> dict[str, str]:
         """What ``shard()`` keeps off its fused path, and why: the TP layers, whose rings read their weights (in
@@ -310,6 +333,7 @@ def _row_bias(name: str) -> bool:
 def _begin_step(tp: TensorParallel):
     def hook(module, args) -> None:
         tp.steps.begin_step()
+        tp.first_layer_next, tp.embedded = True, False
     return hook
 
 
@@ -324,6 +348,9 @@ def _first_layer_rows(tp: TensorParallel):
     whole-sequence hidden states (the embedding's frame, or ``inputs_embeds`` given whole)."""
     def hook(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
+        if tp.first_layer_next and not tp.embedded:  # (inputs_embeds given: the embedding did not check them)
+            tp.check_same_batch(hidden, "inputs_embeds")
+        tp.first_layer_next = tp.embedded = False  # (a recomputation in the backward checks nothing)
         tp.seq = hidden.shape[1]
         start, rows = tp.rows_of(tp.seq)
         mine = hidden[:, start:start + rows].clone()  # (its own storage: the frame is not kept for the backward)
