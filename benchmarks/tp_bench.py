@@ -8,10 +8,11 @@ waiting for each). The link's "balanced" rate is the one at which a step's TP tr
 compute alone: the traffic a rank sends in a step (8 ring operations a decoder layer and 4 for the embedding and
 lm_head, each (N-1) shards of B x ceil(S/N) x H fp32 activations; DTensor's schedule moves the same) over the
 compute_only step measured first at that N. Then at 1/2x, 1x and 2x that rate, ``benchmarks/tp_worker.py`` runs
-fused, dtensor, unfused (DTensor's schedule on this library's rings), compute_only and comm_only interleaved, ``--rounds`` rounds of ``--steps`` timed steps each.
+fused, dtensor, hf_tp (transformers' own TP plan), unfused (DTensor's schedule on this library's rings),
+compute_only and comm_only interleaved, ``--rounds`` rounds of ``--steps`` timed steps each.
 
 Printed and written per rate: each variant's median step with its spread (min-max of the per-round medians),
-DTensor's and unfused's steps over fused's paired by round (median and spread), fused against the limit max(compute_only,
+DTensor's, transformers' and unfused's steps over fused's paired by round (median and spread), fused against the limit max(compute_only,
 comm_only), the exposed TP communication of each schedule (its step less compute_only), and each variant's
 saved activations per rank.
 """
@@ -77,13 +78,13 @@ def summarize(result: dict, steps: int) -> dict:
     per_round = {name: round_medians(t, steps) for name, t in result["times"].items()}
     out = {name: {"median_s": statistics.median(r), "spread_s": [min(r), max(r)]} for name, r in per_round.items()}
     paired = {f"{name}_over_fused": _spread([d / f for d, f in zip(per_round[name], per_round["fused"])])
-              for name in ("dtensor", "unfused") if name in per_round}
+              for name in ("dtensor", "hf_tp", "unfused") if name in per_round}
     limit = [max(c, m) for c, m in zip(per_round["compute_only"], per_round["comm_only"])]
     over = [f / lim for f, lim in zip(per_round["fused"], limit)]
     compute = out["compute_only"]["median_s"]
     return {"variants": out, "per_round_s": per_round,
             **paired, "fused_over_limit": _spread(over),
-            "exposed_s": {name: out[name]["median_s"] - compute for name in ("fused", "dtensor", "unfused")
+            "exposed_s": {name: out[name]["median_s"] - compute for name in ("fused", "dtensor", "hf_tp", "unfused")
                           if name in out},
             "saved_bytes": result["saved_bytes"], "flops_per_step": result["flops_per_step"]}
 
@@ -91,7 +92,7 @@ def summarize(result: dict, steps: int) -> dict:
 def _line(summary: dict) -> str:
     v = summary["variants"]
     parts = [f"{n} {v[n]['median_s']:.3f} [{v[n]['spread_s'][0]:.3f}-{v[n]['spread_s'][1]:.3f}]" for n in v]
-    for key in ("dtensor_over_fused", "unfused_over_fused"):
+    for key in ("dtensor_over_fused", "hf_tp_over_fused", "unfused_over_fused"):
         if key in summary:
             r = summary[key]
             parts.append(f"{key.replace('_over_', '/')} {r['median']:.2f}x [{r['spread'][0]:.2f}-{r['spread'][1]:.2f}]")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tflops", type=float, default=0.02, help="TFLOP/s of an emulated rank")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--variants", default="fused,dtensor,unfused,compute_only,comm_only")
+    parser.add_argument("--variants", default="fused,dtensor,hf_tp,unfused,compute_only,comm_only")
     for flag, default in (("hidden", 512), ("heads", 8), ("inner", 1408), ("layers", 2), ("vocab", 4096),
                           ("seq", 512), ("batch", 1)):
         parser.add_argument(f"--{flag}", type=int, default=default)

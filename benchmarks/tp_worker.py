@@ -7,6 +7,9 @@ start before the compute they follow, as on a GPU whose communication waits for 
 - ``fused``: ``commfuse_dp.tensor_parallel``: the activation rings beside the GEMM pieces.
 - ``dtensor``: DTensor's sequence-parallel TP as torchtitan applies it (``benchmarks/dtensor_tp.py``) on gloo over
   the same links.
+- ``hf_tp``: transformers' own TP plan (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N,
+  tp_plan="auto"))``: q/k/v/gate/up column-wise, o/down row-wise ending in an all-reduce, the lm_head's logits
+  gathered; no sequence parallelism), on gloo over the same links.
 - ``unfused``: ``tensor_parallel(fused=False)``: DTensor's schedule (each gather waited for before its GEMM, each
   reduce-scatter after it) on this library's rings, so that the gain of fusing shows apart from the transport's.
 - ``compute_only``: a rank's compute alone: one process runs the model with 1/N of the heads, of the MLP's width
@@ -28,8 +31,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-VARIANTS = ("fused", "dtensor", "unfused", "compute_only", "comm_only")
+VARIANTS = ("fused", "dtensor", "hf_tp", "unfused", "compute_only", "comm_only")
 
 
 def build(args, tp: int = 1):
@@ -44,6 +48,28 @@ def build(args, tp: int = 1):
     return transformers.LlamaForCausalLM(config)
 
 
+def transformers_tp(args, world: int):
+    """The bench's model through transformers' own TP: rank 0 saves it, every rank loads it with
+    ``DistributedConfig(tp_size=world, tp_plan="auto")``."""
+    import tempfile
+
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    folder = os.path.join(tempfile.gettempdir(), f"commfuse-tp-bench-model-{os.environ['MASTER_PORT']}")
+    if dist.get_rank() == 0:
+        build(args).save_pretrained(folder)
+    dist.barrier()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_size=world, tp_plan="auto"), attn_implementation="sdpa")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    return model
+
+
 class Variant:
     def __init__(self, name: str, args, world: int) -> None:
         from benchmarks.emulated import EmulatedAccelerator
@@ -51,6 +77,8 @@ class Variant:
         self.name = name
         if name == "compute_only":
             self.model = build(args, world)
+        elif name == "hf_tp":
+            self.model = transformers_tp(args, world)
         else:
             self.model = build(args)
             if name == "dtensor":
@@ -100,8 +128,8 @@ class Variant:
         with self.accelerator, self.context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = self.model(input_ids=self.ids, labels=self.ids, position_ids=self.positions).loss
         params = {p.data_ptr() for p in self.model.parameters()}
-        if any(hasattr(p, "to_local") for p in self.model.parameters()):
-            params |= {p.to_local().untyped_storage().data_ptr() for p in self.model.parameters()}
+        params |= {p.to_local().untyped_storage().data_ptr() for p in self.model.parameters()
+                   if isinstance(p, DTensor)}
         del loss
         return sum(n for ptr, n in storages.items() if ptr not in params)
 
