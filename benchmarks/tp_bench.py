@@ -2,7 +2,7 @@
 
     sudo python -m benchmarks.tp_bench --tp 2,4 --rounds 3 --json benchmarks/results/tp-emulated.json
 
-For each TP size N: N ranks, each in its own network namespace with its own ``tc``-shaped link
+For each TP size N: N ranks (with ``--dp D``, D x N: TP beside data parallelism), each in its own network namespace with its own ``tc``-shaped link
 (``benchmarks/cluster.py``), GEMMs and attention on the emulated accelerator (``benchmarks/emulated.py``, the host
 waiting for each). The link's "balanced" rate is the one at which a step's TP traffic takes as long as a rank's
 compute alone: the traffic a rank sends in a step (8 ring operations a decoder layer and 4 for the embedding and
@@ -45,6 +45,7 @@ def run(cluster: EmulatedCluster, rate_mbit: float, variants: str, args, rounds:
         argv = [sys.executable, "-m", "benchmarks.tp_worker", "--world-size", str(cluster.world_size),
                 "--master", f"{cluster.address(0)}:{port}", "--variants", variants, "--rounds", str(rounds),
                 "--steps", str(args.steps), "--warmup", "1", "--tflops", str(args.tflops), "--out", out,
+                "--dp", str(args.dp),
                 *[x for flag in MODEL_FLAGS for x in (f"--{flag}", str(getattr(args, flag)))]]
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(cluster.world_size)]
         procs = [cluster.popen(r, [*argv, "--rank", str(r)], env=worker_env(), stdout=logs[r],
@@ -116,6 +117,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--variants", default="fused,dtensor,hf_tp,unfused,compute_only,comm_only")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel ranks beside TP: D x N ranks, fused through shard(tp_size=N) against "
+                             "DTensor's TP with FSDP2 units (variants fused, dtensor, compute_only, comm_only)")
     for flag, default in (("hidden", 512), ("heads", 8), ("inner", 1408), ("layers", 2), ("vocab", 4096),
                           ("seq", 512), ("batch", 1)):
         parser.add_argument(f"--{flag}", type=int, default=default)
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
     began = time.time()
     runs = []
     for world in [int(x) for x in args.tp.split(",")]:
-        with EmulatedCluster(world_size=world, rate_mbit=10000) as cluster:
+        with EmulatedCluster(world_size=world * args.dp, rate_mbit=10000) as cluster:
             calib = run(cluster, 10000, "compute_only", args, 1)
             compute = statistics.median(calib["times"]["compute_only"])
             balanced = traffic_bytes(args, world) * 8 / compute / 1e6
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
                 rate = balanced * fraction
                 summary = summarize(run(cluster, rate, args.variants, args, args.rounds),
                                     args.steps)
-                runs.append({"tp": world, "fraction": fraction, "rate_mbit": rate, "balanced_mbit": balanced,
+                runs.append({"tp": world, "dp": args.dp, "fraction": fraction, "rate_mbit": rate, "balanced_mbit": balanced,
                              **summary})
                 print(f"  {fraction:g}x ({rate:.0f} Mbit/s): {_line(summary)}", flush=True)
     if args.json:

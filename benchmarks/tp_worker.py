@@ -16,6 +16,10 @@ start before the compute they follow, as on a GPU whose communication waits for 
   and of the vocabulary on the whole sequence, and nothing moves.
 - ``comm_only``: the fused variant's rings alone: its compute emulated at 10^6 times the rate.
 
+With ``--dp D`` > 1, the world is D x (world / D): fused through ``shard(CommFuseConfig(tp_size=...))``,
+dtensor with FSDP2 units over the data-parallel dimension (``beside_data_parallel``), each data-parallel rank its
+own batch; compute_only is one TP rank's compute alone.
+
 Rank 0 writes each variant's step times (seconds, one per timed step) and its saved activations (the bytes autograd
 keeps for the backward, counted once per storage) to ``--out`` as JSON.
 """
@@ -70,13 +74,39 @@ def transformers_tp(args, world: int):
     return model
 
 
+def beside_data_parallel(name: str, args, world: int):
+    """``--dp D``: the variant's model on the mesh ``(dp, tp)``: fused through ``shard(tp_size=...)``, DTensor's
+    TP with FSDP2 units (each decoder layer and the root) over the data-parallel dimension, as torchtitan does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = world // args.dp
+    if name in ("fused", "comm_only"):
+        from commfuse_dp import CommFuseConfig, shard
+
+        return shard(build(args), CommFuseConfig(schedule="fused", tp_size=tp))
+    if name == "dtensor":
+        from torch.distributed.fsdp import fully_shard
+
+        from benchmarks.dtensor_tp import dtensor_sequence_parallel
+
+        mesh = init_device_mesh("cpu", (args.dp, tp), mesh_dim_names=("dp", "tp"))
+        model = build(args)
+        dtensor_sequence_parallel(model, mesh["tp"])
+        for layer in model.get_decoder().layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
+    raise ValueError(f"--dp {args.dp}: variant {name!r} runs on one data-parallel rank only")
+
+
 class Variant:
     def __init__(self, name: str, args, world: int) -> None:
         from benchmarks.emulated import EmulatedAccelerator
 
         self.name = name
-        if name == "compute_only":
-            self.model = build(args, world)
+        if args.dp > 1 and name != "compute_only":
+            self.model = beside_data_parallel(name, args, world)
+        elif name == "compute_only":
+            self.model = build(args, world // args.dp)
         elif name == "hf_tp":
             self.model = transformers_tp(args, world)
         else:
@@ -92,7 +122,7 @@ class Variant:
 
                 tensor_parallel(self.model, fused=name != "unfused")
         self.accelerator = EmulatedAccelerator(args.tflops * (1e6 if name == "comm_only" else 1.0), host_ahead=False)
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator().manual_seed(1 + dist.get_rank() // (world // args.dp))  # a batch per DP rank
         vocab = self.model.config.vocab_size
         self.ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
         self.positions = torch.arange(args.seq)[None]
@@ -151,6 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks beside TP (world / dp TP ranks)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     host, port = args.master.rsplit(":", 1)

@@ -245,3 +245,26 @@ def test_tensor_parallel_table_equals_its_results_file():
                 ratio(run["hf_tp_over_fused"]), ratio(run["unfused_over_fused"]),
                 f"{run['fused_over_limit']['median']:.2f}"]
         assert row == want
+
+
+def test_tensor_parallel_beside_data_parallel_table_equals_its_results_file():
+    """performance.md's 2 x 2 table ("| mesh | link GB/s") against ``tp-emulated-2x2.json``."""
+    with open(DOC, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| mesh | link GB/s"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    with open(os.path.join(ROOT, "benchmarks", "results", "tp-emulated-2x2.json")) as f:
+        runs = json.load(f)["runs"]
+    assert len(rows) == len(runs)
+    cell = lambda v: f"{v['median_s']:.3f} ({v['spread_s'][0]:.3f}-{v['spread_s'][1]:.3f})"  # noqa: E731
+    for row, run in zip(rows, runs):
+        v, r = run["variants"], run["dtensor_over_fused"]
+        assert row == [f"{run['dp']} x {run['tp']}", f"{run['fraction']:g}x ({run['rate_mbit'] / 8000:.4g})",
+                       cell(v["fused"]), cell(v["dtensor"]), f"{v['compute_only']['median_s']:.3f}",
+                       f"{v['comm_only']['median_s']:.3f}",
+                       f"{r['median']:.2f}x ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})",
+                       f"{run['fused_over_limit']['median']:.2f}"]

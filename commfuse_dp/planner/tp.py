@@ -105,12 +105,17 @@ def calibrate(path: str, latency_us: float | None) -> int:
     if latency_us is None:
         latency_us = max(0.0, statistics.median(
             (run["variants"]["comm_only"]["median_s"] / ((8 * m["layers"] + 4) * (run["tp"] - 1))
-             - hop_bytes[run["tp"]] * 8 / (run["rate_mbit"] * 1e6)) * 1e6 for run in record["runs"]))
+             - hop_bytes[run["tp"]] * 8 / (run["rate_mbit"] * 1e6)) * 1e6 for run in record["runs"]
+            if run.get("dp", 1) == 1))
         said = f"hop latency {latency_us:.0f} us, fitted from comm_only"
     else:
         said = f"hop latency {latency_us:g} us"
     worst = 0.0
-    for run in record["runs"]:
+    runs = [run for run in record["runs"] if run.get("dp", 1) == 1]  # (the play has no data-parallel traffic)
+    if not runs:
+        raise SystemExit(f"commfuse-dp plan --tp --calibrate: {path} has no run of TP alone (--dp 1); the play "
+                         f"leaves out the data-parallel traffic")
+    for run in runs:
         cl = TPCluster(run["tp"], run["rate_mbit"] * 1e6 / 8, latency_us * 1e-6, record["tflops"] * 1e12, 4)
         r = play(shape, tokens, m["seq"], cl)
         host = run["variants"]["compute_only"]["median_s"] - r["compute_s"]
