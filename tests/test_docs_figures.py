@@ -220,20 +220,25 @@ def test_readme_s_demo_output_is_its_results_file():
     assert f"(here {chose})" in text, chose
 
 
-def test_tensor_parallel_table_equals_its_results_file():
-    """performance.md's TP table ("| TP | link GB/s"): each row's rate, every step's median and range (fused,
-    DTensor's, transformers', DTensor's schedule on the rings, the limits) and the paired ratios against
-    ``tp-emulated.json``."""
+def _tp_table(header: str, results: str) -> tuple[list[list[str]], list[dict]]:
+    """The cells of performance.md's table whose header starts with ``header``, and the runs of ``results``."""
     with open(DOC, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| TP | link GB/s"))
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
     rows = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):
             break
         rows.append([c.strip() for c in line.strip("|").split("|")])
-    with open(os.path.join(ROOT, "benchmarks", "results", "tp-emulated.json")) as f:
-        runs = json.load(f)["runs"]
+    with open(os.path.join(ROOT, "benchmarks", "results", results)) as f:
+        return rows, json.load(f)["runs"]
+
+
+def test_tensor_parallel_table_equals_its_results_file():
+    """performance.md's TP table ("| TP | link GB/s"): each row's rate, every step's median and range (fused,
+    DTensor's, transformers', DTensor's schedule on the rings, the limits) and the paired ratios against
+    ``tp-emulated.json``."""
+    rows, runs = _tp_table("| TP | link GB/s", "tp-emulated.json")
     assert len(rows) == len(runs)
     cell = lambda v: f"{v['median_s']:.3f} ({v['spread_s'][0]:.3f}-{v['spread_s'][1]:.3f})"  # noqa: E731
     ratio = lambda r: f"{r['median']:.2f}x ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})"  # noqa: E731
@@ -249,16 +254,7 @@ def test_tensor_parallel_table_equals_its_results_file():
 
 def test_tensor_parallel_beside_data_parallel_table_equals_its_results_file():
     """performance.md's 2 x 2 table ("| mesh | link GB/s") against ``tp-emulated-2x2.json``."""
-    with open(DOC, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| mesh | link GB/s"))
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip() for c in line.strip("|").split("|")])
-    with open(os.path.join(ROOT, "benchmarks", "results", "tp-emulated-2x2.json")) as f:
-        runs = json.load(f)["runs"]
+    rows, runs = _tp_table("| mesh | link GB/s", "tp-emulated-2x2.json")
     assert len(rows) == len(runs)
     cell = lambda v: f"{v['median_s']:.3f} ({v['spread_s'][0]:.3f}-{v['spread_s'][1]:.3f})"  # noqa: E731
     for row, run in zip(rows, runs):
