@@ -400,7 +400,9 @@ def _tensor_parallel_lines(tp: dict[str, Any]) -> list[str]:
     mesh = " x ".join(f"{name} {size}" for name, size in tp["mesh"].items())
     schedule = "each hop beside a GEMM piece" if tp["fused"] else "the reference schedule (fused=False)"
     return [f"tensor parallel: {tp['size']} ranks, sequence-parallel, {schedule}; mesh {mesh}; this rank's TP group "
-            f"{tp['group']} (the data-parallel rings below run over the ranks at its TP position)",
+            f"{tp['group']} (the data-parallel rings below run over the ranks at its TP position); "
+            f"{tp['ring_ops']} ring operations a step, {_size(round(tp['bytes_per_token']))} sent per token of the "
+            f"sequence",
             *_table(f"TP layers ({len(tp['layers'])})", ("module", "this rank holds", "forward rings",
                                                          "backward rings"), [tuple(r) for r in tp["layers"]])]
 

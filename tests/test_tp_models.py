@@ -217,6 +217,8 @@ def test_shard_with_tp_size_builds_the_mesh_and_trains_as_one_process(world_size
         _assert_grads(grads, want_grads, sharded)
         assert "tensor parallel: 2 ranks" in text and f"this rank's TP group [{rank - rank % 2}, " in text, text
         assert "model.layers.1.mlp" in text and "tensor-parallel: its TP rings read its weights" in text, text
+        # 2 decoder layers x (2 + 2) ops x 2 ways + (embedding, lm_head) x 2 ways = 20, each (2-1)/2 x 32 x 4 B a token
+        assert "20 ring operations a step, 1.2 KiB sent per token" in text, text
         if replicate > 1:
             assert "in each of 2 copies (HSDP)" in text and "dp_replicate 2 x dp_shard 2 x tp 2" in text, text
 

@@ -60,6 +60,7 @@ class TensorParallel:
         self.steps = StepState(self.engine, FusedSchedule)
         self.vocab_size = vocab_size
         self.fused = fused
+        self.hidden, self.item = 0, 4  # the rows the rings carry: width and bytes an element (tensor_parallel)
         counts, offsets = seq_split(vocab_size, self.size)
         self.vocab_start, self.vocab_rows = offsets[self.rank], counts[self.rank]
         self.seq: int | None = None
@@ -77,7 +78,20 @@ class TensorParallel:
         mesh = self.mesh
         return {"size": self.size, "group": dist.get_process_group_ranks(self.group),
                 "mesh": dict(zip(mesh.mesh_dim_names, mesh.mesh.shape)) if mesh is not None else {"tp": self.size},
-                "fused": self.fused, "layers": [list(row) for row in self.layers]}
+                "fused": self.fused, "layers": [list(row) for row in self.layers],
+                "ring_ops": self.ring_ops, "bytes_per_token": self.bytes_per_token}
+
+    @property
+    def ring_ops(self) -> int:
+        """Ring operations a forward and backward: two a TP layer each way (attention: q/k/v and o; MLP: gate/up
+        and down), one each way for the embedding and the lm_head."""
+        return sum(2 if "heads" in split or "inner" in split else 1 for _, split, *_ in self.layers) * 2
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What a rank sends a step for each token of the sequence: each ring operation (N-1)/N of a row of the
+        hidden size in the activations' dtype (rounded up by the sequence's split)."""
+        return self.ring_ops * (self.size - 1) / self.size * self.hidden * self.item
 
     def check_same_batch(self, batch: torch.Tensor, what: str) -> None:
         """Raise on every rank of the group unless every rank's ``batch`` has the same shape and checksum (the
@@ -170,6 +184,7 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
                          f"{size} tensor-parallel ranks; key/value heads are not replicated: choose a "
                          f"tensor-parallel size that divides {math.gcd(heads, kv)}")
     tp = TensorParallel(group, cfg.vocab_size, config, fused)
+    tp.hidden, tp.item = cfg.hidden_size, model.get_input_embeddings().weight.element_size()
     names = {id(m): n for n, m in model.named_modules()}
     base = model.get_decoder()
     embed, head = base.embed_tokens, getattr(model, "lm_head", None)
