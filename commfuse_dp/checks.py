@@ -67,7 +67,8 @@ def check_ranks_agree(ranks: list[int], config: CommFuseConfig, model: nn.Module
         detail = "; ".join(f"rank {r}: {g}" for r, g in enumerate(groups))
         raise ValueError(f"shard: the ranks passed different data-parallel groups ({detail}); every rank must "
                          f"pass the same mesh / process group")
-    configs = {r: everyone[r][1] for r in range(len(everyone))}
+    members = sorted({r for g in groups for r in g if r < len(everyone)})  # (beside TP: every group's)
+    configs = {r: everyone[r][1] for r in members}
     differing = config_differences(configs)
     if differing:
         raise ValueError(f"shard: the ranks passed different CommFuseConfigs: {'; '.join(differing)}. Pass the same "

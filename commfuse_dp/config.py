@@ -183,8 +183,8 @@ class CommFuseConfig:
     (inside a node) share each layer, sequence-parallel, their activation rings beside the GEMM's pieces
     (``commfuse_dp.tensor_parallel``, ``docs/tensor_parallel.md``), and ``shard()`` shards each TP rank's part
     over the ranks of the same TP position (the mesh ``("dp_shard", "tp")``; with ``replicate`` R > 1, HSDP beside
-    TP: ``("dp_replicate", "dp_shard", "tp")``, and ``"auto"`` is 1). 1 (default): none. The model must be one ``tensor_parallel`` supports, with its weights loaded (not on the
-    meta device)."""
+    TP: ``("dp_replicate", "dp_shard", "tp")``, and ``"auto"`` is 1). 1 (default): none. The model must be one
+    ``tensor_parallel`` supports, with its weights loaded (not on the meta device)."""
 
     fsdp2_collectives: str = "auto"
     """What the ``"fsdp2"`` schedule's units all-gather and reduce-scatter with: ``"rings"`` (this library's, with

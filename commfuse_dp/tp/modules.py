@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .rings import ColumnParallelFn, RowParallelFn, TPState, VocabEmbeddingFn
@@ -154,8 +155,6 @@ class SummedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
-
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None

@@ -5,8 +5,8 @@ What changes in the model: every decoder layer's ``self_attn`` and ``mlp`` becom
 holding this rank's heads (q, k, v rows and o columns) and this rank's part of the MLP's inner size; the
 token embedding and the lm_head hold this rank's rows of the vocabulary (one table where they are tied); the
 norms stay whole (``TPNorm``: the original's forward on this rank's rows of the sequence), and their weights'
-gradients are summed over the group as each backward produces them. The model's ``loss_function`` becomes the vocabulary-parallel cross-entropy
-(``loss.py``), so ``model(input_ids, labels=labels).loss`` is one process's loss on every rank, while its
+gradients are summed over the group as each backward produces them. The model's ``loss_function`` becomes the
+vocabulary-parallel cross-entropy (``loss.py``), so ``model(input_ids, labels=labels).loss`` is one process's loss on every rank, while its
 ``logits`` are this rank's vocabulary rows of them and its last hidden states this rank's rows of the sequence.
 
 Families: those whose attention and MLP this module reproduces exactly (``FAMILIES``); any other is refused.
@@ -17,6 +17,7 @@ vocabulary need not.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,8 @@ FAMILIES = {
     "mistral": lambda attn: {"sliding_window": getattr(attn.config, "sliding_window", None)},
     "qwen2": lambda attn: {"sliding_window": attn.sliding_window},
 }
-NORMS = ("RMSNorm", "LayerNorm")
-SAME_BATCH_CHECKS = 3  # the first forwards check that every TP rank got the same batch  # the modules whose weights stay whole (their class names end so)
+NORMS = ("RMSNorm", "LayerNorm")  # the modules whose weights stay whole (their class names end so)
+SAME_BATCH_CHECKS = 3  # the first forwards check that every TP rank got the same batch
 
 
 class TensorParallel:
@@ -70,6 +71,7 @@ class TensorParallel:
         self.first_layer_next = False  # the root's forward began and the first decoder layer has not run yet
         self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
+        self.ring_ops = 0  # ring operations a forward and backward (``add_layer``)
         self.sharded: dict[str, tuple[int, int, int]] = {}
         self.replicated: list[str] = []
 
@@ -81,11 +83,11 @@ class TensorParallel:
                 "fused": self.fused, "layers": [list(row) for row in self.layers],
                 "ring_ops": self.ring_ops, "bytes_per_token": self.bytes_per_token}
 
-    @property
-    def ring_ops(self) -> int:
-        """Ring operations a forward and backward: two a TP layer each way (attention: q/k/v and o; MLP: gate/up
-        and down), one each way for the embedding and the lm_head."""
-        return sum(2 if "heads" in split or "inner" in split else 1 for _, split, *_ in self.layers) * 2
+    def add_layer(self, row: tuple[str, str, str, str], ring_ops: int) -> None:
+        """A TP layer (module, what this rank holds, forward rings, backward rings) with its ring operations a
+        forward and backward."""
+        self.layers.append(row)
+        self.ring_ops += ring_ops
 
     @property
     def bytes_per_token(self) -> float:
@@ -102,10 +104,11 @@ class TensorParallel:
             return
         self.checked += 1
         flat = batch.detach().reshape(-1).double()
-        mine = [float(batch.dim()), *map(float, batch.shape), flat.sum().item(),
-                (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum().item()]
-        mine += [0.0] * (8 - len(mine))
-        both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=batch.device)
+        mine = torch.zeros(8, dtype=torch.float64, device=batch.device)
+        mine[:batch.dim() + 1] = torch.tensor([batch.dim(), *batch.shape], dtype=torch.float64)
+        mine[6] = flat.sum()
+        mine[7] = (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)).sum()
+        both = torch.cat([mine, -mine])
         dist.all_reduce(both, dist.ReduceOp.MAX, group=self.group)
         if not torch.equal(both[:8], -both[8:]):
             raise ValueError(f"tensor_parallel: the ranks of a TP group got different {what} (shape or values); "
@@ -194,16 +197,16 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
         _split_mlp(tp, layer, names)
     _keep(tp, embed, names[id(embed)], 0, tp.vocab_start, tp.vocab_rows)
     base.embed_tokens = TPEmbedding(embed, tp, names[id(embed)])
-    tp.layers.append((names[id(embed)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows",
-                      "reduce-scatter to sequence rows", "gather"))
+    tp.add_layer((names[id(embed)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows",
+                  "reduce-scatter to sequence rows", "gather"), 2)
     if head is not None:
         if tied:
             head.weight = embed.weight
         else:
             _keep(tp, head, names[id(head)], 0, tp.vocab_start, tp.vocab_rows)
         model.lm_head = TPLMHead(head, tp, names[id(head)])
-        tp.layers.append((names[id(head)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows"
-                          + (" (tied)" if tied else ""), "gather", "reduce-scatter"))
+        tp.add_layer((names[id(head)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows"
+                      + (" (tied)" if tied else ""), "gather", "reduce-scatter"), 2)
         model.loss_function = causal_lm_loss(tp)
     _sum_whole_gradients(tp, model)
     base.layers[0].register_forward_pre_hook(_first_layer_rows(tp), with_kwargs=True)
@@ -218,8 +221,6 @@ def data_parallel_mesh(model: nn.Module, config, mesh, device_type: str):
     ``replicate`` R > 1, ``("dp_replicate", "dp_shard", "tp")``), consecutive ranks in a TP group; ``model`` made
     tensor-parallel over its TP group (after every rank's model was checked the same); returns the data-parallel
     mesh that ``shard()`` shards this rank's part over."""
-    import os
-
     from torch.distributed.device_mesh import init_device_mesh
 
     from ..checks import check_ranks_agree
@@ -282,8 +283,8 @@ def _split_attention(tp: TensorParallel, layer: nn.Module, names: dict, family) 
     assert cols % head_dim == 0
     _keep(tp, attn.o_proj, names[id(attn.o_proj)], 1, tp.rank * cols, cols)
     layer.self_attn = TPAttention(attn, tp, name, family(attn))
-    tp.layers.append((name, f"{attn.q_proj.weight.shape[0] // head_dim} of the heads", "gather (q, k, v); "
-                      "reduce-scatter (o)", "reduce-scatter; gather"))
+    tp.add_layer((name, f"{attn.q_proj.weight.shape[0] // head_dim} of the heads", "gather (q, k, v); "
+                  "reduce-scatter (o)", "reduce-scatter; gather"), 4)
 
 
 def _split_mlp(tp: TensorParallel, layer: nn.Module, names: dict) -> None:
@@ -298,8 +299,8 @@ def _split_mlp(tp: TensorParallel, layer: nn.Module, names: dict) -> None:
         _keep(tp, proj, names[id(proj)], 0, start, rows)
     _keep(tp, mlp.down_proj, names[id(mlp.down_proj)], 1, start, rows)
     layer.mlp = TPMLP(mlp, tp, names[id(mlp)])
-    tp.layers.append((names[id(mlp)], f"{rows} of {sum(counts)} inner", "gather (gate, up); reduce-scatter (down)",
-                      "reduce-scatter; gather"))
+    tp.add_layer((names[id(mlp)], f"{rows} of {sum(counts)} inner", "gather (gate, up); reduce-scatter (down)",
+                  "reduce-scatter; gather"), 4)
 
 
 def _keep(tp: TensorParallel, module: nn.Module, name: str, dim: int, start: int, count: int) -> None:

@@ -114,20 +114,22 @@ class ColumnParallelFn(torch.autograd.Function):
         dys = [None if dy is None else dy.contiguous() for dy in dys]
         dws = [torch.zeros_like(w) for w in weights]
 
+        rows: dict[int, list] = {}  # shard -> each member's output-gradient rows (a copy when B > 1), used twice
+
         def weight_grads(t: int) -> None:
             x_t = gathered[t, :batch * counts[t] * width].view(-1, width)
-            for dy, dw in zip(dys, dws):
-                if dy is not None:
-                    dw.addmm_(_rows(dy, offsets[t], counts[t]).t(), x_t)
+            for dy_t, dw in zip(rows.pop(t), dws):
+                if dy_t is not None:
+                    dw.addmm_(dy_t.t(), x_t)
 
         def piece(k: int, part: torch.Tensor) -> None:
             t = ring.shard_reduced(k)
             part = _filled(part, batch * counts[t], width, counts[t] < counts[0])
+            rows[t] = [None if dy is None else _rows(dy, offsets[t], counts[t]) for dy in dys]
             first = True
-            for dy, w in zip(dys, weights):
-                if dy is None:
+            for dy_t, w in zip(rows[t], weights):
+                if dy_t is None:
                     continue
-                dy_t = _rows(dy, offsets[t], counts[t])
                 if first:
                     torch.mm(dy_t, w, out=part)
                     first = False
