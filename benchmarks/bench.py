@@ -73,6 +73,8 @@ CPU_NOTES = {
     "hsdp_fused": "shard(), replicate = nodes: fused rings inside a node, gradients averaged across nodes",
     "hsdp_slicing": "the same with the slicing schedule",
     "fsdp2_hsdp": "the peer: FSDP2's HSDP as torchtitan builds it, on the same rings, run as on a GPU",
+    "hpz_fsdp2": "shard(), hpz_size = ranks per node: one flat shard, FSDP2's units, the backward's gathers from "
+                 "a second copy of the weights per node (ZeRO++'s hpZ)",
 }
 SHAPING_NOTE = ("tbf token buckets ({burst} KiB, --burst-kb) refill while a link is idle, so schedules with compute "
                 "gaps get up to that many bytes above the rate after each gap, which back-to-back communication alone "

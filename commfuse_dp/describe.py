@@ -90,6 +90,7 @@ class UnitInfo:
     reduce_scatter_bytes: int
     note: str = ""
     shard_numel: int = 0  # elements of one rank's row (each parameter's shard padded)
+    second_copy_bytes: int = 0  # hpZ (CommFuseConfig.hpz_size): its weights' second copy on this rank, fwd to bwd
 
 
 @dataclass
@@ -137,6 +138,11 @@ class ShardReport:
                  f"{_size(self.fused_param_bytes)} of {_size(self.total_param_bytes)} parameters ({self.fused_fraction:.0%}) in fused linears and ring "
                  f"embeddings; bytes sent per rank per training step"]
         lines += _tensor_parallel_lines(self.tensor_parallel)
+        copy = sum(u.second_copy_bytes for u in self.fsdp_units)
+        if copy:
+            lines.append(f"hpZ: the units' backward gathers run inside groups of ranks (a node) from a second copy "
+                         f"of their weights, {_size(copy)} a rank in all, each unit's held from its forward to its "
+                         f"backward")
         if (self.gather_format, self.reduce_format) != ("exact", "exact"):
             lines.append(f"on the wire: gathers {self.gather_format}, gradients {self.reduce_format} (2-D parameters; "
                          f"1-D ones and ring embeddings as they are)" + (
@@ -145,6 +151,7 @@ class ShardReport:
                              if self.error_feedback_bytes else ""))
         if self.choice:
             replicate = f"replicate {self.choice['replicate']}, " if "replicate" in self.choice else ""
+            replicate += f"hpz_size {self.choice['hpz_size']}, " if "hpz_size" in self.choice else ""
             lines.append(f"chosen: {replicate}schedule {self.choice['schedule']!r}, piece_shards "
                          f"{self.choice['piece_shards']}: "
                          f"{self.choice['reason']}" + (f" [{self.choice['machine']}]" if self.choice["machine"] else ""))
@@ -307,10 +314,7 @@ def _unit_info(members: list[tuple[str, nn.Module]], model: nn.Module, fused: se
     # 0-d parameters are no unit's: replicated, averaged after backward (scalars.py)
     own = list({id(p): p for _, unit in members for p in unit.parameters()
                 if id(p) not in fused and id(p) not in nested and p.dim() > 0}.values())
-    segments, at = [], 0
-    for p in own:
-        segments.append((at, _padded_shard(p, world), p.dim() >= 2))
-        at += segments[-1][1]
+    segments, at = _segments(own, world)
     dtype = own[0].dtype if own else torch.float32
     gather = (world - 1) * _row(config.gather_format, _compute(config, dtype), segments, True, config, world)
     reduce = (world - 1) * _row(config.reduce_format, _reduce(config, dtype), segments, False, config, world) \
@@ -318,10 +322,28 @@ def _unit_info(members: list[tuple[str, nn.Module]], model: nn.Module, fused: se
     root = members[0][1] is model
     groups = param_groups(members[0][1]._get_fsdp_state())
     kept = not root and bool(groups) and groups[0].post_forward_mesh_info is None  # reshard_after_forward=False
+    after = groups[0].post_forward_mesh_info if groups and not kept and not root else None
+    second = after.shard_mesh_size if after is not None and after.shard_mesh_size < world else 0  # hpZ
     note = ("root: stays gathered from forward to backward" if root else
-            "kept gathered from forward to backward (reshard_after_forward=False)" if kept else "")
+            "kept gathered from forward to backward (reshard_after_forward=False)" if kept else
+            f"a second copy over {second} ranks after the forward (hpZ): the backward gathers there" if second else "")
+    backward, copy = (0 if root or kept else gather), 0
+    if second:
+        rows, numel = _segments(own, second)
+        backward = (second - 1) * _row(config.gather_format, _compute(config, dtype), rows, True, config, second)
+        copy = numel * _compute(config, dtype).itemsize
     return UnitInfo("+".join(name for name, _ in members), len(own), sum(p.numel() for p in own), gather,
-                    0 if root or kept else gather, reduce, note, at)
+                    backward, reduce, note, at, copy)
+
+
+def _segments(params: list[torch.Tensor], world: int) -> tuple[list[tuple[int, int, bool]], int]:
+    """One rank's row of ``params`` sharded over ``world``: (offset, padded shard elements, 2-D) each, and its
+    elements."""
+    segments, at = [], 0
+    for p in params:
+        segments.append((at, _padded_shard(p, world), p.dim() >= 2))
+        at += segments[-1][1]
+    return segments, at
 
 
 def _row(fmt: str, dtype: torch.dtype, segments: list[tuple[int, int, bool]], gather: bool, config: CommFuseConfig,

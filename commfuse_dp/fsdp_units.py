@@ -105,12 +105,14 @@ def _sharing(modules: list[nn.Module]) -> list[list[nn.Module]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def apply(plans: list[UnitPlan], **fully_shard_kwargs) -> None:
+def apply(plans: list[UnitPlan], second_copy: int = 1, **fully_shard_kwargs) -> None:
     """``fully_shard`` each plan (inner layers first, as listed), with ``fully_shard_kwargs`` (mesh, mp_policy,
-    ignored_params)."""
+    ignored_params). ``second_copy`` N > 1 (``CommFuseConfig.hpz_size``): the units resharded after forward are
+    resharded to groups of N consecutive ranks instead (``reshard_after_forward=N``: ZeRO++'s hpZ)."""
     for plan in plans:
         target = plan.modules[0] if len(plan.modules) == 1 else list(plan.modules)
-        fully_shard(target, reshard_after_forward=plan.reshard_after_forward, **fully_shard_kwargs)
+        reshard = second_copy if plan.reshard_after_forward and second_copy > 1 else plan.reshard_after_forward
+        fully_shard(target, reshard_after_forward=reshard, **fully_shard_kwargs)
 
 
 def _has_direct(module: nn.Module, kept_out: set) -> bool:

@@ -92,7 +92,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     (``initialize_weights``, every parameter skipped), as ``from_pretrained`` does; a model that is no
     ``PreTrainedModel`` must set its non-persistent buffers itself. ``device`` is only for meta models.
     """
-    config = config if config is not None else CommFuseConfig()
+    config = _hpz_layout(config if config is not None else CommFuseConfig())
     device, on_meta, mesh, layout = _device_and_mesh(model, config, mesh, device)
     group = mesh.get_group(mesh.ndim - 1)  # the shard dimension: the fused rings run here
     everyone = mesh.mesh.flatten().tolist()
@@ -100,9 +100,7 @@ def shard(model: nn.Module, config: CommFuseConfig | None = None, *, mesh: Devic
     check_ranks_agree(everyone, config, model)  # same mesh, config and parameters on every rank (checks.py)
     asked_schedule = config.schedule
     config, choice = _resolve_auto(model, config, mesh, group, device, one_node, layout)
-    if mesh.ndim == 2 and config.replicate == 1:  # the flat ring chosen over HSDP across the nodes
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        group = mesh.get_group(0)
+    config, mesh, group = _chosen_mesh(config, mesh, group, device)
     check_ranks_agree(everyone, config, model, chosen=choice)  # (a rank that read other tokens chose otherwise)
     replicas = None
     # error feedback's, which checkpoints carry (feedback.py), kept in config.feedback_dtype
@@ -159,6 +157,47 @@ def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh 
         raise ValueError(f"shard: the model is on {device} but the mesh is on {mesh.device_type}; "
                          f"move the model to the mesh's device first")
     return device, on_meta, mesh, layout
+
+
+def _chosen_mesh(config: CommFuseConfig, mesh: DeviceMesh, group, device: torch.device):
+    """The config, mesh and shard group as chosen: one flat mesh where the flat ring (or hpZ) was chosen over HSDP
+    across the nodes, and ``hpz_size`` checked against it (``_check_hpz``)."""
+    if mesh.ndim == 2 and config.replicate == 1:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        group = mesh.get_group(0)
+    return _check_hpz(config, mesh), mesh, group
+
+
+def _hpz_layout(config: CommFuseConfig) -> CommFuseConfig:
+    """An ``hpz_size`` N > 1 given: one flat shard (``replicate`` 1) under the fsdp2 schedule, where those are
+    ``"auto"`` (``_check_hpz`` refuses them given otherwise)."""
+    if config.hpz_size == "auto" or config.hpz_size <= 1:
+        return config
+    return config.replace(replicate=1 if config.replicate == "auto" else config.replicate,
+                          schedule="fsdp2" if config.schedule == "auto" else config.schedule)
+
+
+def _check_hpz(config: CommFuseConfig, mesh: DeviceMesh) -> CommFuseConfig:
+    """``config`` with ``hpz_size`` an integer (``"auto"`` not chosen: 1), refused with one line where it cannot run:
+    beside HSDP or TP, under another schedule than fsdp2, or not dividing the shard group's ranks."""
+    if config.hpz_size == "auto":
+        return config.replace(hpz_size=1)
+    n, world = config.hpz_size, mesh.size(mesh.ndim - 1)
+    if n == 1:
+        return config
+    fix = "set hpz_size=1 (no second copy)"
+    if config.tp_size > 1 or mesh.ndim != 1:
+        what = f"tp_size={config.tp_size}" if config.tp_size > 1 else f"HSDP ({mesh.size(0)} copies)"
+        raise ValueError(f"shard: CommFuseConfig.hpz_size={n} splits a second copy of one flat shard, not {what}, "
+                         f"whose backward gathers stay inside a copy already; {fix} or replicate=1 and tp_size=1")
+    if config.schedule != "fsdp2":
+        raise ValueError(f"shard: CommFuseConfig.hpz_size={n} runs under schedule='fsdp2' (FSDP2's "
+                         f"reshard_after_forward={n}), not schedule={config.schedule!r}; set schedule=\"fsdp2\" "
+                         f"(or \"auto\"), or {fix}")
+    if world % n or n > world:
+        raise ValueError(f"shard: CommFuseConfig.hpz_size={n} does not divide the {world} ranks of the shard group; "
+                         f"give the ranks per node (the launcher's LOCAL_WORLD_SIZE), or {fix}")
+    return config
 
 
 def _resolve_auto(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh, group, device: torch.device,
@@ -247,7 +286,8 @@ def _shard_the_rest(model: nn.Module, config: CommFuseConfig, engine: Engine, st
                         if unfused_numel(u, kept_out) // engine.ring.size >= max(config.min_fuse_numel, 1)]
     plans = (fsdp_units.peer_plan(model, unit_modules, kept_out, data_dependence.inside(model, fused.data_dependent))
              if peer else fsdp_units.coarse_plan(model, unit_modules, kept_out))
-    fsdp_units.apply(plans, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
+    fsdp_units.apply(plans, second_copy=config.hpz_size if peer else 1, mesh=mesh, mp_policy=mp_policy,
+                     ignored_params=kept_out)
     if any(p not in kept_out for p in model.parameters()):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy, ignored_params=kept_out)
     if any(isinstance(m, FSDPModule) for m in model.modules()) and not (peer and config.fsdp2_collectives == "torch"):

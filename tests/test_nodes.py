@@ -106,6 +106,19 @@ def test_the_exchange_between_nodes_is_the_limit_of_a_slow_nic():
     assert rows["int8/int8"]["over_peer"] > 1.2  # half the gradient bytes across a slow NIC
 
 
+def test_the_defaults_take_hpz_where_it_wins():
+    """Where one NIC a node is the limit at many nodes, hpZ (a flat shard whose backward gathers stay in the node)
+    beats FSDP2's HSDP by more than the margin and the defaults take it; without it as a candidate they do not, and
+    ``plan --num-machines`` says ``hpz_size``."""
+    units = units_for(*plan.KNOWN_MODELS["llama3-8b"], tokens=8192, seq=8192)
+    intra = Cluster(8, 450e9, 15e-6, 400e12, 2, 2, peer_nccl=True)
+    machines = nodes.Machines.of_nics(16, 8, 25e9)
+    chosen, steps = nodes.decide(units, intra, machines)
+    assert chosen == "hpz/fsdp2" and steps[chosen] <= (1 - plan.MARGIN) * steps[nodes.PEER]
+    assert nodes.decide(units, intra, machines, hpz=False)[0] != "hpz/fsdp2"
+    assert nodes.decide(units, intra, nodes.Machines.of_nics(2, 8, 12.5e9))[0] == nodes.PEER
+
+
 def test_plan_nodes_prints_the_rate_per_rank_and_the_defaults(capsys):
     assert plan_cli.main(["--model", "llama3-8b", "--num-processes", "16", "--num-machines", "2", "--link-gbps", "450",
                           "--nic-gbps", "12.5", "--tokens-per-rank", "8192", "--seq", "8192", "--formats", "--codec-ns",
@@ -185,6 +198,8 @@ def test_the_choice_across_nodes_is_the_one_playing_everything_makes():
                     machines = nodes.Machines.of_nics(k, intra.ranks, gb * 1e9, min(nics, intra.ranks))
                     chosen, steps = nodes.decide(units, intra, machines)
                     full = nodes.layouts(units, intra, machines)
+                    if k > 1 and intra.ranks > 1:
+                        full["hpz/fsdp2"] = nodes.hpz_step(units, intra, machines)
                     best = min(full, key=full.get)
                     expected = best if best != nodes.PEER and full[best] <= 0.98 * full[nodes.PEER] else nodes.PEER
                     assert chosen == expected, (name, kind, k, gb, nics, steps, full)

@@ -73,12 +73,15 @@ class Choice:
     plan: Plan | None = field(default=None, compare=False, repr=False)  # the cost model played; None: none was
     replicate: int | None = None  # on a multi-node launch, the copies chosen (1: one flat ring); None: not chosen
     between: dict | None = None  # on a multi-node launch, the tier between nodes played (``nodes.Machines``'s figures)
+    hpz_size: int = 1  # on a multi-node launch, hpZ's group chosen (CommFuseConfig.hpz_size; 1: none)
 
     def as_dict(self) -> dict:
         out = {"schedule": self.schedule, "piece_shards": self.piece_shards, "reason": self.reason,
                "predicted_s": dict(self.predicted_s), "machine": self.machine, "collectives": self.collectives}
         if self.replicate is not None:
             out["replicate"] = self.replicate
+        if self.hpz_size > 1:
+            out["hpz_size"] = self.hpz_size
         if self.plan is not None:  # the figures the plays ran on (a shard group's ranks and links)
             cl = self.plan.cluster
             out["played"] = {"ranks": cl.ranks, "link_gbps": cl.bytes_per_s / 1e9, "latency_us": cl.latency_s * 1e6,

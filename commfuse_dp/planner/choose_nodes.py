@@ -6,7 +6,8 @@ the default, or ``schedule="auto"`` under HSDP), the two tiers are measured (``m
 inside a node; a rank's link to other nodes while its whole node crosses, and one flow alone) unless given, the
 GEMM rate likewise, and the planner's plays across machines (``nodes.py``) pick:
 - the layout, where ``replicate="auto"``: HSDP (a copy of the model per node, ``replicate`` = nodes) or one flat
-  ring over every rank (``replicate=1``);
+  ring over every rank (``replicate=1``), or (``hpz_size="auto"`` too) that flat ring with hpZ under the fsdp2
+  schedule (``hpz_size`` = ranks per node);
 - the schedule, where ``"auto"``: the peer's (``fsdp2``) unless fused is predicted faster by ``plan.MARGIN``;
 - the fused schedule's piece width and the fsdp2 schedule's collectives, as on one node.
 Nothing lossy is chosen: a narrow format is played only where the config asks for it. The figures are the median
@@ -74,7 +75,8 @@ def plan_nodes(model: nn.Module, config: CommFuseConfig, copies: int, per_node: 
         cl = plan.with_formats(cl, config.gather_format, config.reduce_format, nbytes, {})
         grad_bytes = min(nbytes, bytes_per_element(config.reduce_format, nbytes))
     schedules = (fixed,) if fixed is not None else nodes.SCHEDULES
-    chosen, steps = nodes.decide(units, cl, machines, layouts, schedules, grad_bytes)
+    hpz = config.hpz_size == "auto" and config.replicate == "auto" and config.tp_size == 1
+    chosen, steps = nodes.decide(units, cl, machines, layouts, schedules, grad_bytes, hpz)
     layout, schedule = chosen.split("/")
     replicate = copies if layout == "hsdp" else 1
     played = replace(cl, ranks=per_node) if layout == "hsdp" else nodes.flat_cluster(cl, machines)
@@ -84,9 +86,11 @@ def plan_nodes(model: nn.Module, config: CommFuseConfig, copies: int, per_node: 
     collectives = _collectives(config, device, units, played) if schedule == "fsdp2" else "rings"
     choice = Choice(schedule, width, _reason(chosen, steps, copies, width),
                     {f"{k} (x{copies} nodes)": v for k, v in steps.items()}, described, collectives,
-                    Measured(tiers.intra, gemm), Plan(units, cl, described), replicate=replicate, between=between)
+                    Measured(tiers.intra, gemm), Plan(units, cl, described), replicate=replicate, between=between,
+                    hpz_size=per_node if layout == "hpz" else 1)
     resolved = config.replace(replicate=replicate, schedule=schedule, piece_shards=width,
-                              fsdp2_collectives=collectives if schedule == "fsdp2" else config.fsdp2_collectives)
+                              fsdp2_collectives=collectives if schedule == "fsdp2" else config.fsdp2_collectives,
+                              hpz_size=per_node if layout == "hpz" else config.hpz_size)
     return Resolved(resolved, choice)
 
 
@@ -116,7 +120,8 @@ def _collectives(config: CommFuseConfig, device: torch.device, units, played) ->
 def _reason(chosen: str, steps: dict[str, float], copies: int, width: int) -> str:
     layout, schedule = chosen.split("/")
     peer = steps.get(nodes.PEER)
-    where = f"HSDP, a copy per node ({copies} copies)" if layout == "hsdp" else "one flat ring over every rank"
+    where = {"hsdp": f"HSDP, a copy per node ({copies} copies)", "flat": "one flat ring over every rank",
+             "hpz": "one flat ring over every rank, the backward's gathers inside each node (hpZ)"}[layout]
     return (f"{where}, schedule={schedule!r}" + (f", piece_shards={width}" if schedule == "fused" else "")
             + f": predicted {steps[chosen]:.3g} s a step"
             + (f" against FSDP2's HSDP {peer:.3g} s" if peer is not None and chosen != nodes.PEER else "")

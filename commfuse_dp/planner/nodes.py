@@ -20,8 +20,9 @@ NCCL's collectives or the rings, whichever the one-node plays predict faster) an
   backward's compute ends is the tail the step waits for.
 - ``flat``: sharded over every rank, every hop at the slower of the intra-node link and one NIC (its latency the
   larger of the two).
-``hpz_step`` plays ZeRO++'s hpZ besides (shown, not run by ``shard()``). ``decide`` picks among the layouts as
-``CommFuseConfig()`` does, playing a fused layout only where its lower bound leaves it a chance.
+``hpz_step`` plays ZeRO++'s hpZ besides (``CommFuseConfig.hpz_size``: flat, the backward's gathers inside each
+node). ``decide`` picks among the layouts and hpZ as ``CommFuseConfig()`` does, playing a fused layout only where
+its lower bound leaves it a chance.
 A narrow ``reduce_format`` shrinks the gradients on both tiers (``wire.bytes_per_element``); the weights' format
 applies inside the shard group. The exchange's own encoding is not charged to the compute (it runs on the
 replicate ring's thread or stream).
@@ -176,7 +177,7 @@ def unplayed_fused(units: list[Unit], intra: Cluster, machines: Machines) -> lis
 
 
 def hpz_step(units: list[Unit], intra: Cluster, machines: Machines) -> float:
-    """ZeRO++'s hpZ under the peer's schedule, played but not run by ``shard()``: sharded flat over every rank (its
+    """ZeRO++'s hpZ under the peer's schedule (``CommFuseConfig.hpz_size``): sharded flat over every rank (its
     forward gathers and reduce-scatters on the flat ring), the backward's gathers from a second copy of the weight
     shards that each node keeps over its own ranks, on the links inside it (``plays.fsdp2``'s ``backward``)."""
     from .plays import fsdp2
@@ -189,7 +190,7 @@ def hpz_step(units: list[Unit], intra: Cluster, machines: Machines) -> float:
 
 
 def predict(units: list[Unit], intra: Cluster, machines: Machines) -> dict[str, dict]:
-    """``layouts`` with each layout's memory, and hpZ (``hpz_step``; ``shard()`` does not run it): per
+    """``layouts`` with each layout's memory, and hpZ (``hpz_step``): per
     ``layout/schedule``, ``step_s`` and ``shard_of`` (the ranks one copy of the parameters and optimizer state is
     sharded over; hpZ's ``second_copy_of``: the ranks its second copy of the weights is split over)."""
     steps = layouts(units, intra, machines)
@@ -207,13 +208,16 @@ NOT_PLAYED = " (not played, at least)"  # ``decide``'s key suffix of a candidate
 
 
 def decide(units: list[Unit], intra: Cluster, machines: Machines, which: tuple[str, ...] = LAYOUTS,
-           schedules: tuple[str, ...] = SCHEDULES, grad_bytes: float | None = None) -> tuple[str, dict[str, float]]:
+           schedules: tuple[str, ...] = SCHEDULES, grad_bytes: float | None = None, hpz: bool = True
+           ) -> tuple[str, dict[str, float]]:
     """The layout and schedule ``CommFuseConfig()``'s defaults run on ``machines`` (``layout/schedule``, among
     ``which`` and ``schedules``), and the predicted steps: the peer's (``PEER``, or the first candidate where the
     peer is not one) unless another is predicted faster by ``plan.MARGIN``, then the fastest. The peer's schedule is
     cheap to play and goes first; a fused candidate is played only where its lower bound (``plan.simulate``'s
     ``floor`` at each piece width, plus HSDP's tail) leaves it a chance to be chosen; else its bound is reported
-    under ``layout/fused`` + ``NOT_PLAYED``. The choice is the one playing every candidate makes (``layouts``)."""
+    under ``layout/fused`` + ``NOT_PLAYED``. The choice is the one playing every candidate makes (``layouts``).
+    ``hpz``: hpZ (``hpz/fsdp2``, ``hpz_step``) is a candidate too, where the fsdp2 schedule is and a node has more
+    than one rank."""
     grad_bytes = intra.grad_bytes if grad_bytes is None else grad_bytes
     node = replace(intra, ranks=machines.per_node)
     clusters = {"hsdp": node, "flat": flat_cluster(intra, machines)}
@@ -222,6 +226,8 @@ def decide(units: list[Unit], intra: Cluster, machines: Machines, which: tuple[s
     if "fsdp2" in schedules:
         for name in which:
             steps[f"{name}/fsdp2"] = plan.peer_step(units, clusters[name]) + tail[name]
+        if hpz and machines.nodes > 1 and machines.per_node > 1:
+            steps["hpz/fsdp2"] = hpz_step(units, intra, machines)
     for name in which:
         cl = clusters[name]
         if "fused" not in schedules or not _fused_plays(units, cl):
@@ -253,6 +259,8 @@ def formats(units: list[Unit], intra: Cluster, machines: Machines, dtype_bytes: 
 
     chosen, _ = decide(units, intra, machines)
     exact = layouts(units, intra, machines)
+    if chosen not in exact:  # (hpZ, exact only: the second copy's gathers travel as they are)
+        exact[chosen] = hpz_step(units, intra, machines)
     out = {}
     for name in names:
         gather, reduce = plan.FORMAT_PLAYS[name]

@@ -30,7 +30,7 @@ NODE_LAYOUTS = {"hsdp/fsdp2": "the peer: FSDP2's HSDP as torchtitan builds it (f
                 "flat/fsdp2": "one flat ring over every rank, FSDP2's units",
                 "flat/fused": "one flat ring over every rank, fused",
                 "hpz/fsdp2": "a flat ring, the backward's gathers from a second copy of the weights per node "
-                             "(ZeRO++'s hpZ; played, not run by shard())"}
+                             "(ZeRO++'s hpZ: hpz_size=ranks per node)"}
 
 
 def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: dict[str, float] | None = None,
@@ -67,7 +67,8 @@ def print_nodes(args, model: tuple, intra: Cluster, machines: Machines, codec: d
         print("best: the fastest layout/schedule with that format; peer with it: FSDP2's HSDP with the same format "
               "on the rings; x defaults: the exact defaults' step over the format's best")
     layout, schedule = chosen.split("/")
-    replicate = f"replicate={machines.nodes} (HSDP)" if layout == "hsdp" else "replicate=1 (one flat ring)"
+    replicate = {"hsdp": f"replicate={machines.nodes} (HSDP)", "flat": "replicate=1 (one flat ring)",
+                 "hpz": f"replicate=1, hpz_size={machines.per_node} (one flat ring, hpZ)"}[layout]
     why = ("the peer's layout and schedule: nothing is predicted faster by 2%" if chosen == nodes.PEER else
            f"predicted {steps[chosen]:.3f} s against the peer's {peer:.3f} s: {1 - steps[chosen] / peer:.0%} faster")
     print(f"CommFuseConfig()'s defaults on this cluster: {replicate}, schedule={schedule!r}: {why} "
@@ -119,7 +120,7 @@ def nodes_sweep(model_name: str, per_node: int, intra: Cluster, tokens: int, seq
         gains = sorted(r[n]["over_peer"] for r in records)
         print(f"{n}: {gains[0]:.3f}x - {gains[-1]:.3f}x over FSDP2's HSDP (median {gains[len(gains) // 2]:.3f}x)")
     wins = [r for r in records if r["hpz_over_peer"] > 1 / (1 - plan.MARGIN)]
-    print(f"hpZ (exact, the peer's schedule; played, not run by shard()): beats FSDP2's HSDP by 2 % or more in "
+    print(f"hpZ (exact, the peer's schedule, hpz_size={per_node}): beats FSDP2's HSDP by 2 % or more in "
           f"{len(wins)} of {len(records)} cells" + (f", at most {max(r['hpz_over_peer'] for r in wins):.3f}x" if wins
                                                    else ""))
     if json_path:
@@ -147,6 +148,7 @@ def machines_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 # bench --num-machines variants the planner plays: name -> (layout/schedule, narrow format of the worker's NARROW)
 NODE_VARIANTS = {"fsdp2_hsdp": ("hsdp/fsdp2", None), "hsdp_fused": ("hsdp/fused", None),
+                 "hpz_fsdp2": ("hpz/fsdp2", None),
                  **{f"{kind}_{fmt}": (play, fmt) for kind, play in (("fsdp2_hsdp", "hsdp/fsdp2"),
                                                                     ("hsdp_fused", "hsdp/fused"))
                     for fmt in ("bf16", "int8", "int8_int8")}}
@@ -186,7 +188,7 @@ def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
                      rows_ring=bench.rows_ring, min_fuse_numel=bench.min_fuse_numel)
         cl = replace(cl, peer_host_s=peer_host_on_cpu(bench.units, cl))
         chosen = rows["defaults"]["chosen"]
-        layout = "hsdp" if chosen.get("replicate", 1) > 1 else "flat"
+        layout = "hsdp" if chosen.get("replicate", 1) > 1 else "hpz" if chosen.get("hpz_size", 1) > 1 else "flat"
         plays = {"defaults": (f"{layout}/{chosen['schedule']}", None), **NODE_VARIANTS}
         for name, (key, fmt) in plays.items():
             if name not in rows:
@@ -197,7 +199,8 @@ def calibrate_nodes(path: str, raw: dict, on_compute: bool) -> int:
                 narrow = plan.with_formats(cl, gather, reduce, 4, {})
                 grad_bytes = min(4, bytes_per_element(reduce, 4))
             which, schedule = key.split("/")
-            predicted = nodes.layouts(bench.units, narrow, machines, grad_bytes, (which,), (schedule,))[key]
+            predicted = (nodes.hpz_step(bench.units, narrow, machines) if which == "hpz" else
+                         nodes.layouts(bench.units, narrow, machines, grad_bytes, (which,), (schedule,))[key])
             measured = rows[name]["step_s"]
             error = predicted / measured - 1
             if name in ("defaults", "fsdp2_hsdp"):
