@@ -73,6 +73,8 @@ CPU_NOTES = {
     "hsdp_fused": "shard(), replicate = nodes: fused rings inside a node, gradients averaged across nodes",
     "hsdp_slicing": "the same with the slicing schedule",
     "fsdp2_hsdp": "the peer: FSDP2's HSDP as torchtitan builds it, on the same rings, run as on a GPU",
+    "hsdp_fsdp2": "shard(), replicate = nodes, schedule='fsdp2': the peer's layout and schedule through shard()",
+    "hsdp_fsdp2_nocheck": "the same with nonfinite_grads='off' (no per-step agreement on non-finite gradients)",
     "hpz_fsdp2": "shard(), hpz_size = ranks per node: one flat shard, FSDP2's units, the backward's gathers from "
                  "a second copy of the weights per node (ZeRO++'s hpZ)",
 }

@@ -73,7 +73,7 @@ VARIANTS = ("defaults", "fused", "fsdp2_overlap", "fsdp2_torch", "slicing", "fsd
 # for A/B measurements and the multi-node bench (--num-machines); not in the default set
 EXTRA_VARIANTS = ("defaults_nohints", "fsdp2_coarse", "fused_noprefetch", "fused_lockstep", "fused_bundles",
                   "fused_ring", "fused_bf16", "fused_fp8", "fused_int8", "fused_int8_int8", "fsdp2_bf16", "fsdp2_int8",
-                  "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "hpz_fsdp2",
+                  "fsdp2_int8_int8", "concurrent", "hsdp_fused", "hsdp_slicing", "fsdp2_hsdp", "hsdp_fsdp2", "hsdp_fsdp2_nocheck", "hpz_fsdp2",
                   *(f"{kind}_{fmt}" for kind in ("hsdp_fused", "fsdp2_hsdp") for fmt in ("bf16", "int8", "int8_int8")))
 # Narrow formats on the wire (commfuse_dp/wire.py) of the fused_<name> and fsdp2_<name> variants
 NARROW = {"bf16": dict(gather_format="bf16", reduce_format="bf16"),
@@ -154,6 +154,12 @@ class Runner:
 
     def _build_hsdp_slicing(self):
         self._build_hsdp_fused("slicing")
+
+    def _build_hsdp_fsdp2(self):
+        self._build_fused("fsdp2", replicate=self.args.nodes)
+
+    def _build_hsdp_fsdp2_nocheck(self):
+        self._build_fused("fsdp2", replicate=self.args.nodes, nonfinite_grads="off")
 
     def _build_hpz_fsdp2(self):
         self._build_fused("fsdp2", hpz_size=self.world // self.args.nodes)
