@@ -88,7 +88,8 @@ def time_nodes_choice(model: torch.nn.Module, config: CommFuseConfig, ranks: int
         seconds.append(time.perf_counter() - start)
     return {"seconds": seconds, "median_s": statistics.median(seconds), "min_s": min(seconds),
             "max_s": max(seconds), "schedule": choice.schedule, "piece_shards": choice.piece_shards,
-            "replicate": choice.replicate, "widths_played": 0, "reason": choice.reason, "choice": None}
+            "replicate": choice.replicate, "hpz_size": choice.hpz_size, "widths_played": 0, "reason": choice.reason,
+            "choice": None}
 
 
 def time_full_replay(choice) -> dict:
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     r = time_choice(model, config, ranks, device, args.rounds)
                 chosen = f"{r['schedule']}" + (f", ps={r['piece_shards']}" if r["schedule"] == "fused" else "") + (
-                    f", R={r['replicate']}" if r.get("replicate") else "")
+                    f", R={r['replicate']}" if r.get("replicate") else "") + (
+                    f", hpZ {r['hpz_size']}" if r.get("hpz_size", 1) > 1 else "")
                 print(f"{name:>10} {ranks:>5} {device:>6} {r['median_s']:>9.3f} "
                       f"{r['min_s']:>7.3f} - {r['max_s']:<5.3f} {chosen:>16} {r['widths_played']:>13}")
                 choice = r.pop("choice")
