@@ -31,13 +31,14 @@ import tempfile
 import time
 
 from benchmarks.bench import worker_env
+from benchmarks.probes import MMAP_ENV
 from benchmarks.cluster import EmulatedCluster
 
 MODEL_FLAGS = ("hidden", "heads", "inner", "layers", "vocab", "seq", "batch")
 
 
-def run(cluster: EmulatedCluster, rate_mbit: float, variants: str, args, rounds: int) -> dict:
-    """One worker run at ``rate_mbit``: rank 0's JSON."""
+def run(cluster: EmulatedCluster, rate_mbit: float, variants: str, args, rounds: int, memory: bool = False) -> dict:
+    """One worker run at ``rate_mbit``: rank 0's JSON (``memory``: each variant's peak step bytes instead)."""
     cluster.set_rate(rate_mbit)
     with tempfile.TemporaryDirectory(prefix="commfuse-tp-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -46,9 +47,11 @@ def run(cluster: EmulatedCluster, rate_mbit: float, variants: str, args, rounds:
                 "--master", f"{cluster.address(0)}:{port}", "--variants", variants, "--rounds", str(rounds),
                 "--steps", str(args.steps), "--warmup", "1", "--tflops", str(args.tflops), "--out", out,
                 "--dp", str(args.dp),
-                *[x for flag in MODEL_FLAGS for x in (f"--{flag}", str(getattr(args, flag)))]]
+                *[x for flag in MODEL_FLAGS for x in (f"--{flag}", str(getattr(args, flag)))],
+                *(["--memory"] if memory else [])]
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(cluster.world_size)]
-        procs = [cluster.popen(r, [*argv, "--rank", str(r)], env=worker_env(), stdout=logs[r],
+        env = {**worker_env(), **(MMAP_ENV if memory else {})}
+        procs = [cluster.popen(r, [*argv, "--rank", str(r)], env=env, stdout=logs[r],
                                stderr=subprocess.STDOUT) for r in range(cluster.world_size)]
         for p in procs:
             try:
@@ -117,6 +120,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--variants", default="fused,dtensor,hf_tp,unfused,compute_only,comm_only")
+    parser.add_argument("--memory", action="store_true",
+                        help="also each variant's peak memory a step at the balanced rate, in a run of its own "
+                             "(large allocations mapped: probes.MMAP_ENV)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks beside TP: D x N ranks, fused through shard(tp_size=N) against "
                              "DTensor's TP with FSDP2 units (variants fused, dtensor, compute_only, comm_only)")
@@ -139,6 +145,11 @@ def main(argv=None) -> int:
                 rate = balanced * fraction
                 summary = summarize(run(cluster, rate, args.variants, args, args.rounds),
                                     args.steps)
+                if args.memory and fraction == 1:
+                    peaks = run(cluster, rate, args.variants, args, args.rounds, True)["peak_step_bytes"]
+                    summary["peak_step_bytes"] = {name: _spread(p) for name, p in peaks.items()}
+                    print("  peak MB a step: " + ", ".join(f"{name} {statistics.median(p) / 1e6:.1f}"
+                                                          for name, p in peaks.items()), flush=True)
                 runs.append({"tp": world, "dp": args.dp, "fraction": fraction, "rate_mbit": rate, "balanced_mbit": balanced,
                              **summary})
                 print(f"  {fraction:g}x ({rate:.0f} Mbit/s): {_line(summary)}", flush=True)

@@ -21,7 +21,9 @@ dtensor with FSDP2 units over the data-parallel dimension (``beside_data_paralle
 own batch; compute_only is one TP rank's compute alone.
 
 Rank 0 writes each variant's step times (seconds, one per timed step) and its saved activations (the bytes autograd
-keeps for the backward, counted once per storage) to ``--out`` as JSON.
+keeps for the backward, counted once per storage) to ``--out`` as JSON. ``--memory`` (started with ``probes.MMAP_ENV``):
+instead of timing, each variant's peak resident bytes during a step above what the process held before it
+(``probes.peak_step_bytes``), the largest over the ranks, one a round, after the warm-up steps.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks beside TP (world / dp TP ranks)")
+    parser.add_argument("--memory", action="store_true", help="peak memory of a step instead of timing")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     host, port = args.master.rsplit(":", 1)
@@ -196,6 +199,8 @@ def main(argv=None) -> int:
     for _ in range(args.warmup):
         for v in variants.values():
             v.step()
+    if args.memory:
+        return _peaks(variants, args)
     for _ in range(args.rounds):
         for name, v in variants.items():
             v.step()  # (untimed: the timed steps follow a step of their own variant)
@@ -210,6 +215,24 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"times": times, "saved_bytes": saved, "flops_per_step": {
                 name: v.step_flops for name, v in variants.items()}}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def _peaks(variants: dict, args) -> int:
+    """Each variant's peak step bytes (the largest rank's), one a round, to ``--out``."""
+    from benchmarks.probes import peak_step_bytes
+
+    peaks: dict[str, list[int]] = {name: [] for name in variants}
+    for _ in range(max(args.rounds, 1)):
+        for name, v in variants.items():
+            dist.barrier()
+            peak = torch.tensor([float(peak_step_bytes(v.step))])
+            dist.all_reduce(peak, dist.ReduceOp.MAX)
+            peaks[name].append(int(peak.item()))
+    if args.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"peak_step_bytes": peaks}, f)
     dist.destroy_process_group()
     return 0
 
