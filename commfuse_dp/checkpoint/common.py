@@ -27,3 +27,17 @@ def _rank() -> int:
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def refuse_tensor_parallel(model: torch.nn.Module, what: str) -> None:
+    """A checkpoint of a model made tensor-parallel (``CommFuseConfig.tp_size``): its TP ranks hold different parts
+    under one parameter name, which these files do not yet tell apart; refused on every rank."""
+    handle = handle_of(model)
+    if handle is None and hasattr(model, "module"):
+        handle = handle_of(model.module)
+    if handle is not None and handle.tp is not None:
+        raise NotImplementedError(f"{what}: the model is tensor-parallel (tp_size={handle.tp.size}), whose TP ranks "
+                                  f"hold different parts under one parameter name; its checkpoints are not supported "
+                                  f"yet. Train without saving (TrainingArguments(save_strategy=\"no\")), or with "
+                                  f"tp_size=1")
+

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ..handle import handle_of
-from .common import _barrier, _rank, _unwrap
+from .common import _barrier, _rank, _unwrap, refuse_tensor_parallel
 from .slices import _named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _write_safetensors
 
 
@@ -50,6 +50,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict
     from safetensors import safe_open
 
     inner = _unwrap(model)
+    refuse_tensor_parallel(inner, "load_hf_weights")
     where = _stored_keys(os.fspath(folder))
     tensors = _named_tensors(inner)
     aliases: dict[int, list[str]] = {}
@@ -102,6 +103,7 @@ def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is
     path: the full state dict is gathered on rank 0 (CPU memory) and the model's own ``save_pretrained`` writes it.
     Collective: every rank must call it."""
     inner = _unwrap(model)
+    refuse_tensor_parallel(inner, "save_pretrained")
     if not hasattr(inner, "save_pretrained"):
         raise TypeError(f"{type(inner).__name__} has no save_pretrained(); use commfuse_dp.checkpoint."
                         "full_state_dict(model) on every rank and save rank 0's dict yourself")

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from ..feedback import Residuals, residuals_of
 from ..handle import handle_of
-from .common import _barrier, _rank, _unwrap
+from .common import _barrier, _rank, _unwrap, refuse_tensor_parallel
 from .hf import mark_initialised
 from .markers import (CheckpointError, _failures, _files, _gather_digests, _incomplete_message, _previous, is_complete,
                       mark_complete, verify)
@@ -42,6 +42,7 @@ def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module
     """What a checkpoint holds; ``feedback``: with this rank's error-feedback residuals (to save)."""
     state: dict[str, Any] = {}
     for i, model in enumerate(models):
+        refuse_tensor_parallel(model, "commfuse_dp.checkpoint")
         state[f"model_{i}"] = get_model_state_dict(_unwrap(model))
         residuals = _residuals(model)
         if feedback and residuals is not None and residuals.enabled and residuals.state():

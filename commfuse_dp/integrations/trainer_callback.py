@@ -122,7 +122,9 @@ class CommFuseCallback(TrainerCallback):
             return attach_to_trainer_callback(self, args, model, control)
         if trainer is None:
             needs = _needs_trainer(args) + [f"CommFuseConfig.{name}=True" for name in ("auto_resume", "async_save")
-                                             if getattr(self.cfg, name)]
+                                             if getattr(self.cfg, name)] + (
+                [f"CommFuseConfig.tp_size={self.cfg.tp_size} (a TP group's ranks read one batch, and the gradient "
+                 f"norm spans their parts)"] if self.cfg.tp_size > 1 else [])
             if needs:   # the same arguments on every rank: every rank raises here
                 raise ValueError("CommFuseCallback: on_init_end was not called by a Trainer with commfuse's "
                                  "checkpoint methods (a plain transformers Trainer hands its callbacks no "

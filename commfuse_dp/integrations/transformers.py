@@ -137,8 +137,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.config import CommFuseConfig
+from commfuse_dp.handle import handle_of
 
 from commfuse_dp.integrations.trainer_callback import CommFuseCallback
+from commfuse_dp.tp import clip_grad_norm_ as tp_clip_grad_norm_
 from commfuse_dp.integrations.trainer_checkpoints import (OPTIMIZER_NAME, last_complete_checkpoint, require_complete,
                                                           rotate_complete)
 
@@ -246,6 +248,28 @@ class CommFuseTrainerMixin:
             self.commfuse_save_total_limit = limit
         self._warn_bypassed_overrides()
         super().__init__(*bound.bound.args, **bound.bound.kwargs)
+        tp = self._commfuse_tp()
+        if tp is not None and tp.mesh is not None:
+            # accelerate shards each dataloader by the data-parallel dimensions of the state's device mesh
+            # (``prepare_data_loader``): the ranks of a TP group read one batch
+            self.accelerator.state.device_mesh = tp.mesh
+
+    def _commfuse_tp(self):
+        """The model's tensor parallelism (``CommFuseConfig.tp_size``), or None."""
+        handle = handle_of(getattr(self, "model", None)) if self._commfuse_sharded() else None
+        return handle.tp if handle is not None else None
+
+    def _clip_grad_norm(self, model):
+        """Under tensor parallelism the norm spans every TP rank's parts (``commfuse_dp.tp.clip_grad_norm_``);
+        otherwise the Trainer's own."""
+        if self._commfuse_tp() is None:
+            return super()._clip_grad_norm(model)
+        return tp_clip_grad_norm_(self.model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._commfuse_tp() is not None:
+            grad_norm = tp_clip_grad_norm_(self.model, float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
 
     def _warn_bypassed_overrides(self) -> None:
         """A class after the mixin in the MRO that overrides one of the five replaced methods: its version does

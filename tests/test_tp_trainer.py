@@ -1,0 +1,75 @@
+"""Tensor parallelism through ``CommFuseTrainer`` (``CommFuseConfig(tp_size=2)``): 4 CPU ranks as TP 2 x data 2
+against the plain Trainer on 2 ranks (data 2) with the same batches: each step's loss and gradient norm (clipped at
+0.5) and the eval loss; and the bare callback refuses TP on every rank."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "tp_trainer_worker.py")
+
+
+def _launch(tmp_path, mode: str, ranks: int) -> dict:
+    torchrun = shutil.which("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = launcher + ["--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1", "--master_port",
+                      str(free_port()), WORKER, str(tmp_path), mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads((tmp_path / f"{mode}.json").read_text())
+
+
+@pytest.mark.slow
+def test_tp_two_by_data_two_matches_the_plain_trainer(tmp_path):
+    tp, ddp = _launch(tmp_path, "tp", 4), _launch(tmp_path, "ddp", 2)
+    assert tp["tp_size"] == 2 and tp["steps"] == ddp["steps"] == 10
+    assert len(tp["losses"]) == len(ddp["losses"]) == 10
+    for key in ("losses", "grad_norms"):
+        for step, (ours, theirs) in enumerate(zip(tp[key], ddp[key])):
+            assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (key, step, ours, theirs)
+    assert max(ddp["grad_norms"]) > 0.5  # the clipping acted
+    assert abs(tp["eval_loss"] - ddp["eval_loss"]) <= 1e-5 * abs(ddp["eval_loss"])
+
+
+def test_bare_callback_refuses_tensor_parallelism():
+    import types
+
+    import torch
+
+    from commfuse_dp import CommFuseConfig
+    from commfuse_dp.integrations.trainer_callback import CommFuseCallback
+
+    cb = CommFuseCallback(CommFuseConfig(tp_size=2))
+    args = types.SimpleNamespace(fsdp=[], deepspeed=None, save_strategy="no")
+    with pytest.raises(ValueError, match="tp_size=2 .*need that Trainer.*CommFuseTrainer"):
+        cb.on_init_end(args, None, None, model=torch.nn.Linear(2, 2))
+
+
+def _checkpoint_worker(rank, world_size, folder):
+    import hf_models
+
+    import commfuse_dp as cf
+    from commfuse_dp import checkpoint
+
+    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tp_size=2, min_fuse_numel=0))
+    for save in (lambda: checkpoint.save_sharded(folder, [model]),
+                 lambda: checkpoint.save_pretrained(model, folder)):
+        with pytest.raises(NotImplementedError, match="tensor-parallel .*save_strategy"):
+            save()
+    return True
+
+
+def test_checkpoints_of_a_tensor_parallel_model_are_refused(tmp_path):
+    from harness import run_ranks
+
+    assert all(run_ranks(_checkpoint_worker, 2, (str(tmp_path / "ckpt"),), timeout=300))
