@@ -496,13 +496,21 @@ class CommFuseConfig:
 
 def with_parallelism(cfg: CommFuseConfig, sizes: Mapping[str, Any], where: str,
                      cfg_name: str = "CommFuseConfig's") -> CommFuseConfig:
-    """``cfg`` with accelerate's HSDP size (``ParallelismConfig``'s ``dp_replicate_size``, here ``sizes``) as
-    ``replicate``; ``dp_shard_size`` is then world / R. Tensor, context and sequence parallel sizes above 1 are
-    refused, and so is a ``cfg.replicate`` that says otherwise (``where``, ``cfg_name``: named in the error)."""
-    other = {k: v for k, v in sizes.items() if k in ("tp_size", "cp_size", "sp_size") and int(v or 1) > 1}
+    """``cfg`` with accelerate's parallelism sizes (``ParallelismConfig``'s, here ``sizes``): ``dp_replicate_size``
+    as ``replicate`` (HSDP), ``tp_size`` as ``tp_size``; ``dp_shard_size`` is then world / (R x TP). Context and
+    sequence parallel sizes above 1 are refused, and so is a ``cfg.replicate`` or ``cfg.tp_size`` that says
+    otherwise (``where``, ``cfg_name``: named in the error)."""
+    other = {k: v for k, v in sizes.items() if k in ("cp_size", "sp_size") and int(v or 1) > 1}
     if other:
-        raise ValueError(f"{where} asks for {other}; commfuse shards the data-parallel dimension only "
-                         f"(dp_replicate_size for HSDP): remove them")
+        raise ValueError(f"{where} asks for {other}; commfuse shards the data-parallel dimensions and runs tensor "
+                         f"parallelism (dp_replicate_size for HSDP, tp_size), no context or sequence parallelism: "
+                         f"remove them")
+    tp = int(sizes.get("tp_size") or 1)
+    if tp > 1:
+        if cfg.tp_size not in (1, tp):
+            raise ValueError(f"{where}: tp_size={tp} disagrees with {cfg_name} tp_size={cfg.tp_size}: give one "
+                             f"of them")
+        cfg = dataclasses.replace(cfg, tp_size=tp)
     replicate = int(sizes.get("dp_replicate_size") or 1)
     if replicate <= 1:
         return cfg

@@ -1,7 +1,7 @@
 """A plain ``accelerate`` training loop that knows nothing of commfuse (``Accelerator()``, no commfuse import).
 
     torchrun --nproc_per_node 2 tests/launch_accelerate_script.py OUT_JSON         (DDP; ACCELERATE_USE_CPU=true)
-    commfuse-dp launch --config_file accel.yaml tests/launch_accelerate_script.py OUT_JSON
+    commfuse-dp launch --config_file accel.yaml tests/launch_accelerate_script.py OUT_JSON [MODEL]
 
 tests/test_launch.py runs it both ways and compares. Rank 0 writes every rank's per-step losses and what the
 model, the optimizer and the Accelerator looked like; every rank writes OUT_JSON.rank<R> (its own view).
@@ -17,10 +17,10 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 
-def main(out: str) -> None:
+def main(out: str, kind: str = "gpt2") -> None:
     torch.set_num_threads(1)
     accelerator = Accelerator(gradient_accumulation_steps=2)
-    model = hf_models.build("gpt2", seed=0)
+    model = hf_models.build(kind, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(hf_models.Synthetic(32, seed=1), batch_size=2, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -61,4 +61,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

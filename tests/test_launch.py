@@ -256,12 +256,12 @@ def _commfuse_launch(tmp_path, script: str, out, *, commfuse=None, timeout=240) 
                            str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _plain_launch(script: str, out) -> subprocess.CompletedProcess:
+def _plain_launch(script: str, out, *script_args: str) -> subprocess.CompletedProcess:
     torchrun = shutil.which("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = {**_env(), "ACCELERATE_USE_CPU": "true"}   # what accelerate's launcher would give a CPU worker
     return subprocess.run(launcher + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                                      str(free_port()), script, str(out)],
+                                      str(free_port()), script, str(out), *script_args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -111,7 +111,9 @@ def test_defaults_on_more_machines_match_ddp(tmp_path, n_machines, per_machine):
     ({"replicate": 4}, {"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, 1, None,
      "disagrees with the commfuse: block's replicate=4"),
     ({}, {"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, 4, None, "disagrees with the config"),
-    ({}, {"parallelism_config": {"parallelism_config_tp_size": 2}}, 1, None, "data-parallel dimension only"),
+    ({}, {"parallelism_config": {"parallelism_config_cp_size": 2}}, 1, None, "no context or sequence parallelism"),
+    ({"tp_size": 4}, {"parallelism_config": {"parallelism_config_tp_size": 2}}, 1, None,
+     "disagrees with the commfuse: block's tp_size=4"),
 ])
 def test_accelerate_replicate_size_becomes_commfuse_replicate(tmp_path, block, accel, flag, replicate, error):
     from commfuse_dp.launch import config as launch_config
@@ -125,3 +127,14 @@ def test_accelerate_replicate_size_becomes_commfuse_replicate(tmp_path, block, a
     accel_part, cfg, env = launch_config.read_config(str(config), replicate_flag=flag)
     assert cfg.replicate == replicate and env["COMMFUSE_REPLICATE"] == str(replicate)
     assert "parallelism_config" not in accel_part  # accelerate allows it only with FSDP2, which commfuse replaces
+
+
+def test_accelerate_tp_size_becomes_commfuse_tp_size(tmp_path):
+    from commfuse_dp.launch import config as launch_config
+
+    config = tmp_path / "accel.yaml"
+    config.write_text(yaml.safe_dump({**CPU_CONFIG, "commfuse": {}, "parallelism_config": {
+        "parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}}))
+    accel_part, cfg, env = launch_config.read_config(str(config))
+    assert cfg.tp_size == 2 and env["COMMFUSE_TP_SIZE"] == "2" and cfg.replicate == "auto"
+    assert "parallelism_config" not in accel_part

@@ -73,3 +73,33 @@ def test_checkpoints_of_a_tensor_parallel_model_are_refused(tmp_path):
     from harness import run_ranks
 
     assert all(run_ranks(_checkpoint_worker, 2, (str(tmp_path / "ckpt"),), timeout=300))
+
+
+@pytest.mark.slow
+def test_launch_with_accelerate_s_tp_size_matches_ddp(tmp_path):
+    """``commfuse-dp launch`` with an accelerate YAML whose ``parallelism_config:`` asks for TP 2 x data 2 runs a
+    plain accelerate loop (tests/launch_accelerate_script.py, Llama) on 4 CPU ranks: each TP group's losses and the
+    clipped gradient norms are those of DDP on 2 ranks with the same batches."""
+    import yaml
+
+    from test_launch import ACCELERATE_SCRIPT, CPU_CONFIG, _env, _plain_launch
+
+    config = tmp_path / "tp.yaml"
+    config.write_text(yaml.safe_dump({**CPU_CONFIG, "num_processes": 4, "commfuse": {"min_fuse_numel": 0},
+                                      "parallelism_config": {"parallelism_config_tp_size": 2,
+                                                             "parallelism_config_dp_shard_size": 2}}))
+    ours, theirs = tmp_path / "tp.json", tmp_path / "ddp.json"
+    proc = subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", str(config),
+                           ACCELERATE_SCRIPT, str(ours), "llama"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = _plain_launch(ACCELERATE_SCRIPT, theirs, "llama")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    tp, ddp = json.loads(ours.read_text()), json.loads(theirs.read_text())
+    assert tp["num_processes"] == 4 and ddp["num_processes"] == 2
+    assert tp["accelerator_class"] == "CommFuseAccelerator" and len(tp["grad_norms"]) == 4
+    for rank, losses in enumerate(tp["losses"]):  # ranks 0, 1 read data rank 0's batches; 2, 3 data rank 1's
+        for ours_, theirs_ in zip(losses, ddp["losses"][rank // 2]):
+            assert abs(ours_ - theirs_) <= 1e-5 * abs(theirs_), (rank, tp["losses"], ddp["losses"])
+    for ours_, theirs_ in zip(tp["grad_norms"], ddp["grad_norms"]):
+        assert abs(ours_ - theirs_) <= 1e-5 * theirs_, (tp["grad_norms"], ddp["grad_norms"])

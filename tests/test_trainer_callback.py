@@ -248,12 +248,12 @@ def test_two_callbacks_on_one_trainer_only_one_acts():
 @pytest.mark.parametrize("sizes, replicate, error", [
     ({"dp_replicate_size": 2, "dp_shard_size": 2}, 2, None),
     ({"dp_replicate_size": 1, "dp_shard_size": 4}, 1, None),
-    ({"dp_shard_size": 2, "tp_size": 2}, None, "data-parallel dimension only"),
+    ({"dp_shard_size": 2, "cp_size": 2}, None, "no context or sequence parallelism"),
     ({"dp_replicate_size": 4, "dp_shard_size": 1, "cfg_replicate": 2}, None, "disagrees with the callback's"),
 ])
 def test_trainer_parallelism_config_becomes_replicate(sizes, replicate, error):
     """TrainingArguments(parallelism_config=ParallelismConfig(dp_replicate_size=R, ...)) asks the callback for HSDP
-    (tests/test_multinode.py runs it at 2 x 2 against DDP); tensor parallel sizes and a disagreeing config are
+    (tests/test_multinode.py runs it at 2 x 2 against DDP); context parallel sizes and a disagreeing config are
     refused."""
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -268,6 +268,17 @@ def test_trainer_parallelism_config_becomes_replicate(sizes, replicate, error):
         return
     assert cb._with_parallelism(_args(parallelism_config=pc)).replicate == replicate
     assert cb._with_parallelism(_args()).replicate == 1  # no parallelism_config: the config as given
+
+
+def test_trainer_parallelism_config_tp_size_becomes_tp_size():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from commfuse_dp import CommFuseConfig
+
+    pc = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    assert _integration()(CommFuseConfig())._with_parallelism(_args(parallelism_config=pc)).tp_size == 2
+    with pytest.raises(ValueError, match="disagrees with the callback's CommFuseConfig tp_size=4"):
+        _integration()(CommFuseConfig(tp_size=4))._with_parallelism(_args(parallelism_config=pc))
 
 
 # ---- CommFuseCallback on a plain Trainer, and the Trainer mixin (in-process, no process group) -----------------

@@ -72,9 +72,10 @@ from accelerate.utils import DistributedType, convert_to_fp32, get_mixed_precisi
 from commfuse_dp import checkpoint as ckpt
 from commfuse_dp.amp import autocast_root
 from commfuse_dp.config import CommFuseConfig
-from commfuse_dp.handle import engine_of
+from commfuse_dp.handle import engine_of, handle_of
 from commfuse_dp.integrations.attach import attach, resolve_config
 from commfuse_dp.ring.topology import drain_gloo_workers
+from commfuse_dp.tp import clip_grad_norm_ as tp_clip_grad_norm_
 
 __all__ = ["CommFuseAccelerator", "FrozenModels", "resolve_config", "shard_frozen_models"]
 
@@ -226,6 +227,11 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
         if ckpt.is_sharded(model) or getattr(model, "_is_accelerate_prepared", False):
             return
         attach(model, self.commfuse_config, who="CommFuseAccelerator.prepare", place=_placer(self, device_placement))
+        tp = handle_of(model).tp if ckpt.is_sharded(model) else None
+        if tp is not None and tp.mesh is not None:
+            # the dataloaders prepared from here on are sharded by the mesh's data-parallel dimensions
+            # (accelerate's prepare_data_loader): the ranks of a TP group read one batch
+            self.state.device_mesh = tp.mesh
         if self.commfuse_frozen is None and self.commfuse_config.shard_frozen and ckpt.is_sharded(model):
             self.commfuse_frozen = frozen_config(self.commfuse_config, model)
 
@@ -284,6 +290,23 @@ class CommFuseAccelerator(FrozenModels, Accelerator):
                     "sharded model's (probably the model was prepared in an earlier prepare() call, so its full "
                     "parameters were replaced). Pass the model and its optimizer to the same prepare() call, or "
                     "create the optimizer from model.parameters() after prepare(model)")
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """A tensor-parallel model's whole parameters: the norm over every rank's parts
+        (``commfuse_dp.tp.clip_grad_norm_``); anything else as ``Accelerator``'s."""
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for model in self._commfuse_models():
+            if handle_of(model).tp is None:
+                continue
+            mine = {id(p) for p in model.parameters()}
+            given = {id(p) for p in parameters}
+            if given == mine and norm_type == 2:
+                return tp_clip_grad_norm_(model, max_norm)
+            if given & mine:
+                raise NotImplementedError(
+                    "CommFuseAccelerator.clip_grad_norm_: a tensor-parallel model's gradients are clipped as a "
+                    "whole (the 2-norm over every rank's parts): pass model.parameters() and norm_type=2")
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     def _commfuse_models(self) -> list[torch.nn.Module]:
         return [m for m in self._models if ckpt.is_sharded(m)]

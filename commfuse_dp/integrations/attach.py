@@ -24,7 +24,8 @@ What :func:`attach` decides for all of them, by ``backend``:
    ``shard()`` (``use_ring_collectives``'s checks).
 2. The config: ``config`` is the entry's own (``None``: none given; the entries that read the ``COMMFUSE_*``
    environment resolve it when they are made, :func:`resolve_config`). ``"shard"``: with ``parallelism`` applied
-   (``dp_replicate_size`` becomes ``replicate``; tensor parallel sizes refused). ``"deepspeed"``: merged with the
+   (``dp_replicate_size`` becomes ``replicate``, ``tp_size`` stays ``tp_size``; context parallel sizes refused).
+   ``"deepspeed"``: merged with the
    DeepSpeed config's ``"commfuse"`` section (``own_wins``: the entry's config, or the section, wins; see
    ``deepspeed_backend.ring_config``).
 3. The install: ``commfuse_dp.shard``; DeepSpeed's backend replaced on the engine's data-parallel groups (now, or

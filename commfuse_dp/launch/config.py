@@ -127,7 +127,8 @@ def replicate_from_parallelism(accel_part: dict, cfg, replicate_flag: int, path:
     """accelerate's HSDP setting (``parallelism_config: {parallelism_config_dp_replicate_size: R}`` in the config
     file, or ``--parallelism_config_dp_replicate_size R``) as ``CommFuseConfig.replicate``. accelerate itself allows
     a parallelism config only with FSDP2, which commfuse replaces, so the block is taken out of what accelerate
-    reads; ``dp_shard_size`` is then world / R, and tensor, context or sequence parallel sizes are refused."""
+    reads; ``tp_size`` becomes ``CommFuseConfig.tp_size``, ``dp_shard_size`` is then world / (R x TP), and context
+    or sequence parallel sizes are refused."""
     from commfuse_dp.config import with_parallelism
 
     block = accel_part.pop("parallelism_config", None) or {}
