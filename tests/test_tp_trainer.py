@@ -1,6 +1,8 @@
 """Tensor parallelism through ``CommFuseTrainer`` (``CommFuseConfig(tp_size=2)``): 4 CPU ranks as TP 2 x data 2
 against the plain Trainer on 2 ranks (data 2) with the same batches: each step's loss and gradient norm (clipped at
-0.5) and the eval loss; and the bare callback refuses TP on every rank."""
+0.5), the eval loss, and the consolidated save (``save_model``) loaded by ``from_pretrained`` in one process; an
+accelerate loop under ``commfuse-dp launch`` with accelerate's ``parallelism_config``; and the bare callback and
+DCP checkpoints refuse TP on every rank."""
 
 import json
 import os
@@ -39,6 +41,17 @@ def test_tp_two_by_data_two_matches_the_plain_trainer(tmp_path):
             assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (key, step, ours, theirs)
     assert max(ddp["grad_norms"]) > 0.5  # the clipping acted
     assert abs(tp["eval_loss"] - ddp["eval_loss"]) <= 1e-5 * abs(ddp["eval_loss"])
+    assert abs(tp["probe_loss"] - ddp["probe_loss"]) <= 1e-5 * abs(ddp["probe_loss"])
+    # the consolidated save loads in one process with from_pretrained, as the trained model
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import hf_models
+
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "final")).eval()
+    with torch.no_grad():
+        loss = loaded(**hf_models.batch(0, 99)).loss.item()
+    assert abs(loss - tp["probe_loss"]) <= 1e-5 * abs(tp["probe_loss"]), (loss, tp["probe_loss"])
 
 
 def test_bare_callback_refuses_tensor_parallelism():
@@ -62,14 +75,13 @@ def _checkpoint_worker(rank, world_size, folder):
     from commfuse_dp import checkpoint
 
     model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tp_size=2, min_fuse_numel=0))
-    for save in (lambda: checkpoint.save_sharded(folder, [model]),
-                 lambda: checkpoint.save_pretrained(model, folder)):
+    for use in (lambda: checkpoint.save_sharded(folder, [model]), lambda: checkpoint.load_hf_weights(model, folder)):
         with pytest.raises(NotImplementedError, match="tensor-parallel .*save_strategy"):
-            save()
+            use()
     return True
 
 
-def test_checkpoints_of_a_tensor_parallel_model_are_refused(tmp_path):
+def test_sharded_checkpoints_of_a_tensor_parallel_model_are_refused(tmp_path):
     from harness import run_ranks
 
     assert all(run_ranks(_checkpoint_worker, 2, (str(tmp_path / "ckpt"),), timeout=300))

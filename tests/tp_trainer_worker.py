@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 2 tests/tp_trainer_worker.py OUT_DIR ddp     # the plain Trainer, data 2
 
 Same seeds, data and batch per data-parallel rank in both; rank 0 writes OUT_DIR/MODE.json: the per-step losses,
-grad norms and the eval loss.
+grad norms, the eval loss and the trained model's loss on a fixed batch; tp also saves the model with
+``trainer.save_model`` (a consolidated Hugging Face folder) into OUT_DIR/final.
 """
 
 import json
@@ -41,13 +42,18 @@ def main(out_dir: str, mode: str) -> None:
         trainer = Trainer(model=model, args=args, **data)
     trainer.train()
     metrics = trainer.evaluate()
+    if mode == "tp":  # the consolidated Hugging Face folder (tests/test_tp_trainer.py loads it in one process)
+        trainer.save_model(os.path.join(out_dir, "final"))
+    trainer.model.eval()
+    with torch.no_grad():
+        probe = trainer.model(**hf_models.batch(0, 99)).loss.item()
     if int(os.environ["RANK"]) == 0:
         logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
         tp = handle_of(trainer.model).tp if mode == "tp" else None
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
             json.dump({"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs],
                        "eval_loss": metrics["eval_loss"], "tp_size": tp.size if tp is not None else 1,
-                       "steps": trainer.state.global_step}, f)
+                       "steps": trainer.state.global_step, "probe_loss": probe}, f)
 
 
 if __name__ == "__main__":

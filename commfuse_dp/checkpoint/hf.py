@@ -103,7 +103,6 @@ def save_pretrained(model: torch.nn.Module, output_dir: str | os.PathLike, *, is
     path: the full state dict is gathered on rank 0 (CPU memory) and the model's own ``save_pretrained`` writes it.
     Collective: every rank must call it."""
     inner = _unwrap(model)
-    refuse_tensor_parallel(inner, "save_pretrained")
     if not hasattr(inner, "save_pretrained"):
         raise TypeError(f"{type(inner).__name__} has no save_pretrained(); use commfuse_dp.checkpoint."
                         "full_state_dict(model) on every rank and save rank 0's dict yourself")

@@ -4,11 +4,15 @@
 A safetensors file is: 8 bytes (little-endian header length), a JSON header {name: {dtype, shape, data_offsets}}
 padded with spaces, then every tensor's bytes in row-major order at its data_offsets. Since every rank knows every
 tensor's global shape and dtype, the main rank writes the headers and sizes the files, and each rank writes the
-rows it owns at their offsets (a Shard(0) slice is one contiguous range; a Shard(1) slice one range per row).
+rows it owns at their offsets (a Shard(0) slice is one contiguous range; a Shard(1) slice one range per row). A
+tensor-parallel model's split parameters (``TensorParallel.sharded``) are written at their whole shape, each rank's
+block at its part's offset along the split dimension plus its data-parallel shard's; the parameters every TP rank
+holds whole are written by TP rank 0's ranks.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -115,7 +119,24 @@ def _read_slice(f: Any, key: str, t: torch.Tensor) -> None:
     local.copy_(stored[tuple(index)])
 
 
+def _tensor_parallel(model: torch.nn.Module):
+    from ..handle import handle_of
+
+    handle = handle_of(model)
+    return handle.tp if handle is not None else None
+
+
+def _file_shape(name: str, t: torch.Tensor, tp) -> tuple[int, ...]:
+    """The whole tensor's shape: ``t``'s, or a TP-split parameter's along its split dimension."""
+    shape = list(t.shape)
+    if tp is not None and name in tp.sharded:
+        dim, _, _, full = tp.sharded[name]
+        shape[dim] = full
+    return tuple(shape)
+
+
 def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_bytes: int) -> None:
+    tp = _tensor_parallel(model)
     tensors = _named_tensors(model)
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
@@ -129,8 +150,9 @@ def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_
             raise TypeError(f"save_pretrained: {name} has dtype {t.dtype}, which safetensors cannot hold")
     files: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
+    shapes = {name: _file_shape(name, t, tp) for name, t in entries}
     for name, t in entries:  # greedy, in state-dict order, as transformers' split_torch_state_dict_into_shards
-        nbytes = t.numel() * t.element_size()
+        nbytes = math.prod(shapes[name]) * t.element_size()
         if files[-1] and size + nbytes > max_bytes:
             files.append([])
             size = 0
@@ -138,7 +160,7 @@ def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_
         size += nbytes
     names = [_WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                                  for i in range(len(files))]
-    layouts = [_layout(items) for items in files]
+    layouts = [_layout(items, shapes) for items in files]
     if main:
         for old in os.listdir(output_dir):  # weights of an earlier save that this one would not overwrite
             if old.startswith("model") and (old.endswith(".safetensors") or old == _INDEX) and old not in names:
@@ -158,43 +180,58 @@ def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_
         fd = os.open(os.path.join(output_dir, name), os.O_WRONLY)
         try:
             offset = len(header)
-            for _, t in items:
-                _write_slice(fd, offset, t, main)
-                offset += t.numel() * t.element_size()
+            for name, t in items:
+                part = tp.sharded.get(name) if tp is not None else None
+                if part is not None or tp is None or tp.rank == 0:  # (whole on every TP rank: TP rank 0 writes)
+                    _write_slice(fd, offset, t, main, shapes[name], part)
+                offset += math.prod(shapes[name]) * t.element_size()
         finally:
             os.close(fd)
     if dist.is_initialized():
         dist.barrier()
 
 
-def _layout(items: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int]:
+def _layout(items: list[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]]) -> tuple[bytes, int]:
     """The header bytes (length prefix included) of one file and the size of its data section."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        nbytes = math.prod(shapes[name]) * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(shapes[name]),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
     return struct.pack("<Q", len(text)) + text, offset
 
 
-def _write_slice(fd: int, start: int, t: torch.Tensor, main: bool) -> None:
+def _write_slice(fd: int, start: int, t: torch.Tensor, main: bool, shape: tuple[int, ...],
+                 part: tuple[int, int, int, int] | None = None) -> None:
+    """This rank's block of ``t`` into the file's tensor of ``shape`` at byte ``start``: its data-parallel shard
+    (``_local_part``), at ``part``'s offset along its dimension where it is a TP rank's part."""
     local, dim, lo, writes = _local_part(t)
-    if dim is None:
+    if dim is None and part is None:
         writes = writes and main  # a plain (or replicated) tensor: one rank writes it
     if not writes or local.numel() == 0:
         return
+    offsets = [0] * local.dim()
+    if dim is not None:
+        offsets[dim] += lo
+    if part is not None:
+        offsets[part[0]] += part[1]
     data = local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     item = t.element_size()
-    if dim is None:
+    k = local.dim()  # dims k.. are whole in the file: the block is one contiguous run per index of the dims before
+    while k > 0 and local.shape[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
         _pwrite(fd, memoryview(data), start)
         return
-    inner = math.prod(t.shape[dim + 1:]) * item  # bytes per index along dim
-    block, stride = local.shape[dim] * inner, t.shape[dim] * inner
-    for outer in range(math.prod(t.shape[:dim])):  # one contiguous range per index of the dims before dim
-        _pwrite(fd, memoryview(data[outer * block:(outer + 1) * block]), start + outer * stride + lo * inner)
+    strides = [math.prod(shape[d + 1:]) * item for d in range(len(shape))]
+    run = local.shape[k - 1] * strides[k - 1]
+    for i, index in enumerate(itertools.product(*(range(n) for n in local.shape[:k - 1]))):
+        at = sum((offsets[d] + j) * strides[d] for d, j in enumerate(index)) + offsets[k - 1] * strides[k - 1]
+        _pwrite(fd, memoryview(data[i * run:(i + 1) * run]), start + at)
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> None:

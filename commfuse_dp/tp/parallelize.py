@@ -72,7 +72,7 @@ class TensorParallel:
         self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.ring_ops = 0  # ring operations a forward and backward (``add_layer``)
-        self.sharded: dict[str, tuple[int, int, int]] = {}
+        self.sharded: dict[str, tuple[int, int, int, int]] = {}
         self.replicated: list[str] = []
 
     def report(self) -> dict:
@@ -305,14 +305,14 @@ def _split_mlp(tp: TensorParallel, layer: nn.Module, names: dict) -> None:
 
 def _keep(tp: TensorParallel, module: nn.Module, name: str, dim: int, start: int, count: int) -> None:
     """Keep ``start:start+count`` of ``module``'s weight along ``dim`` (and of its bias where it is split with
-    it: ``dim`` 0), recorded in ``tp.sharded``."""
+    it: ``dim`` 0), recorded in ``tp.sharded`` as ``(dim, start, count, whole size along dim)``."""
     weight = module.weight
     module.weight = nn.Parameter(weight.detach().narrow(dim, start, count).clone(), requires_grad=weight.requires_grad)
-    tp.sharded[f"{name}.weight"] = (dim, start, count)
+    tp.sharded[f"{name}.weight"] = (dim, start, count, weight.shape[dim])
     bias = getattr(module, "bias", None)
     if bias is not None and dim == 0:
         module.bias = nn.Parameter(bias.detach().narrow(0, start, count).clone(), requires_grad=bias.requires_grad)
-        tp.sharded[f"{name}.bias"] = (0, start, count)
+        tp.sharded[f"{name}.bias"] = (0, start, count, bias.shape[0])
     if isinstance(module, nn.Linear):
         module.out_features, module.in_features = module.weight.shape
     elif isinstance(module, nn.Embedding):
