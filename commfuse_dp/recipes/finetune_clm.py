@@ -63,6 +63,9 @@ class ClmArguments:
     commfuse_config: str | None = field(default=None, metadata={
         "help": "a YAML file with the CommFuseConfig (a flat mapping or a commfuse: block); default: COMMFUSE_* "
                 "variables, else the defaults"})
+    tp_size: int = field(default=1, metadata={
+        "help": "tensor parallelism: groups of this many consecutive ranks share each layer, the data sharded over "
+                "world / tp_size ranks (CommFuseConfig.tp_size); Llama, Qwen2, Mistral and Gemma models"})
     timeline_step: int = field(default=3, metadata={"help": "the training step whose timeline is drawn"})
     auto_resume: bool = field(default=False, metadata={
         "help": "resume from the newest complete checkpoint in --output_dir, if there is one, else start at step 0: "
@@ -239,18 +242,37 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = common.commfuse_config(args.commfuse_config)
         cfg = cfg.replace(auto_resume=cfg.auto_resume or args.auto_resume, async_save=cfg.async_save or args.async_save)
+        cfg = _with_tp_size(cfg, args.tp_size, targs, world)
         if cfg.auto_resume and str(getattr(targs.save_strategy, "value", targs.save_strategy)) == "no":
             raise common.RecipeError("--auto_resume resumes from this run's checkpoints, and --save_strategy no "
                                      "writes none: add --save_strategy steps --save_steps N")
         # (a run that resumes by itself writes into the folder of the run it carries on)
         common.check_output_dir(targs.output_dir, args.overwrite_output_dir or cfg.auto_resume)
-        model, tokenizer, train, evaluation, info = prepare_inputs(
-            args, world, targs.per_device_train_batch_size, targs.gradient_accumulation_steps,
+        model, tokenizer, train, evaluation, info = prepare_inputs(  # (each TP group reads one batch)
+            args, world // cfg.tp_size, targs.per_device_train_batch_size, targs.gradient_accumulation_steps,
             targs.per_device_eval_batch_size)
     except common.RecipeError as exc:
         common.fail(str(exc))
     return train_and_report(args, targs, model, tokenizer, train, evaluation, cfg,
                             {**info, "world_size": world, "rank": rank})
+
+
+def _with_tp_size(cfg, tp_size: int, targs, world: int):
+    """``--tp_size`` into the config, refused where the run cannot carry it."""
+    if tp_size < 1:
+        raise common.RecipeError(f"--tp_size {tp_size}: must be at least 1")
+    if tp_size == 1:
+        return cfg
+    if cfg.tp_size not in (1, tp_size):
+        raise common.RecipeError(f"--tp_size {tp_size} disagrees with the CommFuseConfig's tp_size {cfg.tp_size}: "
+                                 f"give one")
+    if str(getattr(targs.save_strategy, "value", targs.save_strategy)) != "no":
+        raise common.RecipeError(f"--tp_size {tp_size}: the sharded checkpoints of a tensor-parallel model are not "
+                                 f"supported yet (the final consolidated save is); use --save_strategy no")
+    if world % tp_size:
+        raise common.RecipeError(f"--tp_size {tp_size} does not divide the {world} processes (launch with "
+                                 f"torchrun --nproc_per_node N, N a multiple of it)")
+    return cfg.replace(tp_size=tp_size)
 
 
 def _check_same_corpus(train, evaluation) -> None:
