@@ -64,7 +64,7 @@ def _assert_grads(grads, want_grads, sharded):
         for name, g in got.items():
             w = want[name]
             if name in sharded:
-                dim, start, count = sharded[name]
+                dim, start, count, _ = sharded[name]
                 w = w.narrow(dim, start, count)
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
 
