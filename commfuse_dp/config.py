@@ -369,20 +369,9 @@ class CommFuseConfig:
 
     def _check_run(self) -> None:
         """The copies (HSDP), the timeout, the switches, the dtypes and the excluded modules."""
-        if isinstance(self.replicate, str) and self.replicate.strip().lower() == "auto":
-            self.replicate = "auto"
-        else:
-            self.replicate = _number("replicate", self.replicate, int)
-            if self.replicate < 1:
-                raise ValueError(f"CommFuseConfig.replicate={self.replicate!r}: must be \"auto\" or an integer >= 1 "
-                                 f"(the number of model copies; 1: no HSDP)")
-        if isinstance(self.hpz_size, str) and self.hpz_size.strip().lower() == "auto":
-            self.hpz_size = "auto"
-        else:
-            self.hpz_size = _number("hpz_size", self.hpz_size, int)
-            if self.hpz_size < 1:
-                raise ValueError(f"CommFuseConfig.hpz_size={self.hpz_size!r}: must be \"auto\" or an integer >= 1 "
-                                 f"(the ranks a second copy of the weights is split over, a node's; 1: none)")
+        self.replicate = _auto_or_count("replicate", self.replicate, "the number of model copies; 1: no HSDP")
+        self.hpz_size = _auto_or_count("hpz_size", self.hpz_size,
+                                       "the ranks a second copy of the weights is split over, a node's; 1: none")
         self.tp_size = _number("tp_size", self.tp_size, int)
         if self.tp_size < 1:
             raise ValueError(f"CommFuseConfig.tp_size={self.tp_size!r}: must be an integer >= 1 (1: no tensor "
@@ -518,6 +507,16 @@ def with_parallelism(cfg: CommFuseConfig, sizes: Mapping[str, Any], where: str,
         raise ValueError(f"{where}: dp_replicate_size={replicate} disagrees with {cfg_name} replicate={cfg.replicate}: "
                          f"give one of them")
     return dataclasses.replace(cfg, replicate=replicate)
+
+
+def _auto_or_count(name: str, value: Any, meaning: str) -> int | str:
+    """``"auto"``, or an integer >= 1 (``meaning`` says what it counts, in the error)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    value = _number(name, value, int)
+    if value < 1:
+        raise ValueError(f"CommFuseConfig.{name}={value!r}: must be \"auto\" or an integer >= 1 ({meaning})")
+    return value
 
 
 def _number(name: str, value: Any, kind: type) -> Any:
