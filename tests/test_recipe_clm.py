@@ -76,7 +76,7 @@ def _bad(tmp_path, monkeypatch, capsys, *args):
                                         ("notjson", "is not JSON"), ("model", "not a Hugging Face model"),
                                         ("nomodel", "no such folder"), ("batch", "no full batch"),
                                         ("zerobatch", "must be at least 1"), ("outdir", "not empty"),
-                                        ("tp_save", "not supported yet"), ("tp_world", "does not divide the 1")])
+                                        ("tp_world", "does not divide the 1")])
 def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, case, word):
     args = []
     if case == "missing":
@@ -98,8 +98,6 @@ def test_bad_input_one_line_and_nothing_written(tmp_path, monkeypatch, capsys, c
         args = ["--dataset_name", str(tmp_path / "small.txt"), "--per_device_train_batch_size", "64"]
     elif case == "zerobatch":
         args = ["--per_device_train_batch_size", "0"]
-    elif case == "tp_save":
-        args = ["--tp_size", "2", "--save_strategy", "steps"]
     elif case == "tp_world":
         args = ["--tp_size", "2"]
     elif case == "outdir":

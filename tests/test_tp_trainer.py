@@ -1,8 +1,9 @@
 """Tensor parallelism through ``CommFuseTrainer`` (``CommFuseConfig(tp_size=2)``): 4 CPU ranks as TP 2 x data 2
 against the plain Trainer on 2 ranks (data 2) with the same batches: each step's loss and gradient norm (clipped at
 0.5), the eval loss, and the consolidated save (``save_model``) loaded by ``from_pretrained`` in one process; an
-accelerate loop under ``commfuse-dp launch`` with accelerate's ``parallelism_config``; and the bare callback and
-DCP checkpoints refuse TP on every rank."""
+accelerate loop under ``commfuse-dp launch`` with accelerate's ``parallelism_config``; the Trainer's sharded
+checkpoint at step 5 resumed bit for bit; the bare callback refusing TP, and loading Hugging Face weights into a
+model made TP already refused, on every rank."""
 
 import json
 import os
@@ -52,6 +53,11 @@ def test_tp_two_by_data_two_matches_the_plain_trainer(tmp_path):
     with torch.no_grad():
         loss = loaded(**hf_models.batch(0, 99)).loss.item()
     assert abs(loss - tp["probe_loss"]) <= 1e-5 * abs(tp["probe_loss"]), (loss, tp["probe_loss"])
+    # the run saved its sharded state at step 5 (TP 2 x data 2); a run resumed from there is the same run
+    resumed = _launch(tmp_path, "resume", 4)
+    assert resumed["steps"] == 10
+    for key in ("losses", "grad_norms", "eval_loss", "probe_loss"):
+        assert resumed[key] == tp[key], (key, resumed[key], tp[key])
 
 
 def test_bare_callback_refuses_tensor_parallelism():
@@ -68,23 +74,22 @@ def test_bare_callback_refuses_tensor_parallelism():
         cb.on_init_end(args, None, None, model=torch.nn.Linear(2, 2))
 
 
-def _checkpoint_worker(rank, world_size, folder):
+def _load_hf_worker(rank, world_size, folder):
     import hf_models
 
     import commfuse_dp as cf
     from commfuse_dp import checkpoint
 
     model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tp_size=2, min_fuse_numel=0))
-    for use in (lambda: checkpoint.save_sharded(folder, [model]), lambda: checkpoint.load_hf_weights(model, folder)):
-        with pytest.raises(NotImplementedError, match="tensor-parallel .*save_strategy"):
-            use()
+    with pytest.raises(NotImplementedError, match="tensor-parallel .*Load the weights before sharding"):
+        checkpoint.load_hf_weights(model, folder)
     return True
 
 
-def test_sharded_checkpoints_of_a_tensor_parallel_model_are_refused(tmp_path):
+def test_loading_hf_weights_into_a_tensor_parallel_model_is_refused(tmp_path):
     from harness import run_ranks
 
-    assert all(run_ranks(_checkpoint_worker, 2, (str(tmp_path / "ckpt"),), timeout=300))
+    assert all(run_ranks(_load_hf_worker, 2, (str(tmp_path / "ckpt"),), timeout=300))
 
 
 @pytest.mark.slow

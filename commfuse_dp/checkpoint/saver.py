@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .state import _state, _write_sharded
+from .tp_state import as_chunks
 
 
 class AsyncSaver:
@@ -54,7 +55,9 @@ class AsyncSaver:
         self.wait()
         path = os.fspath(path).rstrip(os.sep)
         group = self._process_group()
-        staged = self._staging.copy(_state(list(models), list(optimizers), extra))
+        models, optimizers = list(models), list(optimizers)
+        staged = self._staging.copy(_state(models, optimizers, extra))
+        as_chunks(models, optimizers, staged)  # (tensor-parallel: whole-tensor views of the host copies)
         self.staged_bytes = self._staging.nbytes
 
         def write() -> None:

@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from ..feedback import Residuals, residuals_of
 from ..handle import handle_of
-from .common import _barrier, _rank, _unwrap, refuse_tensor_parallel
+from .common import _barrier, _rank, _unwrap
 from .hf import mark_initialised
 from .markers import (CheckpointError, _failures, _files, _gather_digests, _incomplete_message, _previous, is_complete,
                       mark_complete, verify)
+from .tp_state import as_chunks, put_back
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,10 @@ def optimizer_model(optimizer: torch.optim.Optimizer, models: Iterable[torch.nn.
 
 def _state(models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]],
            extra: dict[str, Any] | None, feedback: bool = True) -> dict[str, Any]:
-    """What a checkpoint holds; ``feedback``: with this rank's error-feedback residuals (to save)."""
+    """What a checkpoint holds; ``feedback``: with this rank's error-feedback residuals (to save). A
+    tensor-parallel model's split tensors are its TP parts here; ``tp_state.as_chunks`` makes them whole for DCP."""
     state: dict[str, Any] = {}
     for i, model in enumerate(models):
-        refuse_tensor_parallel(model, "commfuse_dp.checkpoint")
         state[f"model_{i}"] = get_model_state_dict(_unwrap(model))
         residuals = _residuals(model)
         if feedback and residuals is not None and residuals.enabled and residuals.state():
@@ -144,7 +145,13 @@ def save_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
 
     A write that fails on any rank (a full disk, a permission error) raises :class:`CheckpointError` on every rank
     naming the rank(s) and the cause; the partial folder is removed and the previous checkpoint is left as it was."""
-    _write_sharded(os.fspath(path).rstrip(os.sep), _state(list(models), list(optimizers), extra), None)
+    models, optimizers = list(models), list(optimizers)
+    state = _state(models, optimizers, extra)
+    undo = as_chunks(models, optimizers, state)  # (in the optimizer's own state dicts: put back after)
+    try:
+        _write_sharded(os.fspath(path).rstrip(os.sep), state, None)
+    finally:
+        put_back(undo)
 
 
 def _write_sharded(path: str, state: dict[str, Any], group) -> None:
@@ -182,7 +189,8 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
                  optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]] = (), *,
                  extra: dict[str, Any] | None = None) -> None:
     """Reads a folder written by :func:`save_sharded` into ``models`` and the optimizers, in place (another world
-    size is fine: DCP reshards). ``extra`` is filled in place. Collective."""
+    size is fine: DCP reshards; so are another ``tp_size`` and no tensor parallelism, saved or loaded). ``extra``
+    is filled in place. Collective."""
     path = os.fspath(path).rstrip(os.sep)
     if not is_complete(path):
         raise FileNotFoundError(_incomplete_message(path))
@@ -195,7 +203,9 @@ def load_sharded(path: str | os.PathLike, models: list[torch.nn.Module],
             state[_CHOICE.format(i)] = ""
     feedback = _feedback_targets(path, models)
     state.update((k, v) for k, v in feedback.items() if v)  # (DCP fills non-tensor entries into this very dict)
+    undo = as_chunks(models, optimizers, state)  # (tensor-parallel: read into whole-tensor views, in place)
     dcp.load(state, checkpoint_id=path)
+    put_back(undo)
     for i, model in enumerate(models):
         set_model_state_dict(_unwrap(model), state[f"model_{i}"])
         mark_initialised(model)

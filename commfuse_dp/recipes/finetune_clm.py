@@ -266,9 +266,6 @@ def _with_tp_size(cfg, tp_size: int, targs, world: int):
     if cfg.tp_size not in (1, tp_size):
         raise common.RecipeError(f"--tp_size {tp_size} disagrees with the CommFuseConfig's tp_size {cfg.tp_size}: "
                                  f"give one")
-    if str(getattr(targs.save_strategy, "value", targs.save_strategy)) != "no":
-        raise common.RecipeError(f"--tp_size {tp_size}: the sharded checkpoints of a tensor-parallel model are not "
-                                 f"supported yet (the final consolidated save is); use --save_strategy no")
     if world % tp_size:
         raise common.RecipeError(f"--tp_size {tp_size} does not divide the {world} processes (launch with "
                                  f"torchrun --nproc_per_node N, N a multiple of it)")
