@@ -120,3 +120,31 @@ def test_launch_with_accelerate_s_tp_size_matches_ddp(tmp_path):
             assert abs(ours_ - theirs_) <= 1e-5 * abs(theirs_), (rank, tp["losses"], ddp["losses"])
     for ours_, theirs_ in zip(tp["grad_norms"], ddp["grad_norms"]):
         assert abs(ours_ - theirs_) <= 1e-5 * theirs_, (tp["grad_norms"], ddp["grad_norms"])
+
+
+def _own_head_worker(rank, world_size):
+    import types
+
+    import hf_models
+
+    import commfuse_dp as cf
+
+    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tp_size=2, min_fuse_numel=0))
+
+    def forward(self, input_ids=None, **kwargs):  # what a library's fused LM head does: the head's weight itself
+        weight = self.lm_head.weight
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight  # (FSDP2's gathered or sharded)
+        return self.model(input_ids=input_ids).last_hidden_state @ weight.T
+
+    model.forward = types.MethodType(forward, model)
+    with pytest.raises(ValueError, match="forward was replaced by one that projects .* lm_head.weight itself"):
+        model(**hf_models.batch(0, 0))
+    return True
+
+
+def test_a_forward_that_computes_the_head_itself_is_refused_on_every_rank():
+    """Shapes that happen to fit (this rank's sequence rows times this rank's vocabulary rows) must not pass as
+    logits: the root's forward ends with a check that its TP lm_head ran."""
+    from harness import run_ranks
+
+    assert all(run_ranks(_own_head_worker, 2, timeout=300))

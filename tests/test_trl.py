@@ -74,3 +74,20 @@ def test_sft_trainer_matches_ddp(tmp_path, tokenizer_dir, world_size):
         assert ddp["params"].keys() == ours["params"].keys() and any("lora_B" in n for n in ddp["params"])
         for name, value in ddp["params"].items():
             _close(ours["params"][name], value, 1e-5, 1e-5, f"lora {name}")
+
+
+@pytest.mark.slow
+def test_sft_trainer_under_tensor_parallelism_refuses_on_every_rank(tmp_path, tokenizer_dir):
+    """TRL's SFTTrainer computes its loss with its own fused LM head from ``lm_head.weight`` and the last hidden
+    states, which under TP are this rank's parts: ``commfuse_trainer(SFTTrainer)`` with ``tp_size=2`` must stop at
+    the first forward on every rank, naming the fix, not train on parts."""
+    out = tmp_path / "trl.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), os.path.join(HERE, "trl_worker.py"),
+                           str(out), tokenizer_dir, "tp-fp32"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and not out.exists()
+    for rank in range(4):
+        assert f"[rank{rank}]: ValueError: tensor parallelism: the model's forward was replaced" in proc.stderr, \
+            proc.stderr[-4000:]
+    assert "Train with tp_size=1" in proc.stderr

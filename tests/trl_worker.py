@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node N tests/trl_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{fp32|bf16}[-lora]`` (``-lora``: TRL's ``peft_config``, LoRA on the attention and
-MLP projections; the tied table is frozen). Every mode trains a fresh tiny tied Llama (hidden 128, GQA) from the
+MODE is ``{ddp|fused|slicing|tp}-{fp32|bf16}[-lora]`` (``tp``: ``CommFuseConfig(tp_size=2)``, under which TRL's
+fused LM head is refused; ``-lora``: TRL's ``peft_config``, LoRA on the attention and MLP projections; the tied
+table is frozen). Every mode trains a fresh tiny tied Llama (hidden 128, GQA) from the
 same seed on the same pre-tokenized data, in this one process group, one after another: DDP is what
 ``SFTTrainer`` does without commfuse (accelerate wraps the model in DistributedDataParallel on multi-process
 CPU); the others are ``commfuse_trainer(SFTTrainer)`` with a ``CommFuseCallback`` (every linear fused, ring
@@ -56,8 +57,9 @@ def run(mode: str, tokenizer_dir: str) -> dict:
         # keeps such steps proportional to the gradient, so parameters compare at 1e-5.
         learning_rate=1e-3, adam_epsilon=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=0,
         data_seed=0, dataloader_num_workers=0, disable_tqdm=True, max_length=32)
-    callbacks = [] if schedule == "ddp" else [
+    callbacks = [] if schedule in ("ddp", "tp") else [
         CommFuseCallback(cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0))]
+    extra = {"commfuse": cf.CommFuseConfig(tp_size=2, min_fuse_numel=0)} if schedule == "tp" else {}
     peft = None
     if lora:
         from peft import LoraConfig
@@ -65,8 +67,8 @@ def run(mode: str, tokenizer_dir: str) -> dict:
         peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
     trainer_class = SFTTrainer if schedule == "ddp" else commfuse_trainer(SFTTrainer)   # bf16: the Trainer's autocast
     trainer = trainer_class(model=model, args=args, train_dataset=data(len(tokenizer)), processing_class=tokenizer,
-                            callbacks=callbacks, peft_config=peft)
-    if schedule != "ddp" and not lora:
+                            callbacks=callbacks, peft_config=peft, **extra)
+    if schedule not in ("ddp", "tp") and not lora:
         assert type(model.lm_head).__name__ == "RingLinear", type(model.lm_head)
         assert type(model.model.embed_tokens).__name__ == "RingEmbedding"
         assert model.lm_head._parameters["weight"] is model.model.embed_tokens._parameters["weight"]

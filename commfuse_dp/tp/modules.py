@@ -115,6 +115,7 @@ class TPLMHead(nn.Module):
         self.ring = TPState(tp.steps, f"{name} (tp)", tp.fused)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.tp.head_ran = True
         rows = self.tp.rows_of(self.tp.seq)[1]
         if hidden_states.shape[1] != rows:
             raise ValueError(f"the tensor-parallel lm_head got {hidden_states.shape[1]} rows of the sequence where "

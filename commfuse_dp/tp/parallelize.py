@@ -69,6 +69,8 @@ class TensorParallel:
         self.data_parallel = None  # and the group of every data-parallel rank at this rank's TP position
         self.embedded = False  # the embedding ran in this forward (and checked its token ids)
         self.first_layer_next = False  # the root's forward began and the first decoder layer has not run yet
+        self.head: str | None = None  # the lm_head's name, where the model has one
+        self.head_ran = False  # the lm_head ran in this forward of the root
         self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.ring_ops = 0  # ring operations a forward and backward (``add_layer``)
@@ -205,12 +207,13 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
         else:
             _keep(tp, head, names[id(head)], 0, tp.vocab_start, tp.vocab_rows)
         model.lm_head = TPLMHead(head, tp, names[id(head)])
+        tp.head = names[id(head)]
         tp.add_layer((names[id(head)], f"{tp.vocab_rows} of {tp.vocab_size} vocabulary rows"
                       + (" (tied)" if tied else ""), "gather", "reduce-scatter"), 2)
         model.loss_function = causal_lm_loss(tp)
     _sum_whole_gradients(tp, model)
     base.layers[0].register_forward_pre_hook(_first_layer_rows(tp), with_kwargs=True)
-    model.register_forward_pre_hook(_begin_step(tp))
+    model.register_forward_pre_hook(_begin_step(tp), with_kwargs=True)
     model.register_forward_hook(_end_forward(tp))
     handle_of(model, create=True).tp = tp
     return model
@@ -347,16 +350,26 @@ def _row_bias(name: str) -> bool:
 
 
 def _begin_step(tp: TensorParallel):
-    def hook(module, args) -> None:
+    def hook(module, args, kwargs) -> None:
+        if kwargs.get("fused_lm_head"):
+            raise ValueError(_OWN_HEAD.format(head=tp.head, size=tp.size))
         tp.steps.begin_step()
-        tp.first_layer_next, tp.embedded = True, False
+        tp.first_layer_next, tp.embedded, tp.head_ran = True, False, False
     return hook
 
 
 def _end_forward(tp: TensorParallel):
     def hook(module, args, out) -> None:
         tp.steps.end_forward()
+        if tp.head is not None and not tp.head_ran:
+            raise ValueError(_OWN_HEAD.format(head=tp.head, size=tp.size))
     return hook
+
+
+_OWN_HEAD = ("tensor parallelism: the model's forward was replaced by one that projects the last hidden states through "
+             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its SFT "
+             "and DPO trainers). Under tp_size={size} those are this rank's rows of the sequence and of the "
+             "vocabulary, so it would compute on parts. Train with tp_size=1 (data parallelism) in that trainer")
 
 
 def _first_layer_rows(tp: TensorParallel):
