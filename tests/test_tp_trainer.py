@@ -41,6 +41,7 @@ def test_tp_two_by_data_two_matches_the_plain_trainer(tmp_path):
         for step, (ours, theirs) in enumerate(zip(tp[key], ddp[key])):
             assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (key, step, ours, theirs)
     assert max(ddp["grad_norms"]) > 0.5  # the clipping acted
+    assert tp["tokens_seen"] == ddp["tokens_seen"] == 10 * 2 * 2 * 2 * 12  # a TP group's batch counts once
     assert abs(tp["eval_loss"] - ddp["eval_loss"]) <= 1e-5 * abs(ddp["eval_loss"])
     assert abs(tp["probe_loss"] - ddp["probe_loss"]) <= 1e-5 * abs(ddp["probe_loss"])
     # the consolidated save loads in one process with from_pretrained, as the trained model

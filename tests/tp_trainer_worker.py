@@ -34,7 +34,8 @@ def main(out_dir: str, mode: str) -> None:
         save_strategy="no" if mode == "ddp" else "steps", save_steps=5,
         per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=2,
         max_grad_norm=0.5, optim="adamw_torch", learning_rate=1e-3, max_steps=10, logging_steps=1, seed=0,
-        data_seed=0, dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant")
+        data_seed=0, dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="constant",
+        include_num_input_tokens_seen="all")
     data = dict(train_dataset=hf_models.Synthetic(80, seed=1), eval_dataset=hf_models.Synthetic(12, seed=2))
     model = hf_models.build("llama", seed=0)
     if mode != "ddp":
@@ -56,7 +57,8 @@ def main(out_dir: str, mode: str) -> None:
         with open(os.path.join(out_dir, f"{mode}.json"), "w") as f:
             json.dump({"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs],
                        "eval_loss": metrics["eval_loss"], "tp_size": tp.size if tp is not None else 1,
-                       "steps": trainer.state.global_step, "probe_loss": probe}, f)
+                       "steps": trainer.state.global_step, "probe_loss": probe,
+                       "tokens_seen": trainer.state.num_input_tokens_seen}, f)
 
 
 if __name__ == "__main__":

@@ -271,6 +271,15 @@ class CommFuseTrainerMixin:
             grad_norm = tp_clip_grad_norm_(self.model, float("inf"))
         return super()._get_grad_norm(model, grad_norm)
 
+    def _track_num_input_tokens(self, inputs):
+        """The Trainer sums the tokens of every rank's batch; the ranks of a TP group read one batch, so under
+        tensor parallelism each batch counts once (``num_input_tokens_seen``, ``train_tokens_per_second``)."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        tp = self._commfuse_tp()
+        if tp is not None and tp.size > 1:
+            self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp.size
+
     def _warn_bypassed_overrides(self) -> None:
         """A class after the mixin in the MRO that overrides one of the five replaced methods: its version does
         not run (the mixin's does not call it)."""
