@@ -75,6 +75,11 @@ def _init_buffers(model: nn.Module) -> None:
     modules_before = {id(m) for m in model.modules() if getattr(m, "_is_hf_initialized", False)}
     try:
         initialize()
+        for module in model.modules():  # a scale buffer beside its value (Gemma's embedding, and ours in its place)
+            scale = getattr(module, "embed_scale", None)
+            if isinstance(scale, torch.Tensor) and isinstance(getattr(module, "scalar_embed_scale", None), float):
+                with torch.no_grad():
+                    scale.fill_(module.scalar_embed_scale)
     finally:
         for p in flagged:
             del p._is_hf_initialized

@@ -144,7 +144,8 @@ def _device_and_mesh(model: nn.Module, config: CommFuseConfig, mesh: DeviceMesh 
         raise RuntimeError("shard: torch.distributed is not initialised. Call torch.distributed."
                            "init_process_group(...) first (torchrun / accelerate launch set it up)")
     if config.tp_size > 1:  # each TP rank's part of the model, sharded over the ranks at its TP position
-        mesh = data_parallel_mesh(model, config, mesh, device.type)
+        kind = materialise_device(requested, mesh).type if device.type == "meta" else device.type
+        mesh = data_parallel_mesh(model, config, mesh, kind)
     on_meta = device.type == "meta"
     if on_meta:
         device = materialise_device(requested, mesh)

@@ -1,7 +1,8 @@
 """Sharded checkpoints of a tensor-parallel model (``commfuse_dp.checkpoint``, ``tp_state.py``): saved at TP 2 x
 FSDP 2, a resume is bit for bit the uninterrupted run, and the folder loads at TP 4, at FSDP 4 without TP and in
 one process to the saved model's loss; also through ``AsyncSaver``, for a tied Gemma and beside HSDP copies. The
-vocabulary (97 rows) and the MLP's inner size (42) do not divide over 4 ranks."""
+vocabulary (97 rows) and the MLP's inner size (42) do not divide over 4 ranks. A model built on the meta device
+and made TP 2 x FSDP 2 reads its slices of a Hugging Face folder (``load_hf_weights``) to one process's loss."""
 
 import os
 
@@ -26,10 +27,14 @@ def _model(family: str = "llama"):
     return model_cls(config)
 
 
-def _sharded(family: str, tp: int, replicate: int = 1):
+def _sharded(family: str, tp: int, replicate: int = 1, meta: bool = False):
     import commfuse_dp as cf
 
-    model = _model(family)
+    if meta:
+        with torch.device("meta"):
+            model = _model(family)
+    else:
+        model = _model(family)
     if tp == 0:  # one process, not sharded
         return model
     return cf.shard(model, cf.CommFuseConfig(tp_size=tp, replicate=replicate, min_fuse_numel=0))
@@ -110,3 +115,21 @@ def test_tensor_parallel_checkpoint_resumes_exactly_and_reshards(tmp_path, famil
         for r in results:
             assert abs(r[key] - want) < 1e-5, (key, r[key], want)
     assert abs(_one_process(path, family) - want) < 1e-5
+
+
+def _meta_load(rank, world, folder, family):
+    from commfuse_dp import checkpoint as ck
+
+    model = _sharded(family, 2, meta=True)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    ck.load_hf_weights(model, folder)
+    return _probe(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_meta_model_made_tensor_parallel_reads_its_slices_of_a_hf_folder(tmp_path, family):
+    reference = _model(family)
+    reference.save_pretrained(tmp_path / "hf")
+    want = _probe(reference)
+    for got in run_ranks(_meta_load, 4, args=(str(tmp_path / "hf"), family), timeout=300):
+        assert abs(got - want) < 1e-5, (got, want)

@@ -2,8 +2,8 @@
 against the plain Trainer on 2 ranks (data 2) with the same batches: each step's loss and gradient norm (clipped at
 0.5), the eval loss, and the consolidated save (``save_model``) loaded by ``from_pretrained`` in one process; an
 accelerate loop under ``commfuse-dp launch`` with accelerate's ``parallelism_config``; the Trainer's sharded
-checkpoint at step 5 resumed bit for bit; the bare callback refusing TP, and loading Hugging Face weights into a
-model made TP already refused, on every rank."""
+checkpoint at step 5 resumed bit for bit; the bare callback refusing TP, and a forward that computes the lm_head
+itself refused, on every rank."""
 
 import json
 import os
@@ -73,24 +73,6 @@ def test_bare_callback_refuses_tensor_parallelism():
     args = types.SimpleNamespace(fsdp=[], deepspeed=None, save_strategy="no")
     with pytest.raises(ValueError, match="tp_size=2 .*need that Trainer.*CommFuseTrainer"):
         cb.on_init_end(args, None, None, model=torch.nn.Linear(2, 2))
-
-
-def _load_hf_worker(rank, world_size, folder):
-    import hf_models
-
-    import commfuse_dp as cf
-    from commfuse_dp import checkpoint
-
-    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tp_size=2, min_fuse_numel=0))
-    with pytest.raises(NotImplementedError, match="tensor-parallel .*Load the weights before sharding"):
-        checkpoint.load_hf_weights(model, folder)
-    return True
-
-
-def test_loading_hf_weights_into_a_tensor_parallel_model_is_refused(tmp_path):
-    from harness import run_ranks
-
-    assert all(run_ranks(_load_hf_worker, 2, (str(tmp_path / "ckpt"),), timeout=300))
 
 
 @pytest.mark.slow

@@ -28,15 +28,3 @@ def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 
-
-def refuse_tensor_parallel(model: torch.nn.Module, what: str) -> None:
-    """Loading a Hugging Face folder into a model made tensor-parallel (``CommFuseConfig.tp_size``) after it was
-    sharded: refused on every rank (load the weights first, then shard: each TP rank keeps its part)."""
-    handle = handle_of(model)
-    if handle is None and hasattr(model, "module"):
-        handle = handle_of(model.module)
-    if handle is not None and handle.tp is not None:
-        raise NotImplementedError(f"{what}: the model is tensor-parallel (tp_size={handle.tp.size}) already; its "
-                                  f"TP ranks hold different parts under one parameter name. Load the weights before "
-                                  f"sharding (from_pretrained, then shard() or CommFuseTrainer), or resume from a "
-                                  f"sharded checkpoint (load_sharded), which reshards")

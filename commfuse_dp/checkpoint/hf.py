@@ -11,8 +11,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from ..handle import handle_of
-from .common import _barrier, _rank, _unwrap, refuse_tensor_parallel
-from .slices import _named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _write_safetensors
+from .common import _barrier, _rank, _unwrap
+from .slices import (_named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _tensor_parallel,
+                     _write_safetensors)
+from .tp_state import _split_names
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -50,7 +52,8 @@ def load_hf_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict
     from safetensors import safe_open
 
     inner = _unwrap(model)
-    refuse_tensor_parallel(inner, "load_hf_weights")
+    tp = _tensor_parallel(inner)
+    split = _split_names(inner, tp) if tp is not None else {}  # (a TP part: its place in the file's tensor)
     where = _stored_keys(os.fspath(folder))
     tensors = _named_tensors(inner)
     aliases: dict[int, list[str]] = {}
@@ -70,7 +73,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict
         for path, items in by_file.items():
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key, t in items:
-                    _read_slice(f, key, t)
+                    _read_slice(f, key, t, split.get(key))
     mark_initialised(inner)
 
 

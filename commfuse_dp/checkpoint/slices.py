@@ -103,19 +103,30 @@ def _stored_keys(folder: str) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _read_slice(f: Any, key: str, t: torch.Tensor) -> None:
+def _read_slice(f: Any, key: str, t: torch.Tensor, part: tuple[int, int, int, int] | None = None) -> None:
+    """This rank's shard of ``t`` from the file's tensor ``key``; ``part``: ``t`` is a TP part, ``(dim, start,
+    count, whole)`` of the file's tensor (``TensorParallel.sharded``)."""
     stored = f.get_slice(key)
     shape = tuple(stored.get_shape())
-    if shape != tuple(t.shape):
-        raise ValueError(f"{key}: the checkpoint holds shape {shape}, the model {tuple(t.shape)}")
+    want = list(t.shape)
+    if part is not None:
+        want[part[0]] = part[3]
+    if shape != tuple(want):
+        raise ValueError(f"{key}: the checkpoint holds shape {shape}, the model {tuple(want)}")
     local, dim, lo, _ = _local_part(t)
     if local.numel() == 0:
         return
-    if dim is None:
+    if dim is None and part is None:
         local.copy_(f.get_tensor(key))
         return
     index = [slice(None)] * len(shape)
-    index[dim] = slice(lo, lo + local.shape[dim])
+    if dim is not None:
+        index[dim] = slice(lo, lo + local.shape[dim])
+    if part is not None:  # the TP part's place along its dimension (FSDP2's rows are rows of the part)
+        tp_dim, start, count, _ = part
+        inner = index[tp_dim]
+        index[tp_dim] = (slice(start + inner.start, start + inner.stop) if inner != slice(None)
+                         else slice(start, start + count))
     local.copy_(stored[tuple(index)])
 
 

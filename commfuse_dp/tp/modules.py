@@ -90,6 +90,8 @@ class TPEmbedding(nn.Module):
         self.num_embeddings = tp.vocab_size
         if hasattr(embedding, "embed_scale"):
             self.embed_scale = embedding.embed_scale
+            if hasattr(embedding, "scalar_embed_scale"):  # (its value, for a model taken off the meta device)
+                self.scalar_embed_scale = embedding.scalar_embed_scale
         self.tp = tp
         self.ring = TPState(tp.steps, f"{name} (tp)", tp.fused)
 

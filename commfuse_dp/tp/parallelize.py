@@ -239,9 +239,6 @@ def data_parallel_mesh(model: nn.Module, config, mesh, device_type: str):
     if local % size:
         raise ValueError(f"shard: CommFuseConfig.tp_size={size} does not divide the {local} ranks of a node "
                          f"(LOCAL_WORLD_SIZE); a TP group must stay inside one node")
-    if next(model.parameters()).device.type == "meta":
-        raise ValueError("shard: CommFuseConfig.tp_size needs the model's weights (each TP rank keeps its part of "
-                         "them); load the model before shard(), not on the meta device")
     handle = handle_of(model)
     if handle is not None and handle.tp is not None:
         raise ValueError("shard: this model is tensor-parallel already (commfuse_dp.tensor_parallel); leave "
