@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .rings import ColumnParallelFn, RowParallelFn, TPState, VocabEmbeddingFn
+from .rings import ColumnParallelFn, RowParallelFn, TPState, VocabEmbeddingFn, seq_split
 
 
 class TPAttention(nn.Module):
@@ -118,12 +118,54 @@ class TPLMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.tp.head_ran = True
+        keep = self.tp.keep
+        if keep:
+            return self._kept_logits(hidden_states, keep)
         rows = self.tp.rows_of(self.tp.seq)[1]
         if hidden_states.shape[1] != rows:
             raise ValueError(f"the tensor-parallel lm_head got {hidden_states.shape[1]} rows of the sequence where "
-                             f"this rank holds {rows}: logits_to_keep (generation) is not supported under "
-                             f"tensor parallelism; call the model with the whole sequence")
+                             f"this rank holds {rows}; call the model with the whole sequence")
         return ColumnParallelFn.apply(hidden_states, self.ring, self.tp.seq, self.weight, self.bias)[0]
+
+    def _kept_logits(self, mine: torch.Tensor, keep: int) -> torch.Tensor:
+        """``logits_to_keep=k`` (what ``generate()`` asks for), without grad: the whole vocabulary's logits of the
+        sequence's last ``k`` positions on every rank. The model's forward handed this rank the last ``k`` of its
+        own rows (``mine``); the group gathers them, keeps the positions from ``seq - k`` on, projects them on
+        this rank's vocabulary rows and gathers the vocabulary: plain collectives, ``(B, k, H)`` and
+        ``(B, k, V)`` a rank."""
+        if torch.is_grad_enabled():
+            raise ValueError("the tensor-parallel lm_head: logits_to_keep is for generation, without grad (under "
+                             "torch.no_grad(), as generate() runs); training computes the loss over every position")
+        tp, seq = self.tp, self.tp.seq
+        counts, offsets = seq_split(seq, tp.size)
+        kept = [min(keep, c) for c in counts]
+        if mine.shape[1] != kept[tp.rank]:
+            raise ValueError(f"the tensor-parallel lm_head got {mine.shape[1]} rows for logits_to_keep={keep}; "
+                             f"expected the last {kept[tp.rank]} of this rank's {counts[tp.rank]}")
+        padded = mine.new_zeros(mine.shape[0], keep, mine.shape[2])
+        padded[:, :kept[tp.rank]] = mine
+        rows = [torch.empty_like(padded) for _ in range(tp.size)]
+        dist.all_gather(rows, padded.contiguous(), group=tp.group)
+        first = max(seq - keep, 0)
+        pieces = []
+        for r in range(tp.size):  # rank r's kept rows are positions offsets[r] + counts[r] - kept[r] onwards
+            start = offsets[r] + counts[r] - kept[r]
+            lo = max(first - start, 0)
+            if lo < kept[r]:
+                pieces.append(rows[r][:, lo:kept[r]])
+        hidden = torch.cat(pieces, dim=1)
+        local = nn.functional.linear(hidden, self.weight, self.bias)
+        vocab = [local.new_empty(local.shape[0], local.shape[1], c) for c in seq_split(tp.vocab_size, tp.size)[0]]
+        if len({v.shape for v in vocab}) == 1:
+            dist.all_gather(vocab, local.contiguous(), group=tp.group)
+        else:  # (a vocabulary that does not divide: gather padded to the widest)
+            width = max(v.shape[2] for v in vocab)
+            wide = local.new_zeros(local.shape[0], local.shape[1], width)
+            wide[..., :local.shape[2]] = local
+            gathered = [torch.empty_like(wide) for _ in vocab]
+            dist.all_gather(gathered, wide, group=tp.group)
+            vocab = [g[..., :v.shape[2]] for g, v in zip(gathered, vocab)]
+        return torch.cat(vocab, dim=2)
 
 
 class TPNorm(nn.Module):

@@ -71,6 +71,7 @@ class TensorParallel:
         self.first_layer_next = False  # the root's forward began and the first decoder layer has not run yet
         self.head: str | None = None  # the lm_head's name, where the model has one
         self.head_ran = False  # the lm_head ran in this forward of the root
+        self.keep = 0  # the forward's logits_to_keep: >0, the whole vocabulary's logits of the last positions
         self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.ring_ops = 0  # ring operations a forward and backward (``add_layer``)
@@ -350,6 +351,11 @@ def _begin_step(tp: TensorParallel):
     def hook(module, args, kwargs) -> None:
         if kwargs.get("fused_lm_head"):
             raise ValueError(_OWN_HEAD.format(head=tp.head, size=tp.size))
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(keep, int):
+            raise ValueError("tensor parallelism: logits_to_keep as indices is not supported; give a number of "
+                             "last positions (generate() does)")
+        tp.keep = keep
         tp.steps.begin_step()
         tp.first_layer_next, tp.embedded, tp.head_ran = True, False, False
     return hook

@@ -98,7 +98,7 @@ class ColumnParallelFn(torch.autograd.Function):
                     torch.addmm(b, x_s, w.t(), out=out) if b is not None else torch.mm(x_s, w.t(), out=out)
                 else:
                     got = torch.addmm(b, x_s, w.t()) if b is not None else torch.mm(x_s, w.t())
-                    y[:, offsets[s]:offsets[s] + counts[s]].copy_(got.view(batch, counts[s], -1))
+                    y[:, offsets[s]:offsets[s] + counts[s]].copy_(got.view(batch, counts[s], w.shape[0]))
 
         _gather(state, gathered, "forward", piece)
         ctx.state, ctx.split, ctx.shape = state, (counts, offsets), (batch, width)
@@ -189,7 +189,8 @@ class RowParallelFn(torch.autograd.Function):
 
         def piece(s: int) -> None:
             g_s = gathered[s, :batch * counts[s] * width].view(-1, width)
-            dy[:, offsets[s]:offsets[s] + counts[s]].copy_(torch.mm(g_s, weight).view(batch, counts[s], -1))
+            dy[:, offsets[s]:offsets[s] + counts[s]].copy_(
+                torch.mm(g_s, weight).view(batch, counts[s], weight.shape[1]))
             dw.addmm_(g_s.t(), _rows(y, offsets[s], counts[s]))
             if db is not None:
                 db.add_(g_s.sum(0))
