@@ -370,8 +370,8 @@ def _end_forward(tp: TensorParallel):
 
 
 _OWN_HEAD = ("tensor parallelism: the model's forward was replaced by one that projects the last hidden states through "
-             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its SFT "
-             "and DPO trainers). Under tp_size={size} those are this rank's rows of the sequence and of the "
+             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its SFT, "
+             "DPO, KTO, GRPO and RLOO trainers). Under tp_size={size} those are this rank's rows of the sequence and of the "
              "vocabulary, so it would compute on parts. Train with tp_size=1 (data parallelism) in that trainer")
 
 
