@@ -125,6 +125,23 @@ def _own_head_worker(rank, world_size):
     return True
 
 
+def _fused_head_worker(rank, world_size):
+    import hf_models
+
+    import commfuse_dp as cf
+
+    model = cf.shard(hf_models.build("llama"), cf.CommFuseConfig(tp_size=2, min_fuse_numel=0))
+    with pytest.raises(ValueError, match="fused_lm_head=True, in its DPO, KTO, GRPO and RLOO"):
+        model(**hf_models.batch(0, 0), fused_lm_head=True)  # (outside commfuse_trainer(SFTTrainer))
+    return True
+
+
+def test_trl_s_fused_head_is_refused_outside_the_sft_trainer():
+    from harness import run_ranks
+
+    assert all(run_ranks(_fused_head_worker, 2, timeout=300))
+
+
 def test_a_forward_that_computes_the_head_itself_is_refused_on_every_rank():
     """Shapes that happen to fit (this rank's sequence rows times this rank's vocabulary rows) must not pass as
     logits: the root's forward ends with a check that its TP lm_head ran."""

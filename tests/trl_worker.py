@@ -75,9 +75,10 @@ def run(mode: str, tokenizer_dir: str) -> dict:
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).float().tolist()
-              for n, p in unwrapped.named_parameters() if p.requires_grad or not lora}
+              for n, p in unwrapped.named_parameters() if (p.requires_grad or not lora) and schedule != "tp"}
     logs = [e for e in trainer.state.log_history if "loss" in e and "step" in e]
-    return {"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs], "params": params}
+    return {"losses": [e["loss"] for e in logs], "grad_norms": [e["grad_norm"] for e in logs], "params": params,
+            "entropy": [e.get("entropy") for e in logs], "accuracy": [e.get("mean_token_accuracy") for e in logs]}
 
 
 if __name__ == "__main__":

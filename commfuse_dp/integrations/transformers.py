@@ -249,6 +249,11 @@ class CommFuseTrainerMixin:
         self._warn_bypassed_overrides()
         super().__init__(*bound.bound.args, **bound.bound.kwargs)
         tp = self._commfuse_tp()
+        if tp is not None and any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.")
+                                  for c in type(self).__mro__):
+            # TRL's SFTTrainer calls its fused LM head (fused_lm_head=True, at temperature 1): the TP model answers
+            # it over the vocabulary's parts (commfuse_dp/tp/loss.py: fused_head_outputs)
+            tp.trl_fused_head = True
         if tp is not None and tp.mesh is not None:
             # accelerate shards each dataloader by the data-parallel dimensions of the state's device mesh
             # (``prepare_data_loader``): the ranks of a TP group read one batch

@@ -71,3 +71,62 @@ def causal_lm_loss(tp):
         return loss / num_items_in_batch
 
     return loss_function
+
+
+class _Summed(torch.autograd.Function):
+    """The sum over the group of each rank's part of a total that every rank then uses alike (its loss is the
+    same on every rank of the group): all-reduce forward, the gradient passed through as it is."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group) -> torch.Tensor:
+        total = part.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def fused_head_outputs(tp, logits: torch.Tensor, labels, shift_labels, num_items_in_batch, output_cls):
+    """What TRL's fused LM head returns (``trl.trainer.utils.add_fused_lm_head``, ``model(..., fused_lm_head=True)``:
+    ``FusedCausalLMOutput``), from this rank's vocabulary columns of the logits: per next-token label its
+    log-probability (with its gradient: ``VocabCrossEntropyFn``), the entropy (with its gradient),
+    ``log(sum_v p_v^2)``, the mean logit and whether the label is the first most likely token, each zero where the
+    label is -100, and the loss TRL computes from them. At temperature 1, without softcapping or a logit scale
+    (``tensor_parallel`` checks the model's config; the trainers let through use TRL's default temperature)."""
+    if shift_labels is None:
+        target, x = labels[:, 1:], logits[:, :-1]
+    else:
+        target, x = shift_labels, logits
+    mask = target != -100
+    shape = mask.shape
+    x = x.float().reshape(-1, x.shape[-1])
+    t = target.reshape(-1).to(x.device)
+    group, start, rows = tp.group, tp.vocab_start, x.shape[-1]
+    log_probs = -VocabCrossEntropyFn.apply(x, t, start, group, -100)
+    top = x.detach().max(-1).values
+    dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+    e = (x - top[:, None]).exp()
+    sum_exp = _Summed.apply(e.sum(-1), group)
+    log_z = top + sum_exp.log()
+    entropy = log_z - _Summed.apply((e / sum_exp[:, None] * x).sum(-1), group)
+    with torch.no_grad():
+        local, held, _ = _targets(t, start, rows, -100)
+        columns = torch.arange(start, start + rows, device=x.device)
+        before = x.detach().masked_fill(columns[None, :] >= t[:, None], float("-inf")).max(-1).values
+        stats = torch.stack([x.detach().gather(1, local[:, None]).squeeze(1) * held, (e.detach() ** 2).sum(-1),
+                             x.detach().sum(-1)])
+        dist.all_reduce(stats, group=group)
+        dist.all_reduce(before, dist.ReduceOp.MAX, group=group)
+        target_logit, sq_sum_exp, logit_sum = stats
+        is_top1 = (target_logit >= top) & (target_logit > before)
+        log_sum_sq_probs = sq_sum_exp.log() - 2 * sum_exp.detach().log()
+        mean_logits = logit_sum / tp.vocab_size
+    per_token = [v.view(shape).masked_fill(~mask, 0) for v in (log_probs, entropy, log_sum_sq_probs, mean_logits,
+                                                               is_top1)]
+    log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return output_cls(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                      log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask,
+                      aux_loss=None)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..handle import handle_of
-from .loss import causal_lm_loss
+from .loss import causal_lm_loss, fused_head_outputs
 from .modules import TPAttention, TPEmbedding, TPLMHead, TPMLP, TPNorm
 from .rings import seq_split
 
@@ -72,6 +72,8 @@ class TensorParallel:
         self.head: str | None = None  # the lm_head's name, where the model has one
         self.head_ran = False  # the lm_head ran in this forward of the root
         self.keep = 0  # the forward's logits_to_keep: >0, the whole vocabulary's logits of the last positions
+        self.trl_fused_head = False  # TRL's fused_lm_head=True is answered (CommFuseTrainer of an SFTTrainer)
+        self.fused_request = None  # in a forward that answers it: (labels, shift_labels, num_items_in_batch)
         self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
         self.ring_ops = 0  # ring operations a forward and backward (``add_layer``)
@@ -349,13 +351,21 @@ def _row_bias(name: str) -> bool:
 
 def _begin_step(tp: TensorParallel):
     def hook(module, args, kwargs) -> None:
+        tp.fused_request = None
         if kwargs.get("fused_lm_head"):
-            raise ValueError(_OWN_HEAD.format(head=tp.head, size=tp.size))
+            if not tp.trl_fused_head:
+                raise ValueError(_OWN_HEAD.format(head=tp.head, size=tp.size))
+            # TRL's fused LM head (SFTTrainer): its forward runs the model's own, and the end hook returns what
+            # the fused head would have, computed over the vocabulary's parts (loss.fused_head_outputs)
+            tp.fused_request = (kwargs.get("labels"), kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"))
+            kwargs = {**kwargs, "fused_lm_head": False, "labels": None, "shift_labels": None,
+                      "num_items_in_batch": None}
         keep = kwargs.get("logits_to_keep", 0)
         if not isinstance(keep, int):
             raise ValueError("tensor parallelism: logits_to_keep as indices is not supported; give a number of "
                              "last positions (generate() does)")
         tp.keep = keep
+        return args, kwargs
         tp.steps.begin_step()
         tp.first_layer_next, tp.embedded, tp.head_ran = True, False, False
     return hook
@@ -366,13 +376,20 @@ def _end_forward(tp: TensorParallel):
         tp.steps.end_forward()
         if tp.head is not None and not tp.head_ran:
             raise ValueError(_OWN_HEAD.format(head=tp.head, size=tp.size))
+        if tp.fused_request is not None:
+            from trl.trainer.utils import FusedCausalLMOutput
+
+            request, tp.fused_request = tp.fused_request, None
+            return fused_head_outputs(tp, out.logits, *request, FusedCausalLMOutput)
+        return None
     return hook
 
 
 _OWN_HEAD = ("tensor parallelism: the model's forward was replaced by one that projects the last hidden states through "
-             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its SFT, "
-             "DPO, KTO, GRPO and RLOO trainers). Under tp_size={size} those are this rank's rows of the sequence and of the "
-             "vocabulary, so it would compute on parts. Train with tp_size=1 (data parallelism) in that trainer")
+             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its DPO, "
+             "KTO, GRPO and RLOO trainers; SFTTrainer's is answered under commfuse_trainer(SFTTrainer)). Under "
+             "tp_size={size} those are this rank's rows of the sequence and of the vocabulary, so it would compute "
+             "on parts. Train with tp_size=1 (data parallelism) in that trainer")
 
 
 def _first_layer_rows(tp: TensorParallel):
