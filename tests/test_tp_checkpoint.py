@@ -126,7 +126,7 @@ def _meta_load(rank, world, folder, family):
     return _probe(model)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_a_meta_model_made_tensor_parallel_reads_its_slices_of_a_hf_folder(tmp_path, family):
     reference = _model(family)
     reference.save_pretrained(tmp_path / "hf")

@@ -27,7 +27,7 @@ def _worker(rank, world, tp, family):
     return _generate(model, True), _generate(model, False)
 
 
-@pytest.mark.parametrize("family,tp", [("llama", 2), ("gemma", 4)])
+@pytest.mark.parametrize("family,tp", [("llama", 2), pytest.param("gemma", 4, marks=pytest.mark.slow)])
 def test_greedy_generation_under_tp_is_one_process_s(family, tp):
     want = _generate(_model(family), True)
     assert len(want[0]) == 13
