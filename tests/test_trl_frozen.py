@@ -5,7 +5,8 @@ frozen model is sharded like the policy (each rank holds its 1/N, printed); ever
 ``shard_frozen=False`` (the frozen model whole on every rank), within 1e-5 (1e-6 absolute near 0); with
 ``bf16=True`` (TRL's default) autocast reaches both models. ``sync_ref_model=True`` (TR-DPO) runs shard against
 shard, and is refused on every rank, before the first step, when the reference was left whole; TRL's
-``BEMACallback`` is refused too (tests/trl_frozen_worker.py runs the modes)."""
+``BEMACallback`` is refused too; DPO at TP 2 x FSDP 2 (reference TP too) equals DDP's figures
+(tests/trl_frozen_worker.py runs the modes)."""
 
 import json
 import os
@@ -149,3 +150,20 @@ def test_frozen_model_sharded_under_commfuse_dp_launch(tmp_path, tokenizer_dir, 
     for step, (ours, theirs) in enumerate(zip(launched["logs"], ddp["logs"]), 1):
         for key, value in theirs.items():
             _close(ours[key], value, f"launched step {step} {key} against DDP")
+
+
+@pytest.mark.slow
+def test_dpo_at_tp_two_by_data_two_matches_ddp(tmp_path, tokenizer_dir, two_ranks):
+    """``DPOTrainer`` with ``CommFuseConfig(tp_size=2)`` on 4 ranks: the policy and the reference are both made TP
+    2 x FSDP 2 (each rank holds about a quarter of the reference), and TRL's fused LM head is answered over the
+    vocabulary's parts on both: every logged figure of every step equals DDP's on 2 ranks."""
+    out, proc = _launch(tmp_path, tokenizer_dir, 4, ["tp-dpo"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ours, ddp = json.loads(out.read_text())["tp-dpo"], two_ranks["ddp-dpo"]
+    assert len(ours["logs"]) == len(ddp["logs"]) == 4
+    for step, (a, b) in enumerate(zip(ours["logs"], ddp["logs"])):
+        assert a.keys() == b.keys(), (a, b)
+        for key in a:
+            _close(a[key], b[key], f"step {step + 1} {key}")
+    whole = ddp["held"][0]
+    assert max(ours["held"]) <= whole / 4 + 1024, (ours["held"], whole)  # (norms and biases stay whole in TP)

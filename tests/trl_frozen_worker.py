@@ -3,7 +3,7 @@ tests/test_trl_frozen.py:
 
     torchrun --nproc_per_node N tests/trl_frozen_worker.py OUT_JSON TOKENIZER_DIR MODE [MODE ...]
 
-MODE is ``{ddp|fused|slicing}-{dpo|trdpo|precompute|grpo|rloo|kto|reward|distill}[-whole][-bf16][-bema][-refused]``
+MODE is ``{ddp|fused|slicing|tp}-{dpo|trdpo|precompute|grpo|rloo|kto|reward|distill}[-whole][-bf16][-bema][-refused]``
 (``-whole``: ``CommFuseConfig(shard_frozen=False)``, the frozen model left whole on every rank; ``-bf16``:
 ``bf16=True``, TRL's default, else fp32; ``-bema``: TRL's ``BEMACallback`` too; ``-refused``: the run is expected to
 be refused with a ``ValueError``, whose text every rank reports, and the launch goes on with the next mode):
@@ -16,7 +16,8 @@ be refused with a ``ValueError``, whose text every rank reports, and the launch 
 - ``kto``: ``KTOTrainer`` with a ``ref_model``; ``distill``: ``DistillationTrainer`` with a teacher (another
   seed), completions generated on-policy.
 DDP is what the trainer does without commfuse (the policy in DistributedDataParallel, the frozen model whole on
-every rank); the others are ``commfuse_trainer(Trainer)`` with a ``CommFuseCallback`` (every linear fused). Every
+every rank); the others are ``commfuse_trainer(Trainer)`` with a ``CommFuseCallback`` (every linear fused; ``tp``:
+``CommFuseConfig(tp_size=2)``, the frozen model made TP as well). Every
 mode builds its models from the same seed and trains 4 steps. Rank 0 writes, per mode, the logged
 figures and, from every rank, how many of the frozen model's elements it holds.
 """
@@ -96,8 +97,9 @@ def run(mode: str, tokenizer_dir: str) -> dict:
                   learning_rate=1e-3, adam_epsilon=1e-3, lr_scheduler_type="constant", logging_steps=1,
                   save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
                   max_steps=STEPS, ddp_timeout=180)  # a rank left waiting fails in minutes, not at the launch's end
-    callbacks = [] if schedule == "ddp" else [CommFuseCallback(cf.CommFuseConfig(
-        schedule=schedule, min_fuse_numel=0, shard_frozen=not whole))]
+    callbacks = [] if schedule == "ddp" else [CommFuseCallback(
+        cf.CommFuseConfig(tp_size=2, min_fuse_numel=0) if schedule == "tp" else
+        cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, shard_frozen=not whole))]
     frozen_of = None
     if kind in ("dpo", "trdpo", "precompute"):
         from trl import DPOConfig, DPOTrainer

@@ -198,6 +198,9 @@ class _Arguments:
                             "in front of a transformers.Trainer class, whose __init__ takes callbacks= and args=")
 
 
+_TRL_FUSED_HEAD = ("SFTTrainer", "DPOTrainer")  # TRL trainers whose fused LM head a TP model answers (temperature 1)
+
+
 class CommFuseTrainerMixin:
     """Saves, loads and rotates the checkpoints of a model that its :class:`CommFuseCallback` sharded (see the
     module docs). Put it first: ``class MyTrainer(CommFuseTrainerMixin, SFTTrainer)``, or
@@ -249,11 +252,15 @@ class CommFuseTrainerMixin:
         self._warn_bypassed_overrides()
         super().__init__(*bound.bound.args, **bound.bound.kwargs)
         tp = self._commfuse_tp()
-        if tp is not None and any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.")
+        if tp is not None and any(c.__name__ in _TRL_FUSED_HEAD and c.__module__.startswith("trl.")
                                   for c in type(self).__mro__):
-            # TRL's SFTTrainer calls its fused LM head (fused_lm_head=True, at temperature 1): the TP model answers
-            # it over the vocabulary's parts (commfuse_dp/tp/loss.py: fused_head_outputs)
-            tp.trl_fused_head = True
+            # TRL's SFT and DPO trainers call their fused LM head (fused_lm_head=True, at temperature 1) on the
+            # policy and DPO's reference: the TP models answer it over the vocabulary's parts
+            # (commfuse_dp/tp/loss.py: fused_head_outputs)
+            for model in (self.model, getattr(self, "ref_model", None)):
+                handle = handle_of(model) if isinstance(model, torch.nn.Module) else None
+                if handle is not None and handle.tp is not None:
+                    handle.tp.trl_fused_head = True
         if tp is not None and tp.mesh is not None:
             # accelerate shards each dataloader by the data-parallel dimensions of the state's device mesh
             # (``prepare_data_loader``): the ranks of a TP group read one batch

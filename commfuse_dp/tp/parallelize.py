@@ -72,7 +72,7 @@ class TensorParallel:
         self.head: str | None = None  # the lm_head's name, where the model has one
         self.head_ran = False  # the lm_head ran in this forward of the root
         self.keep = 0  # the forward's logits_to_keep: >0, the whole vocabulary's logits of the last positions
-        self.trl_fused_head = False  # TRL's fused_lm_head=True is answered (CommFuseTrainer of an SFTTrainer)
+        self.trl_fused_head = False  # TRL's fused_lm_head=True is answered (CommFuseTrainer of SFT or DPO)
         self.fused_request = None  # in a forward that answers it: (labels, shift_labels, num_items_in_batch)
         self.checked = 0  # forwards whose batch was checked the same on every rank (check_same_batch)
         self.layers: list[tuple[str, str, str, str]] = []  # (module, what is split, forward rings, backward rings)
@@ -386,8 +386,8 @@ def _end_forward(tp: TensorParallel):
 
 
 _OWN_HEAD = ("tensor parallelism: the model's forward was replaced by one that projects the last hidden states through "
-             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its DPO, "
-             "KTO, GRPO and RLOO trainers; SFTTrainer's is answered under commfuse_trainer(SFTTrainer)). Under "
+             "{head}.weight itself instead of calling {head} (TRL's fused LM head, fused_lm_head=True, in its KTO, "
+             "GRPO and RLOO trainers; SFTTrainer's and DPOTrainer's are answered under commfuse_trainer(...)). Under "
              "tp_size={size} those are this rank's rows of the sequence and of the vocabulary, so it would compute "
              "on parts. Train with tp_size=1 (data parallelism) in that trainer")
 
