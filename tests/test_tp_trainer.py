@@ -109,6 +109,7 @@ def _own_head_worker(rank, world_size):
     import types
 
     import hf_models
+    import torch
 
     import commfuse_dp as cf
 
@@ -119,6 +120,8 @@ def _own_head_worker(rank, world_size):
         weight = weight.to_local() if hasattr(weight, "to_local") else weight  # (FSDP2's gathered or sharded)
         return self.model(input_ids=input_ids).last_hidden_state @ weight.T
 
+    with torch.no_grad():
+        model(**hf_models.batch(0, 0))  # a forward as it should be first: the check is made anew each forward
     model.forward = types.MethodType(forward, model)
     with pytest.raises(ValueError, match="forward was replaced by one that projects .* lm_head.weight itself"):
         model(**hf_models.batch(0, 0))

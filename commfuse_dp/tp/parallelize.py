@@ -350,7 +350,7 @@ def _row_bias(name: str) -> bool:
 
 
 def _begin_step(tp: TensorParallel):
-    def hook(module, args, kwargs) -> None:
+    def hook(module, args, kwargs):
         tp.fused_request = None
         if kwargs.get("fused_lm_head"):
             if not tp.trl_fused_head:
@@ -365,9 +365,9 @@ def _begin_step(tp: TensorParallel):
             raise ValueError("tensor parallelism: logits_to_keep as indices is not supported; give a number of "
                              "last positions (generate() does)")
         tp.keep = keep
-        return args, kwargs
         tp.steps.begin_step()
         tp.first_layer_next, tp.embedded, tp.head_ran = True, False, False
+        return args, kwargs
     return hook
 
 
