@@ -12,9 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ..handle import handle_of
 from .common import _barrier, _rank, _unwrap
-from .slices import (_named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _tensor_parallel,
-                     _write_safetensors)
-from .tp_state import _split_names
+from .slices import _named_tensors, _read_slice, _size_in_bytes, _stored_keys, _streamable, _write_safetensors
+from .tp_state import _split_names, tensor_parallel_of
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -52,7 +51,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | os.PathLike, *, strict
     from safetensors import safe_open
 
     inner = _unwrap(model)
-    tp = _tensor_parallel(inner)
+    tp = tensor_parallel_of(inner)
     split = _split_names(inner, tp) if tp is not None else {}  # (a TP part: its place in the file's tensor)
     where = _stored_keys(os.fspath(folder))
     tensors = _named_tensors(inner)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .tp_state import tensor_parallel_of
+
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -130,13 +132,6 @@ def _read_slice(f: Any, key: str, t: torch.Tensor, part: tuple[int, int, int, in
     local.copy_(stored[tuple(index)])
 
 
-def _tensor_parallel(model: torch.nn.Module):
-    from ..handle import handle_of
-
-    handle = handle_of(model)
-    return handle.tp if handle is not None else None
-
-
 def _file_shape(name: str, t: torch.Tensor, tp) -> tuple[int, ...]:
     """The whole tensor's shape: ``t``'s, or a TP-split parameter's along its split dimension."""
     shape = list(t.shape)
@@ -147,7 +142,7 @@ def _file_shape(name: str, t: torch.Tensor, tp) -> tuple[int, ...]:
 
 
 def _write_safetensors(model: torch.nn.Module, output_dir: str, main: bool, max_bytes: int) -> None:
-    tp = _tensor_parallel(model)
+    tp = tensor_parallel_of(model)
     tensors = _named_tensors(model)
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
