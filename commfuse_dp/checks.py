@@ -206,6 +206,14 @@ def check_not_sharded_elsewhere(model: nn.Module) -> None:
     DTensor parameters). Each message names what to do instead. Local, no communication; ``shard()`` and
     ``commfuse_dp.integrations.attach`` both start with it."""
     check_not_deepspeed(model)
+    tp = next((p.device_mesh.size(p.device_mesh.mesh_dim_names.index("tp")) for p in model.parameters()
+               if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())), 1)
+    if tp > 1:
+        raise ValueError(f"shard: transformers made this model tensor-parallel itself (from_pretrained(..., "
+                         f"distributed_config=DistributedConfig(tp_size={tp}, ...)): its DTensor layers, FSDP2 on "
+                         f"top); for the fused TP layers load it without distributed_config (device 'meta' holds no "
+                         f"whole copy: docs/tensor_parallel.md) and call shard(model, commfuse_dp.tp."
+                         f"from_distributed_config(<that DistributedConfig>))")
     if any(isinstance(m, FSDPModule) for m in model.modules()) or any(
             isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("shard: this model is sharded already (FSDP2 fully_shard, or transformers' from_pretrained("

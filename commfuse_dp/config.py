@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -196,6 +197,13 @@ class CommFuseConfig:
     TP: ``("dp_replicate", "dp_shard", "tp")``, and ``"auto"`` is 1). 1 (default): none. The model must be one
     ``tensor_parallel`` supports, with its weights loaded (not on the meta device)."""
 
+    tp_plan: str | dict = "auto"
+    """The TP plan in transformers' terms (``DistributedConfig(tp_plan=...)``): ``"auto"`` (default), the model's
+    own (its ``_tp_plan``); or a mapping of module names (layer numbers as ``*``) to transformers' style names whose
+    rules override the model's. The fused layers split a model one way (``commfuse_dp.tp.plan``): a rule that asks
+    another split, or names a module the model lacks, is refused before the model changes. In the environment:
+    ``auto`` or the mapping as JSON."""
+
     fsdp2_collectives: str = "auto"
     """What the ``"fsdp2"`` schedule's units all-gather and reduce-scatter with: ``"rings"`` (this library's, with
     FSDP2's GPU schedule run on any device: ``use_ring_collectives(overlap=True)``) or ``"torch"`` (FSDP2 exactly as
@@ -376,6 +384,15 @@ class CommFuseConfig:
         if self.tp_size < 1:
             raise ValueError(f"CommFuseConfig.tp_size={self.tp_size!r}: must be an integer >= 1 (1: no tensor "
                              f"parallelism)")
+        if self.tp_plan is None:
+            self.tp_plan = "auto"
+        if isinstance(self.tp_plan, Mapping) and all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in self.tp_plan.items()):
+            self.tp_plan = dict(self.tp_plan)
+        elif self.tp_plan != "auto":
+            raise ValueError(f"CommFuseConfig.tp_plan={self.tp_plan!r}: must be 'auto' (the model's own plan) or a "
+                             f"mapping of module names to transformers' style names, e.g. "
+                             f"{{'model.layers.*.mlp.down_proj': 'rowwise'}}")
         self.timeout_s = _number("timeout_s", self.timeout_s, float)
         if not self.timeout_s > 0:
             raise ValueError(f"CommFuseConfig.timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
@@ -588,6 +605,8 @@ def _env_text(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, list):
         return ",".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value)
     return str(value)
 
 
@@ -601,6 +620,12 @@ def _parse_env(name: str, raw: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{var}={raw!r}: must be one of {_TRUE + _FALSE}")
+    if name == "tp_plan" and text.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError(f"{var}={raw!r}: must be 'auto' or a JSON mapping of module names to style names") \
+                from None
     if name in ("lookahead_mb", "forward_bundles", "piece_shards", "replicate", "hpz_size") and text.lower() == "auto":
         return "auto"
     if name in ("link_gbps", "ring_latency_us", "tflops", "tokens_per_rank") and text.lower() in ("none", ""):

@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..handle import handle_of
 from .loss import causal_lm_loss, fused_head_outputs
 from .modules import TPAttention, TPEmbedding, TPLMHead, TPMLP, TPNorm
+from .plan import NORMS, check_plan
 from .rings import seq_split
 
 # model_type -> the keywords its attention passes to the attention function beyond Llama's
@@ -35,7 +36,6 @@ FAMILIES = {
     "mistral": lambda attn: {"sliding_window": getattr(attn.config, "sliding_window", None)},
     "qwen2": lambda attn: {"sliding_window": attn.sliding_window},
 }
-NORMS = ("RMSNorm", "LayerNorm")  # the modules whose weights stay whole (their class names end so)
 SAME_BATCH_CHECKS = 3  # the first forwards check that every TP rank got the same batch
 
 
@@ -179,7 +179,8 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
     (default: every rank) in place, and return it. Every rank must give the same model (same weights), and then
     every rank's forward the same batch: each keeps its part. ``fused=False``: the reference schedule, each
     gather waited for before its GEMM and each reduce-scatter started after it (DTensor's schedule on the same
-    rings)."""
+    rings). ``config.tp_plan`` (transformers' plan terms, ``commfuse_dp.tp.plan``) is checked against what these
+    layers split before the model changes."""
     group = group if group is not None else dist.group.WORLD
     cfg = model.config
     if cfg.model_type not in FAMILIES:
@@ -191,6 +192,7 @@ def tensor_parallel(model: nn.Module, group=None, config=None, *, fused: bool = 
         raise ValueError(f"tensor_parallel: {heads} attention heads and {kv} key/value heads do not both divide over "
                          f"{size} tensor-parallel ranks; key/value heads are not replicated: choose a "
                          f"tensor-parallel size that divides {math.gcd(heads, kv)}")
+    check_plan(model, getattr(config, "tp_plan", "auto"))
     tp = TensorParallel(group, cfg.vocab_size, config, fused)
     tp.hidden, tp.item = cfg.hidden_size, model.get_input_embeddings().weight.element_size()
     names = {id(m): n for n, m in model.named_modules()}
