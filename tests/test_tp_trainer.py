@@ -2,8 +2,9 @@
 against the plain Trainer on 2 ranks (data 2) with the same batches: each step's loss and gradient norm (clipped at
 0.5), the eval loss, and the consolidated save (``save_model``) loaded by ``from_pretrained`` in one process; an
 accelerate loop under ``commfuse-dp launch`` with accelerate's ``parallelism_config``; the Trainer's sharded
-checkpoint at step 5 resumed bit for bit; the bare callback refusing TP, and a forward that computes the lm_head
-itself refused, on every rank."""
+checkpoint at step 5 resumed bit for bit; the accelerate recipe's ``save_state`` under TP resumed bit for bit, and
+what stock accelerate does with the same ``parallelism_config``; the bare callback refusing TP, and a forward that
+computes the lm_head itself refused, on every rank."""
 
 import json
 import os
@@ -18,6 +19,9 @@ from harness import free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "tp_trainer_worker.py")
+RECIPE = os.path.join(ROOT, "commfuse_dp", "recipes", "train_accelerate.py")
+SMALL = ["--block_size", "32", "--logging_steps", "1", "--timeline_step", "2"]  # (the embedded model: 4 heads)
+PARALLELISM = {"parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}
 
 
 def _launch(tmp_path, mode: str, ranks: int) -> dict:
@@ -103,6 +107,67 @@ def test_launch_with_accelerate_s_tp_size_matches_ddp(tmp_path):
             assert abs(ours_ - theirs_) <= 1e-5 * abs(theirs_), (rank, tp["losses"], ddp["losses"])
     for ours_, theirs_ in zip(tp["grad_norms"], ddp["grad_norms"]):
         assert abs(ours_ - theirs_) <= 1e-5 * theirs_, (tp["grad_norms"], ddp["grad_norms"])
+
+
+def _recipe(tmp_path, out, *args: str, config: str = "tp.yaml") -> subprocess.CompletedProcess:
+    from test_launch import _env
+
+    return subprocess.run([sys.executable, "-m", "commfuse_dp.cli", "launch", "--config_file", str(tmp_path / config),
+                           RECIPE, "--output_dir", str(out), *SMALL, *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow
+def test_accelerate_save_state_at_tp_resumes_bit_for_bit(tmp_path):
+    """``accelerator.save_state`` / ``load_state`` of a TP 2 x data 2 model: the accelerate recipe under
+    ``commfuse-dp launch`` with a ``parallelism_config:`` block saves at step 3 of 6; a run resumed from that state
+    logs the uninterrupted run's losses of steps 4-6 and ends at its eval loss, bit for bit."""
+    import yaml
+
+    from test_launch import CPU_CONFIG
+
+    (tmp_path / "tp.yaml").write_text(yaml.safe_dump({**CPU_CONFIG, "num_processes": 4, "parallelism_config": PARALLELISM,
+                                                      "commfuse": {"min_fuse_numel": 0}}))
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    proc = _recipe(tmp_path, whole, "--max_steps", "6", "--save_steps", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = _recipe(tmp_path, resumed, "--max_steps", "6", "--resume_from", str(whole / "state-3"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    first, second = (json.loads((out / "summary.json").read_text()) for out in (whole, resumed))
+    assert first["world_size"] == 4 and first["sharded"] and first["accelerator"] == "CommFuseAccelerator"
+    assert len(first["train_losses"]) == 6 and len(second["train_losses"]) == 3
+    assert second["train_losses"] == first["train_losses"][3:], (first["train_losses"], second["train_losses"])
+    assert second["eval_loss_after"] == first["eval_loss_after"]
+    assert first["eval_loss_after"] < first["eval_loss_before"]
+
+
+def test_stock_accelerate_cannot_run_tp_with_fsdp2(tmp_path):
+    """What the same ``parallelism_config`` gives without commfuse (accelerate 1.15, transformers 5.x). On GPUs,
+    accelerate's TP + FSDP2 preparation (``Accelerator._prepare_tp``) imports ``ReplicateParallel`` from
+    ``transformers.integrations.tensor_parallel``, which transformers no longer has: an ImportError. On CPU ranks
+    stock ``accelerate launch`` refuses the FSDP2 YAML before that (FSDP is a GPU distributed type to it), and
+    ``commfuse-dp launch`` refuses it too, naming the YAML it runs (MULTI_CPU with the same block: the test above)."""
+    import inspect
+
+    import yaml
+    from accelerate import Accelerator
+
+    assert "from transformers.integrations.tensor_parallel import ReplicateParallel" in inspect.getsource(
+        Accelerator._prepare_tp)
+    with pytest.raises(ImportError, match="ReplicateParallel"):
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    from test_launch import CPU_CONFIG, _env
+
+    fsdp = {**CPU_CONFIG, "distributed_type": "FSDP", "num_processes": 4, "parallelism_config": PARALLELISM,
+            "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}}
+    (tmp_path / "fsdp.yaml").write_text(yaml.safe_dump(fsdp))
+    stock = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                            str(tmp_path / "fsdp.yaml"), RECIPE, "--output_dir", str(tmp_path / "stock"), *SMALL,
+                            "--max_steps", "2"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert stock.returncode != 0 and "ParallelismConfig is only compatible" in stock.stderr, stock.stderr[-4000:]
+    ours = _recipe(tmp_path, tmp_path / "ours", "--max_steps", "2", config="fsdp.yaml")
+    assert ours.returncode == 2 and "use distributed_type MULTI_GPU (GPUs) or MULTI_CPU" in ours.stderr, ours.stderr
 
 
 def _own_head_worker(rank, world_size):
