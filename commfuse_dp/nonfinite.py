@@ -18,6 +18,12 @@ schedule's background reduce-scatters). The check, queued then, runs after all o
 nothing is fused (FSDP2 units only), and it never runs after a backward that raised: it is in lockstep on every
 rank that ran the same backward.
 
+Who agrees. Every rank whose gradient shards may differ: the world, or, under HSDP without TP, the ranks of one
+model copy (its shard group, inside a node where a copy is a node). The copies hold the same shards bit for bit
+once the backward's replica exchange has summed them (one sum, sent to every copy), so each copy reaches the
+decision every other copy reaches, and no copy waits at the step's end for another across the links between
+nodes (the peer, FSDP2's HSDP, has no such wait). Beside TP the TP ranks hold different parts: every rank agrees.
+
 What is checked: the local shards of every parameter's ``.grad``. A gradient is summed over the ranks before it
 is split into shards, so a NaN from one rank's batch shows up in the shards of every rank; a rank named in the
 error is a rank whose shards hold non-finite values, not necessarily the rank whose data made them.
@@ -30,6 +36,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +60,7 @@ class NonfiniteCheck:
         self.fp16_forward = False  # the last forward of the root ran under fp16 autocast
         self._arm = OncePerBackward(self._queue_check)
         self._told_fp16 = False
+        self.ring, self.one_copy = _agreeing_ring(model, self.engine)
 
     @property
     def params(self) -> list[tuple[str, torch.Tensor]]:
@@ -101,7 +109,7 @@ class NonfiniteCheck:
                                 "nonfinite_grads='raise' or 'skip' to check anyway")
                 return
             mode = "raise"
-        ring, stats = self.engine.world_ring, self.engine.stats  # every rank (HSDP: of every copy) decides alike
+        ring, stats = self.ring, self.engine.stats  # (every copy decides alike: _agreeing_ring)
         params = self.params
         grads = [(name, p.grad) for name, p in params if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for _, g in grads]
@@ -112,28 +120,45 @@ class NonfiniteCheck:
         step = self.steps.step
         ring_all_gather(flags, mine, ring.group, timeout_s=self.engine.config.timeout_s, stats=stats,
                         label=f"the non-finite gradient check after the backward of step {step}")
-        bad_ranks = [r for r, flag in enumerate(flags.tolist()) if flag]  # the host waits for the flags here
-        if not bad_ranks:
+        bad = [r for r, flag in enumerate(flags.tolist()) if flag]  # the host waits for the flags here
+        if not bad:
             return
         names = [name for (name, _), g in zip(grads, local) if g.numel() and bool(_any_nonfinite([g]))] \
-            if ring.rank in bad_ranks else []
+            if ring.rank in bad else []
+        bad_ranks = [dist.get_global_rank(ring.group, r) for r in bad]
+        where = (f"of the {ring.size} ranks of this model copy (HSDP's copies hold the same gradient shards)"
+                 if self.one_copy else f"of {ring.size}")
         if mode == "skip":
             for _, p in params:
                 p.grad = None
             stats.skipped += 1
             logger.warning("commfuse_dp: step %d: non-finite gradients on rank(s) %s%s; the step's gradients were "
                            "dropped on every rank (nonfinite_grads='skip'), so optimizer.step() changes nothing "
-                           "(%d step(s) skipped so far)", step, bad_ranks, _on_this_rank(ring.rank, names),
+                           "(%d step(s) skipped so far)", step, bad_ranks, _on_this_rank(dist.get_rank(), names),
                            stats.skipped)
             return
         raise FloatingPointError(
-            f"commfuse_dp: step {step}: the gradients are non-finite (NaN or inf) on rank(s) {bad_ranks} of "
-            f"{ring.size}{_on_this_rank(ring.rank, names)}. A gradient is summed over all ranks before it is "
+            f"commfuse_dp: step {step}: the gradients are non-finite (NaN or inf) on rank(s) {bad_ranks} "
+            f"{where}{_on_this_rank(dist.get_rank(), names)}. A gradient is summed over all ranks before it is "
             f"sharded, so one rank's bad batch shows up on every rank. Lower the learning rate (or warm it up), "
             f"check the data of this step (empty or all-padding sequences, labels out of range), train in bf16 or "
             f"fp32 instead of fp16 (or use a GradScaler), or set CommFuseConfig(nonfinite_grads='skip') to drop "
             f"such steps and go on. Every rank raised this; the .grad of the parameters are left as they are: "
             f"zero them (optimizer.zero_grad()) before the next step")
+
+
+def _agreeing_ring(model: nn.Module, engine):
+    """(the ring whose ranks agree on the check, whether it is one HSDP copy's): the shard group's under HSDP
+    without TP, the world's beside TP, else the engine's world ring (which is the world)."""
+    from .handle import handle_of
+    from .ring import get_ring
+
+    handle = handle_of(model)
+    if handle is not None and handle.tp is not None:
+        return get_ring(dist.group.WORLD, caller="the non-finite gradient check"), False
+    if engine.replicas is not None:
+        return engine.ring, True
+    return engine.world_ring, False
 
 
 def _on_this_rank(rank: int, names: list[str]) -> str:

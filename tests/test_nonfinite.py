@@ -287,3 +287,55 @@ def test_any_nonfinite_finds_every_nan_and_infinity(dtype):
             t[index] = bad
             assert not bool(torch.isfinite(t).all())
             assert bool(_any_nonfinite([*finite[:2], t, *finite[2:]])), (bad, shape, index)
+
+
+def _hsdp_worker(rank, world_size, schedule):
+    """HSDP, 2 copies of 2 shards (ranks 0-1 and 2-3): the ranks of one copy agree (the copies hold the same
+    shards), so a fault that reaches one shard position reaches it in both copies and every rank acts alike."""
+    from commfuse_dp.nonfinite import _agreeing_ring
+
+    models = []
+    for nonfinite in ("raise", "off"):
+        model = hf_models.build("llama")
+        cf.shard(model, cf.CommFuseConfig(schedule=schedule, min_fuse_numel=0, replicate=2, nonfinite_grads=nonfinite))
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+    (model, opt), (ref, ref_opt) = models
+    ring, one_copy = _agreeing_ring(model, handle_of(model).engine)
+    assert one_copy and torch.distributed.get_process_group_ranks(ring.group) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    for m, o in models:
+        _step(m, o, rank, 0)
+    errors = []
+    try:
+        _loss(model, rank, 1, poisoned_rank=1).backward()  # rank 1's batch: every shard of every copy
+    except FloatingPointError as err:
+        errors.append(str(err))
+    opt.zero_grad(set_to_none=True)
+    # the same shard position of both copies (ranks 1 and 3) gets an inf, as summed gradients would give it
+    param = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    def poison(p):
+        if p.grad is not None:
+            p.grad.to_local().view(-1)[0] = float("inf")
+
+    hook = param.register_post_accumulate_grad_hook(poison) if rank % 2 == 1 else None
+    try:
+        _loss(model, rank, 2).backward()
+    except FloatingPointError as err:
+        errors.append(str(err))
+    if hook is not None:
+        hook.remove()
+    opt.zero_grad(set_to_none=True)
+    for m, o in models:
+        _step(m, o, rank, 3)
+    _assert_same_params(model, ref, "after the clean step")
+    return errors
+
+
+@pytest.mark.parametrize("schedule", ["fused", "fsdp2"])
+def test_hsdp_copies_agree_within_a_copy_and_act_alike(schedule):
+    for rank, errors in enumerate(run_ranks(_hsdp_worker, 4, (schedule,), timeout=200)):
+        assert len(errors) == 2, errors
+        copy = [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert f"step 1: the gradients are non-finite (NaN or inf) on rank(s) {copy} of the 2 ranks of this " \
+               f"model copy" in errors[0], errors[0]
+        assert f"step 2: the gradients are non-finite (NaN or inf) on rank(s) [{copy[1]}] of the 2" in errors[1]
+        assert ("on rank %d: model.layers.0.self_attn.q_proj.weight" % rank in errors[1]) == (rank % 2 == 1)
