@@ -24,12 +24,12 @@ commfuse:                            # read by commfuse-dp launch, removed befor
 
 
 def _field_docs() -> list[tuple[str, str, str]]:
-    """(name, default, first sentence of its docstring) of each ``CommFuseConfig`` field, read from config.py."""
+    """(name, default, first sentence of its docstring) of each ``CommFuseConfig`` field, read from its source."""
     from commfuse_dp import config
 
     docs: dict[str, str] = {}
     try:
-        tree = ast.parse(inspect.getsource(config))
+        tree = ast.parse(inspect.getsource(config.fields))
         cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CommFuseConfig")
         body = cls.body
         for node, after in itertools.pairwise(body):
