@@ -253,8 +253,11 @@ def test_tensor_parallel_table_equals_its_results_file():
 
 
 def test_tensor_parallel_beside_data_parallel_table_equals_its_results_file():
-    """performance.md's 2 x 2 table ("| mesh | link GB/s") against ``tp-emulated-2x2.json``."""
+    """performance.md's table of TP beside data parallelism ("| mesh | link GB/s", mesh "DP x TP") against
+    ``tp-emulated-2x2.json`` (DP 2 x TP 2) and then ``tp-emulated-4x2.json`` (DP 2 x TP 4)."""
     rows, runs = _tp_table("| mesh | link GB/s", "tp-emulated-2x2.json")
+    runs = runs + _tp_table("| mesh | link GB/s", "tp-emulated-4x2.json")[1]
+    assert {(run["dp"], run["tp"]) for run in runs} == {(2, 2), (2, 4)}
     assert len(rows) == len(runs)
     cell = lambda v: f"{v['median_s']:.3f} ({v['spread_s'][0]:.3f}-{v['spread_s'][1]:.3f})"  # noqa: E731
     for row, run in zip(rows, runs):
