@@ -312,6 +312,7 @@ def _hsdp_worker(rank, world_size, schedule):
     opt.zero_grad(set_to_none=True)
     # the same shard position of both copies (ranks 1 and 3) gets an inf, as summed gradients would give it
     param = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+
     def poison(p):
         if p.grad is not None:
             p.grad.to_local().view(-1)[0] = float("inf")

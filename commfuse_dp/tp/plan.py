@@ -14,6 +14,7 @@ naming it, before the model is changed. The check is local and the same on every
 from __future__ import annotations
 
 import re
+
 import torch.nn as nn
 
 NORMS = ("RMSNorm", "LayerNorm")  # the modules whose weights stay whole (their class names end so)
