@@ -4,26 +4,53 @@ Public names: ``CommFuseConfig``; the ring layer in ``commfuse_dp.ring``; the in
 ``commfuse_dp.integrations`` (``fsdp.use_ring_collectives`` today); ``shard(model, config)`` and
 ``step_stats(model)`` for the fused engine; ``describe(model)`` for what ``shard()`` fused and what each part moves;
 ``tensor_parallel(model, group)`` for sequence-parallel tensor parallelism on rings (``commfuse_dp.tp``).
+
+The names are imported on first use (PEP 562), so that ``commfuse-dp launch`` and ``plan`` start without loading
+FSDP2, DTensor and dynamo, which the engine needs and a launcher does not.
 """
 
+import importlib
+import types
+
 from .config import CommFuseConfig
-from .describe import ShardReport, describe
-from .shard import shard, step_stats
-from .stats import StepStats
-from .tp import tensor_parallel
-from .ring import (
-    RingAllGather,
-    RingCommError,
-    RingReduceScatter,
-    ring_all_gather,
-    ring_all_gather_coalesced,
-    ring_reduce_scatter,
-    ring_reduce_scatter_coalesced,
-)
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "CommFuseConfig", "ShardReport", "StepStats", "describe", "shard", "step_stats", "tensor_parallel", "RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
-    "ring_all_gather_coalesced", "ring_reduce_scatter", "ring_reduce_scatter_coalesced",
-]
+_WHERE = {
+    "ShardReport": ".describe", "describe": ".describe", "shard": ".shard", "step_stats": ".shard",
+    "StepStats": ".stats", "tensor_parallel": ".tp",
+    **{name: ".ring" for name in ("RingAllGather", "RingCommError", "RingReduceScatter", "ring_all_gather",
+                                  "ring_all_gather_coalesced", "ring_reduce_scatter",
+                                  "ring_reduce_scatter_coalesced")},
+}
+
+__all__ = ["CommFuseConfig", *_WHERE]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
+
+class _Package(types.ModuleType):
+    """``commfuse_dp.shard`` and ``commfuse_dp.describe`` name functions, as they did when this package imported
+    them eagerly: importing the submodule of the same name (``from commfuse_dp.shard import ...``) must not bind the
+    module over the function, which the import system would otherwise do on the package."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("shard", "describe") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+import sys  # noqa: E402
+
+sys.modules[__name__].__class__ = _Package
+del sys
