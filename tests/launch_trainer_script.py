@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/launch_trainer_script.py OUT_JSON            (DDP; ACCELERATE_USE_CPU=true)
     commfuse-dp launch --config_file accel.yaml tests/launch_trainer_script.py OUT_JSON
+    python tests/launch_trainer_script.py OUT_JSON 8     (one process, 8 a device: the batches of 4 ranks of 2)
+    ... OUT_JSON [PER_DEVICE [SAMPLES]]                     (defaults 2 and 32)
 
 tests/test_launch.py runs it both ways and compares. Rank 0 writes the per-step losses and what the model, the
 optimizer and the Trainer looked like. CPU comes from the environment (ACCELERATE_USE_CPU), not from the script.
@@ -16,16 +18,17 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 
-def main(out: str) -> None:
+def main(out: str, per_device: int = 2, samples: int = 32) -> None:
     torch.set_num_threads(1)
     model = hf_models.build("gpt2", seed=0)
     args = TrainingArguments(
-        output_dir=out + ".run", report_to=[], per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        output_dir=out + ".run", report_to=[], per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
         max_grad_norm=1.0, optim="adamw_torch", learning_rate=1e-2, max_steps=4, logging_steps=1,
         save_strategy="no", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
         lr_scheduler_type="constant")
-    # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 32 samples for 4 steps.
-    trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(32, seed=1))
+    # 2 ranks x 2 per device x 2 accumulation = 8 samples per optimizer step: 32 samples for 4 steps. One process
+    # with 2 x W a device takes the batches of W ranks of 2 (where W x 4 divides the samples).
+    trainer = Trainer(model=model, args=args, train_dataset=hf_models.Synthetic(samples, seed=1))
     trainer.train()
     params = list(trainer.model.parameters())
     trainer.save_model(out + ".model")           # every rank, as the Trainer's own checkpoints do
@@ -54,4 +57,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *map(int, sys.argv[2:]))
