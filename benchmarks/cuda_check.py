@@ -34,6 +34,7 @@ Parts (each in its own process, with its own timeout, so that one failure or han
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -79,7 +80,7 @@ def _init_fake_world(device: torch.device, world: int) -> None:
     """``world`` ranks of torch's fake process group in this process (rank 0). A fake group moves no bytes, so
     ``shard()``'s cross-rank agreement check (a gather of pickled objects) cannot run: it is switched off."""
     _init_world(device, fake_world=world)
-    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
+    importlib.import_module("commfuse_dp.shard").check_ranks_agree = lambda *a, **k: None
 
 
 # A Llama small enough that a step is host time (the pieces part's --quick shapes, the host part's model)

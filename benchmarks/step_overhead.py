@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import os
 import shlex
 import statistics
@@ -116,7 +117,7 @@ def fake_rank0(world: int) -> None:
     FakeWork.is_completed = lambda self: True
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    sys.modules["commfuse_dp.shard"].check_ranks_agree = lambda *a, **k: None
+    importlib.import_module("commfuse_dp.shard").check_ranks_agree = lambda *a, **k: None
 
 
 def _fake_world(world: int, schedules: list[str], reps: int, device: str = "cpu", bench_model: str | None = None

@@ -10,6 +10,7 @@ FSDP2, DTensor and dynamo, which the engine needs and a launcher does not.
 """
 
 import importlib
+import importlib.util
 import types
 
 from .config import CommFuseConfig
@@ -28,9 +29,12 @@ __all__ = ["CommFuseConfig", *_WHERE]
 
 
 def __getattr__(name: str):
-    if name not in _WHERE:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")  # a subpackage, as ``commfuse_dp.ring.<name>``
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
     globals()[name] = value
     return value
 
