@@ -34,9 +34,11 @@ import torch.distributed as dist
 
 _CTX = None
 # Imported once by the fork server, so that each rank starts with them loaded: torch alone is ~2.5 s a process
-# here, the library (which pulls in FSDP2, DTensor and dynamo) 1.6 s more, transformers' model classes ~3 s more.
+# here, the library's engine (its modules named here: they pull in FSDP2, DTensor and dynamo; the package alone
+# loads them on first use) 1.6 s more, transformers' model classes ~3 s more.
 # Nothing here reads the environment at import time that a test's ``env`` would change.
-PRELOAD = ["torch", "torch.distributed", "harness", "hf_models", "commfuse_dp",
+PRELOAD = ["torch", "torch.distributed", "harness", "hf_models", "commfuse_dp", "commfuse_dp.shard",
+           "commfuse_dp.describe", "commfuse_dp.tp", "commfuse_dp.ring",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.bert.modeling_bert"]
 _LOG_TAIL = 4000
