@@ -11,6 +11,7 @@ FSDP2, DTensor and dynamo, which the engine needs and a launcher does not.
 
 import importlib
 import importlib.util
+import sys
 import types
 
 from .config import CommFuseConfig
@@ -54,7 +55,4 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
-import sys  # noqa: E402
-
 sys.modules[__name__].__class__ = _Package
-del sys
